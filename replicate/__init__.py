@@ -1,0 +1,20 @@
+"""replicate: run a TensorFlow Estimator model_fn on every local device.
+
+Wrap a model_fn once with `replicate_model_fn` and its optimizer with
+`TowerOptimizer`; each batch is split across the devices and the result
+equals one device's.
+"""
+
+from replicate._core import replicate_model_fn
+from replicate._devices import VariablePlacement
+from replicate._optimizer import TowerOptimizer
+from replicate._towers import current_tower
+
+__version__ = "0.1.0"
+
+__all__ = (
+    "TowerOptimizer",
+    "VariablePlacement",
+    "current_tower",
+    "replicate_model_fn",
+)

@@ -1,0 +1,89 @@
+"""Loss scaling and gradient summing across towers.
+
+With an averaging loss reduction each tower's loss is weighted by its share
+of the batch, so that the sum over towers of the weighted losses, and of
+their gradients, equals the single-device loss and gradients on the whole
+batch. With SUM the towers' losses are simply added.
+"""
+
+from typing import Any, List, Sequence, Tuple
+
+import tensorflow as tf
+
+_Reduction = tf.compat.v1.losses.Reduction
+
+# Keras' reduction names mapped to tf.compat.v1.losses.Reduction.
+_KERAS_REDUCTIONS = {
+    "sum": _Reduction.SUM,
+    "sum_over_batch_size": _Reduction.SUM_OVER_BATCH_SIZE,
+    "auto": _Reduction.SUM_OVER_BATCH_SIZE,
+}
+
+
+def validate_loss_reduction(loss_reduction) -> str:
+  """Returns the reduction as a `tf.compat.v1.losses.Reduction` value."""
+  value = getattr(loss_reduction, "value", loss_reduction)
+  value = _KERAS_REDUCTIONS.get(value, value)
+  if value == _Reduction.NONE or value == "none":
+    raise ValueError(
+        "loss_reduction=Reduction.NONE is not supported: towers need a scalar "
+        "loss to combine; pass Reduction.SUM, or an averaging reduction such "
+        "as Reduction.SUM_BY_NONZERO_WEIGHTS (the default).")
+  if value not in _Reduction.all():
+    choices = ", ".join(r for r in _Reduction.all() if r != _Reduction.NONE)
+    raise ValueError(
+        f"loss_reduction={loss_reduction!r} is not a loss reduction; pass one "
+        f"of tf.compat.v1.losses.Reduction: {choices}.")
+  return value
+
+
+def scale_loss(loss, loss_reduction: str, fraction, size):
+  """Weights one tower's loss by its share of the batch.
+
+  A tower without examples contributes zero, even where its own loss is NaN
+  (a mean over nothing), and still has zero rather than no gradients.
+  """
+  if loss_reduction == _Reduction.SUM:
+    return loss
+  loss = tf.convert_to_tensor(loss)
+  if isinstance(size, int) and size > 0:
+    return loss * tf.cast(fraction, loss.dtype)
+  weighted = loss * tf.cast(fraction, loss.dtype)
+  return tf.where(size > 0, weighted, tf.zeros_like(weighted))
+
+
+def sum_losses(losses: Sequence[Any]):
+  """Adds the towers' scaled losses."""
+  return tf.add_n([tf.convert_to_tensor(l) for l in losses], name="loss_sum")
+
+
+def _sum_one(grads: Sequence[Any], variable):
+  """Sums one variable's gradients; IndexedSlices stay sparse."""
+  if len(grads) == 1:
+    return grads[0]
+  with tf.device(variable.device):
+    if all(isinstance(g, tf.IndexedSlices) for g in grads):
+      return tf.IndexedSlices(
+          values=tf.concat([g.values for g in grads], axis=0),
+          indices=tf.concat([g.indices for g in grads], axis=0),
+          dense_shape=grads[0].dense_shape)
+    return tf.add_n([tf.convert_to_tensor(g) for g in grads])
+
+
+def sum_gradients(
+    tower_grads_and_vars: Sequence[Sequence[Tuple[Any, tf.Variable]]]
+) -> List[Tuple[Any, tf.Variable]]:
+  """Sums, per variable, the gradients every tower computed.
+
+  `tower_grads_and_vars[i]` is what tower i passed to `apply_gradients`;
+  the towers must list the same variables in the same order. Variables
+  that no tower has a gradient for are left out.
+  """
+  summed = []
+  with tf.name_scope("gradient_sum"):
+    for position, pairs in enumerate(zip(*tower_grads_and_vars)):
+      variable = pairs[0][1]
+      grads = [g for g, _ in pairs if g is not None]
+      if grads:
+        summed.append((_sum_one(grads, variable), variable))
+  return summed

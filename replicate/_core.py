@@ -1,0 +1,198 @@
+"""replicate_model_fn: one model_fn, run as one tower per device.
+
+One call reads top-down: resolve devices, split the inputs on the
+consolidation device, build the towers (the last tower's TowerOptimizer
+applies the summed gradients), check the towers' optimizer calls, merge the
+specs.
+"""
+
+import contextlib
+import copy
+import inspect
+from typing import Any, Callable, Optional, Sequence
+
+import tensorflow as tf
+from absl import logging
+
+from replicate import _aggregate
+from replicate import _devices
+from replicate import _merge
+from replicate import _optimizer
+from replicate import _split
+from replicate import _towers
+
+_ModeKeys = tf.estimator.ModeKeys
+_PLACEHOLDER_OPS = frozenset(["Placeholder", "PlaceholderWithDefault"])
+
+
+def replicate_model_fn(
+    model_fn: Callable[..., tf.estimator.EstimatorSpec],
+    loss_reduction: str = tf.compat.v1.losses.Reduction.SUM_BY_NONZERO_WEIGHTS,
+    devices: Optional[Sequence[str]] = None,
+    variable_placement=_devices.VariablePlacement.SHARED,
+) -> Callable[..., tf.estimator.EstimatorSpec]:
+  """Wraps an Estimator model_fn to run one tower per device.
+
+  Each batch of features and labels is split along dimension 0 across the
+  devices; the model_fn runs once per device with one shared set of
+  variables; the optimizer, wrapped in `replicate.TowerOptimizer`, applies
+  the towers' summed gradients once. Losses, metrics and predictions equal
+  those of one device on the whole batch, and checkpoints are interchangeable
+  with the unwrapped model_fn's.
+
+      est = tf.estimator.Estimator(replicate.replicate_model_fn(model_fn))
+
+  Args:
+    model_fn: an Estimator model_fn taking `features`, `labels`, `mode` and
+      optionally `params` and `config`.
+    loss_reduction: how the model_fn reduces its loss over a batch, a
+      `tf.compat.v1.losses.Reduction` (or Keras reduction name). SUM adds the
+      towers' losses; every averaging reduction weights each tower's loss by
+      its share of the batch. NONE is refused.
+    devices: device names, e.g. ['/device:GPU:0', '/device:GPU:1']; None
+      means every local GPU, or the host CPU when there is none.
+    variable_placement: a `replicate.VariablePlacement` (or its string):
+      SHARED keeps every variable on the consolidation device, ROUND_ROBIN
+      spreads them over the towers' devices.
+
+  Returns:
+    A model_fn `(features, labels, mode, params=None, config=None)`.
+
+  Raises:
+    ValueError: the reduction is NONE or unknown, a device name is bad or
+      repeated, or the placement is unknown.
+  """
+  reduction = _aggregate.validate_loss_reduction(loss_reduction)
+  placement = _devices.as_variable_placement(variable_placement)
+  given = None if devices is None else _devices.resolve_devices(devices)
+  accepted = _accepted_arguments(model_fn)
+
+  def replicated_model_fn(features, labels, mode, params=None, config=None):
+    tower_devices = given or _devices.resolve_devices(None)
+    arguments = _Arguments(accepted, labels is not None, mode, params, config)
+    serving = _fed_by_placeholders(features)
+    if len(tower_devices) == 1:
+      return _run_on_one_device(model_fn, features, labels, arguments,
+                                tower_devices[0], reduction, serving)
+    return _run_towers(model_fn, features, labels, mode, arguments,
+                       tower_devices, reduction, placement, serving)
+
+  replicated_model_fn.__name__ = f"replicated_{getattr(model_fn, '__name__', 'model_fn')}"
+  replicated_model_fn.__doc__ = model_fn.__doc__
+  return replicated_model_fn
+
+
+class _Arguments:
+  """Builds the keyword arguments of one model_fn call."""
+
+  def __init__(self, accepted, has_labels, mode, params, config):
+    if has_labels and "labels" not in accepted:
+      raise ValueError(
+          "The model_fn takes no `labels` argument but the input_fn returned "
+          "labels; add a `labels` argument or return features only.")
+    self._accepted = accepted
+    self._fixed = {"mode": mode, "params": params, "config": config}
+
+  def __call__(self, features, labels):
+    kwargs = {"features": features}
+    if "labels" in self._accepted:
+      kwargs["labels"] = labels
+    for name, value in self._fixed.items():
+      if name in self._accepted:
+        # Copies, so that towers cannot leak state into each other.
+        kwargs[name] = value if name == "mode" else copy.deepcopy(value)
+    return kwargs
+
+
+def _accepted_arguments(model_fn):
+  parameters = inspect.signature(model_fn).parameters.values()
+  if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+    return {"features", "labels", "mode", "params", "config"}
+  return {p.name for p in parameters}
+
+
+def _fed_by_placeholders(features, max_ops: int = 10000) -> bool:
+  """Whether the features are fed through placeholders.
+
+  That is how `export_saved_model` (and any serving graph) gets its inputs.
+  Such a graph is built without pinning devices, so that the SavedModel
+  loads and serves on any machine, a CPU-only one included.
+  """
+  pending = [t.op for t in tf.nest.flatten(features, expand_composites=True)
+             if isinstance(t, tf.Tensor)]
+  seen = set()
+  while pending and len(seen) < max_ops:
+    op = pending.pop()
+    if op.type in _PLACEHOLDER_OPS:
+      return True
+    if op.name not in seen:
+      seen.add(op.name)
+      pending.extend(t.op for t in op.inputs)
+  return False
+
+
+def _on_device(device: Optional[str]):
+  """`tf.device(device)`, or nothing at all for None (not a device reset)."""
+  return tf.device(device) if device else contextlib.nullcontext()
+
+
+def _run_on_one_device(model_fn, features, labels, arguments, device,
+                       reduction, serving):
+  """One device: no splitting, no added ops, the model_fn's own names."""
+  graph = tf.compat.v1.get_default_graph()
+  replication = _towers.Replication(
+      num_towers=1, devices=[device], loss_reduction=reduction,
+      fractions=[1.0], sizes=[None], graph=graph)
+  device = None if serving else device
+  with _towers.replication_scope(replication):
+    replication.tower = _towers.Tower(0, 1, device)
+    with _on_device(device):
+      return model_fn(**arguments(features, labels))
+
+
+def _run_towers(model_fn, features, labels, mode, arguments, devices,
+                reduction, placement, serving):
+  """Several devices: split, build every tower, check, merge."""
+  graph = tf.compat.v1.get_default_graph()
+  hub = None if serving else _devices.consolidation_device(devices)
+  logging.info("replicate: %d towers on %s, variables %s, merging on %s",
+               len(devices), devices, placement.value, hub or "any device")
+  with _on_device(hub), tf.name_scope("split_inputs"):
+    shards = _split.split_batch(features, labels, len(devices))
+  replication = _towers.Replication(
+      num_towers=len(devices), devices=devices, loss_reduction=reduction,
+      fractions=shards.fractions, sizes=shards.sizes, graph=graph)
+  choose = _devices.variable_device_chooser(placement, devices)
+  _optimizer.clear_gather_state(graph)
+  specs = []
+  try:
+    with _towers.replication_scope(replication):
+      keras_names = _towers.KerasNames()
+      for index, device in enumerate(devices):
+        device_function = (None if serving else
+                           _devices.tower_device_function(device, choose))
+        with _towers.tower_scope(replication, index, device_function,
+                                 None if serving else device, keras_names):
+          specs.append(model_fn(**arguments(shards.features[index],
+                                            shards.labels[index])))
+  finally:
+    calls = _optimizer.clear_gather_state(graph)
+  if mode == _ModeKeys.TRAIN:
+    _check_optimizer_calls(calls, len(devices))
+  return _merge.merge_specs(mode, specs, replication, hub)
+
+
+def _check_optimizer_calls(calls, num_towers):
+  """Every tower must have made the same TowerOptimizer calls."""
+  counts = [len(calls[i]) if i < len(calls) else 0 for i in range(num_towers)]
+  if not any(counts):
+    raise ValueError(
+        f"The model_fn was replicated over {num_towers} towers but never "
+        "called TowerOptimizer.apply_gradients; wrap the optimizer in "
+        "replicate.TowerOptimizer so that the towers' gradients are summed "
+        "and applied once.")
+  if len(set(counts)) > 1:
+    raise ValueError(
+        f"The towers made different numbers of TowerOptimizer calls "
+        f"({counts}, per tower); every tower must make the same optimizer "
+        "calls in the same order.")

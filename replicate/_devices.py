@@ -1,0 +1,149 @@
+"""Device discovery, validation and placement for towers.
+
+This is the only module that knows about devices: which ones to use, where
+inputs are split and results merged (the consolidation device), and the
+device function each tower builds under.
+"""
+
+import enum
+import itertools
+from typing import Callable, List, Optional, Sequence
+
+import tensorflow as tf
+from absl import logging
+
+_HOST_CPU = "/device:CPU:0"
+
+# Ops that hold state and so must live where the variable lives.
+_STATEFUL_VARIABLE_OPS = frozenset([
+    "Variable",
+    "VariableV2",
+    "AutoReloadVariable",
+    "VarHandleOp",
+    "MutableHashTable",
+    "MutableHashTableV2",
+    "MutableHashTableOfTensors",
+    "MutableHashTableOfTensorsV2",
+    "MutableDenseHashTable",
+    "MutableDenseHashTableV2",
+])
+
+
+class VariablePlacement(str, enum.Enum):
+  """Where the one shared set of variables lives.
+
+  SHARED puts every variable on the consolidation device (the single GPU,
+  else the host CPU). ROUND_ROBIN spreads them over the tower devices, one
+  variable after another.
+  """
+  SHARED = "shared"
+  ROUND_ROBIN = "round_robin"
+
+
+def as_variable_placement(value) -> VariablePlacement:
+  """Accepts a VariablePlacement or its string value."""
+  try:
+    return VariablePlacement(value)
+  except ValueError:
+    choices = ", ".join(repr(p.value) for p in VariablePlacement)
+    raise ValueError(
+        f"variable_placement {value!r} is not supported; pass one of "
+        f"replicate.VariablePlacement or the strings {choices}.") from None
+
+
+def local_devices() -> List[str]:
+  """Every local GPU, or the host CPU when there is none."""
+  gpus = [d.name for d in tf.config.list_logical_devices("GPU")]
+  devices = [canonical_device(d) for d in gpus] or [_HOST_CPU]
+  logging.info("replicate: no devices given, using local devices %s", devices)
+  return devices
+
+
+def canonical_device(device: str) -> str:
+  """Returns `device` in TensorFlow's full form, e.g. '/device:GPU:1'."""
+  if not isinstance(device, str) or not device.strip():
+    raise ValueError(
+        f"Device {device!r} is not a device name; pass strings such as "
+        "'/device:GPU:0' or '/cpu:1'.")
+  try:
+    spec = tf.DeviceSpec.from_string(device.strip())
+  except (ValueError, TypeError) as e:
+    raise ValueError(
+        f"Device {device!r} is not a valid device name ({e}); pass strings "
+        "such as '/device:GPU:0' or '/cpu:1'.") from None
+  if spec.device_type is None or spec.device_index is None:
+    raise ValueError(
+        f"Device {device!r} does not name one device: it needs a type and an "
+        "index, e.g. '/device:GPU:0'.")
+  return spec.to_string()
+
+
+def resolve_devices(devices: Optional[Sequence[str]]) -> List[str]:
+  """Validates and canonicalises `devices`; None means every local GPU."""
+  if devices is None:
+    return local_devices()
+  if isinstance(devices, (str, bytes)) or not hasattr(devices, "__iter__"):
+    raise ValueError(
+        f"devices={devices!r} must be a list of device names, e.g. "
+        "['/device:GPU:0', '/device:GPU:1'], or None for every local GPU.")
+  devices = list(devices)
+  if not devices:
+    raise ValueError(
+        "devices=[] names no device; pass at least one device name, or None "
+        "for every local GPU.")
+  resolved = []
+  for device in devices:
+    canonical = canonical_device(device)
+    if canonical in resolved:
+      raise ValueError(
+          f"Device {device!r} is listed twice in devices={devices!r} (as "
+          f"{canonical!r}); list each device once.")
+    resolved.append(canonical)
+  return resolved
+
+
+def consolidation_device(devices: Sequence[str]) -> str:
+  """Where inputs are split and results merged.
+
+  The single GPU when all towers share it, otherwise the host CPU of the
+  towers' machine (so that no GPU becomes the hub of every transfer).
+  """
+  if len(devices) == 1:
+    return devices[0]
+  host = tf.DeviceSpec.from_string(devices[0]).replace(
+      device_type="CPU", device_index=0)
+  return host.to_string()
+
+
+def variable_device_chooser(
+    placement: VariablePlacement, devices: Sequence[str]
+) -> Callable[[tf.Operation], str]:
+  """Returns a function that picks the device of each new variable op."""
+  if placement is VariablePlacement.SHARED:
+    device = consolidation_device(devices)
+    return lambda op: device
+  cycle = itertools.cycle(devices)
+  return lambda op: next(cycle)
+
+
+def tower_device_function(
+    tower_device: str,
+    choose_variable_device: Callable[[tf.Operation], str],
+) -> Callable[[tf.Operation], str]:
+  """Device function for one tower.
+
+  Variable ops go where `choose_variable_device` says, every other op to the
+  tower's device. A device the user set on an op (with an inner
+  `tf.device`) takes precedence field by field, as `tf.device` nests.
+  """
+  tower_spec = tf.DeviceSpec.from_string(tower_device)
+
+  def device_function(op):
+    user_spec = tf.DeviceSpec.from_string(op.device or "")
+    if op.type in _STATEFUL_VARIABLE_OPS:
+      base = tf.DeviceSpec.from_string(choose_variable_device(op))
+    else:
+      base = tower_spec
+    return base.make_merged_spec(user_spec).to_string()
+
+  return device_function

@@ -1,0 +1,228 @@
+"""Building the towers: one call of the user's model_fn per device.
+
+Each tower builds under its own name scope (none for tower 0, `tower_i/`
+after), its own device function, and a variable creator that hands later
+towers the variables tower 0 created, so that one set of model variables is
+shared whatever API created them (get_variable, tf.compat.v1.layers or Keras
+layers, which ignore variable-scope reuse).
+"""
+
+import collections
+import contextlib
+import dataclasses
+import threading
+from typing import Any, Callable, Dict, List, NamedTuple, Optional
+
+import tensorflow as tf
+from absl import logging
+
+
+class Tower(NamedTuple):
+  """Where a model_fn call stands: returned by `replicate.current_tower()`.
+
+  Attributes:
+    index: the tower's position, 0 to `num_towers - 1`.
+    num_towers: how many towers the batch is split over.
+    device: the tower's device string, e.g. '/device:GPU:1'; None where the
+      graph is built for serving and pins no device.
+  """
+  index: int
+  num_towers: int
+  device: Optional[str]
+
+
+@dataclasses.dataclass
+class Replication:
+  """One call of a replicated model_fn: what every tower needs to know."""
+  num_towers: int
+  devices: List[str]
+  loss_reduction: str
+  fractions: List[Any]          # each tower's share of the batch
+  sizes: List[Any]              # each tower's number of examples
+  graph: tf.Graph
+  root_name_scope: str = ""
+  root_variable_scope: Any = None
+  tower: Optional[Tower] = None
+  # Per tower: variable creation key -> variable, and variable -> key.
+  created: List[Dict[Any, tf.Variable]] = dataclasses.field(default_factory=list)
+  keys: List[Dict[Any, Any]] = dataclasses.field(default_factory=list)
+  # True while the last tower applies gradients under tower 0's scopes.
+  in_root_scope: bool = False
+
+  @property
+  def is_last_tower(self) -> bool:
+    return self.tower.index == self.num_towers - 1
+
+  def fraction(self, index: Optional[int] = None):
+    return self.fractions[self.tower.index if index is None else index]
+
+  def size(self, index: Optional[int] = None):
+    return self.sizes[self.tower.index if index is None else index]
+
+  @contextlib.contextmanager
+  def root_scope(self):
+    """Enters tower 0's name and variable scopes (for the gradient apply)."""
+    self.in_root_scope = True
+    try:
+      with tf.compat.v1.variable_scope(self.root_variable_scope), \
+          _absolute_name_scope(self.graph, self.root_name_scope):
+        yield
+    finally:
+      self.in_root_scope = False
+
+
+def _absolute_name_scope(graph: tf.Graph, scope: str):
+  """Enters name scope `scope` exactly ('' is the top level)."""
+  return graph.name_scope(scope + "/" if scope else None)
+
+
+_local = threading.local()
+
+
+def current_replication() -> Optional[Replication]:
+  """The replication being built on this thread, if any."""
+  stack = getattr(_local, "stack", None)
+  if not stack:
+    return None
+  replication = stack[-1]
+  if replication.graph is not tf.compat.v1.get_default_graph():
+    return None
+  return replication
+
+
+def current_tower() -> Optional[Tower]:
+  """The tower being built, inside a replicated model_fn; None outside one.
+
+  A model_fn can use it to do some work in one tower only, e.g. write
+  summaries where `replicate.current_tower().index == 0`.
+
+  Returns:
+    A `Tower` with `index`, `num_towers` and `device`, or None.
+  """
+  replication = current_replication()
+  return replication.tower if replication is not None else None
+
+
+@contextlib.contextmanager
+def replication_scope(replication: Replication):
+  """Makes `replication` current for the duration of the model_fn calls."""
+  if current_replication() is not None:
+    raise ValueError(
+        "replicate_model_fn was called inside another replicated model_fn; "
+        "wrap a model_fn once, not a model_fn that is already replicated.")
+  replication.root_name_scope = replication.graph.get_name_scope()
+  replication.root_variable_scope = tf.compat.v1.get_variable_scope()
+  stack = _local.__dict__.setdefault("stack", [])
+  stack.append(replication)
+  try:
+    yield replication
+  finally:
+    stack.pop()
+
+
+class KerasNames:
+  """Keras's per-graph layer-name counters, restored before every tower.
+
+  Keras names layers `dense`, `dense_1`, ... by a per-graph counter; without
+  the restore tower 1's first Dense would be `dense_2` where tower 0's was
+  `dense`, and no name would line up across towers.
+  """
+
+  def __init__(self):
+    try:
+      from keras.src import backend  # pylint: disable=g-import-not-at-top
+    except ImportError:  # Keras moved or is absent: nothing to restore.
+      backend = None
+    self._backend = backend
+    if backend is not None:
+      self._uids = dict(backend.get_default_graph_uid_map())
+      self._observed = set(backend.OBSERVED_NAMES)
+
+  def restore(self):
+    if self._backend is None:
+      return
+    uids = self._backend.get_default_graph_uid_map()
+    uids.clear()
+    uids.update(self._uids)
+    self._backend.OBSERVED_NAMES.clear()
+    self._backend.OBSERVED_NAMES.update(self._observed)
+
+
+def _is_model_state(kwargs) -> bool:
+  """Whether a variable being created would be saved in checkpoints."""
+  collections_ = kwargs.get("collections")
+  if collections_ is None:
+    return True
+  return tf.compat.v1.GraphKeys.GLOBAL_VARIABLES in collections_
+
+
+def _variable_creator(replication: Replication, index: int, name_root: str):
+  """Returns a creator giving towers after the first tower 0's variables.
+
+  Variables are matched by the name they are asked for (relative to the
+  tower's root scope) and how many times that name was asked for before,
+  so TensorFlow's own uniquifying of names cannot pair the wrong ones.
+  Only checkpointed (global) variables are shared: metric and other local
+  variables stay per tower.
+  """
+  counts = collections.Counter()
+  created, keys = replication.created[index], replication.keys[index]
+  global_refs = None
+
+  def creator(next_creator, **kwargs):
+    nonlocal global_refs
+    if replication.in_root_scope:
+      return next_creator(**kwargs)
+    scope = tf.compat.v1.get_default_graph().get_name_scope()
+    name = kwargs.get("name") or "Variable"
+    full = f"{scope}/{name}" if scope else name
+    relative = full[len(name_root):] if full.startswith(name_root) else full
+    counts[relative] += 1
+    key = (relative, counts[relative])
+    if index > 0:
+      original = replication.created[0].get(key)
+      if global_refs is None:
+        global_refs = {v.ref() for v in tf.compat.v1.global_variables()}
+      if original is not None and original.ref() in global_refs:
+        return original
+      if _is_model_state(kwargs):
+        raise ValueError(
+            f"Tower {index} creates variable {full!r} that tower 0 did not "
+            f"create (tower 0 created {len(replication.created[0])} "
+            "variables); every tower must build the same model, so make the "
+            "model_fn create the same variables in every call.")
+    variable = next_creator(**kwargs)
+    created[key] = variable
+    keys[variable.ref()] = key
+    return variable
+
+  return creator
+
+
+@contextlib.contextmanager
+def tower_scope(replication: Replication, index: int,
+                device_function: Optional[Callable[[tf.Operation], str]],
+                device: Optional[str], keras_names: "KerasNames"):
+  """Builds tower `index`: its name scope, reuse, devices and variables."""
+  replication.created.append({})
+  replication.keys.append({})
+  replication.tower = Tower(index, replication.num_towers, device)
+  keras_names.restore()
+  with contextlib.ExitStack() as stack:
+    graph = replication.graph
+    if index > 0:
+      stack.enter_context(tf.compat.v1.variable_scope(
+          replication.root_variable_scope, reuse=True))
+      stack.enter_context(
+          _absolute_name_scope(graph, replication.root_name_scope))
+      name_root = stack.enter_context(graph.name_scope(f"tower_{index}"))
+    else:
+      name_root = (replication.root_name_scope + "/"
+                   if replication.root_name_scope else "")
+    if device_function is not None:
+      stack.enter_context(tf.compat.v1.device(device_function))
+    stack.enter_context(tf.compat.v1.variable_creator_scope(
+        _variable_creator(replication, index, name_root)))
+    logging.info("replicate: building tower %d of %d on %s", index,
+                 replication.num_towers, device or "no pinned device")
+    yield replication.tower
