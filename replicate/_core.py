@@ -70,7 +70,7 @@ def replicate_model_fn(
   def replicated_model_fn(features, labels, mode, params=None, config=None):
     tower_devices = given or _devices.resolve_devices(None)
     arguments = _Arguments(accepted, labels is not None, mode, params, config)
-    serving = _fed_by_placeholders(features)
+    serving = mode == _ModeKeys.PREDICT and _fed_by_placeholders(features)
     if len(tower_devices) == 1:
       return _run_on_one_device(model_fn, features, labels, arguments,
                                 tower_devices[0], reduction, serving)
