@@ -1,0 +1,104 @@
+"""Benchmark workloads: synthetic data, input_fns and model_fns.
+
+Every variant trains the same model on the same examples: weights come from
+seeded initializers (named per layer, so they do not depend on graph op
+order), the data from a seeded NumPy generator, and the optimizer is wrapped
+in `replicate.TowerOptimizer` (a pass-through outside replication).
+"""
+
+from typing import Callable, Dict, Tuple
+
+import numpy as np
+import tensorflow as tf
+
+import replicate
+
+NUM_CLASSES = 10
+IMAGE_SHAPE = (28, 28, 1)
+NUM_INPUTS = 28 * 28
+WORKLOADS = ("mlp", "cnn")
+
+Arrays = Tuple[np.ndarray, np.ndarray]
+
+
+def synthetic_data(num_examples: int, seed: int) -> Arrays:
+  """Features [n, 784] float32 and labels [n] int32 from a random teacher.
+
+  The labels are a fixed linear function of the features, so the loss
+  falls during training and the final losses of the variants compare.
+  """
+  rng = np.random.RandomState(seed)
+  x = rng.randn(num_examples, NUM_INPUTS).astype(np.float32)
+  teacher = rng.randn(NUM_INPUTS, NUM_CLASSES).astype(np.float32)
+  y = np.argmax(x @ teacher, axis=1).astype(np.int32)
+  return x, y
+
+
+def input_fn(data: Arrays, batch_size: int) -> Callable[[], tf.data.Dataset]:
+  """An Estimator input_fn over `data`, in order, repeating.
+
+  `batch_size` is the size of one dataset element: the global batch for the
+  plain and replicate variants, global / N for MirroredStrategy, whose
+  replicas each pull their own element (N consecutive elements are one
+  global batch, so every variant sees the same examples per step).
+  """
+  x, y = data
+
+  def fn():
+    dataset = tf.data.Dataset.from_tensor_slices(({"x": x}, y))
+    dataset = dataset.repeat().batch(batch_size, drop_remainder=True)
+    return dataset.prefetch(2)
+
+  return fn
+
+
+def _initializer(seed: int):
+  return tf.compat.v1.glorot_uniform_initializer(seed=seed)
+
+
+def _dense(x, units: int, name: str, seed: int, activation=None):
+  return tf.compat.v1.layers.dense(
+      x, units, activation=activation, name=name,
+      kernel_initializer=_initializer(seed))
+
+
+def mlp_logits(x: tf.Tensor) -> tf.Tensor:
+  """784-512-512-10 with ReLU."""
+  h = _dense(x, 512, "hidden1", 1, tf.nn.relu)
+  h = _dense(h, 512, "hidden2", 2, tf.nn.relu)
+  return _dense(h, NUM_CLASSES, "logits", 3)
+
+
+def _conv(x, filters: int, name: str, seed: int):
+  return tf.compat.v1.layers.conv2d(
+      x, filters, 3, padding="same", activation=tf.nn.relu, name=name,
+      kernel_initializer=_initializer(seed))
+
+
+def cnn_logits(x: tf.Tensor) -> tf.Tensor:
+  """conv3x3(16)-pool-conv3x3(32)-pool-dense(64)-dense(10) on 28x28x1."""
+  h = tf.reshape(x, (-1,) + IMAGE_SHAPE)
+  h = _conv(h, 16, "conv1", 1)
+  h = tf.compat.v1.layers.max_pooling2d(h, 2, 2, name="pool1")
+  h = _conv(h, 32, "conv2", 2)
+  h = tf.compat.v1.layers.max_pooling2d(h, 2, 2, name="pool2")
+  h = tf.compat.v1.layers.flatten(h, name="flatten")
+  h = _dense(h, 64, "dense", 3, tf.nn.relu)
+  return _dense(h, NUM_CLASSES, "logits", 4)
+
+
+_LOGITS = {"mlp": mlp_logits, "cnn": cnn_logits}
+
+
+def model_fn(features: Dict[str, tf.Tensor], labels: tf.Tensor, mode: str,
+             params: Dict) -> tf.estimator.EstimatorSpec:
+  """Softmax classifier; params: 'workload', 'learning_rate', 'momentum'."""
+  logits = _LOGITS[params["workload"]](features["x"])
+  if mode == tf.estimator.ModeKeys.PREDICT:
+    return tf.estimator.EstimatorSpec(mode, predictions={"logits": logits})
+  # Default reduction SUM_BY_NONZERO_WEIGHTS, replicate's default too.
+  loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
+  optimizer = replicate.TowerOptimizer(tf.compat.v1.train.MomentumOptimizer(
+      params["learning_rate"], params["momentum"]))
+  train_op = optimizer.minimize(loss, tf.compat.v1.train.get_global_step())
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)

@@ -1,0 +1,340 @@
+"""Trains a digit classifier on every local device with replicate.
+
+The handwritten-digits data set bundled with scikit-learn (1797 8x8 images,
+no download) is split 80/20 into train and test; a small MLP or CNN is
+trained with `tf.estimator.Estimator`, its model_fn wrapped once in
+`replicate.replicate_model_fn` and its optimizer in
+`replicate.TowerOptimizer`. Every batch is split across the towers and the
+towers' summed gradients are applied once, so the result is that of one
+device on the whole batch.
+
+With GPUs, every local GPU is a tower. Without one, the host CPU is split
+into `--towers` virtual CPU devices (4 by default), so the multi-device code
+path runs on any machine.
+
+Run it:
+
+    python examples/digits.py                       # defaults: MLP, 300 steps
+    python examples/digits.py --model=cnn --towers=2 --steps=500
+    python examples/digits.py --export_dir=/tmp/digits_export
+
+It prints the loss every `--log_every` steps, then the test accuracy, the
+training throughput in examples/sec and a few test predictions.
+"""
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import tempfile  # pylint: disable=g-import-not-at-top,g-bad-import-order
+import time
+from typing import Any, Dict, List, Optional, Tuple
+
+from absl import app
+from absl import flags
+import numpy as np
+from sklearn import datasets
+import tensorflow as tf
+
+import replicate
+
+FLAGS = flags.FLAGS
+flags.DEFINE_integer(
+    "towers", None,
+    "Number of towers. Default: every local GPU, or 4 virtual CPU devices "
+    "when there is no GPU.")
+flags.DEFINE_integer("steps", 300, "Training steps (global batches).")
+flags.DEFINE_integer("batch_size", 128,
+                     "Global batch size, split across the towers.")
+flags.DEFINE_enum("model", "mlp", ["mlp", "cnn"], "Model to train.")
+flags.DEFINE_string("model_dir", None,
+                    "Checkpoint directory. Default: a fresh temporary one.")
+flags.DEFINE_float("learning_rate", 0.01, "Adam learning rate.")
+flags.DEFINE_integer("log_every", 50, "Print the loss every this many steps.")
+flags.DEFINE_string("export_dir", None,
+                    "If set, export a SavedModel for serving under this "
+                    "directory after training.")
+
+NUM_CLASSES = 10
+IMAGE_SIZE = 8
+TEST_FRACTION = 0.2
+DEFAULT_CPU_TOWERS = 4
+
+Arrays = Tuple[np.ndarray, np.ndarray]
+
+
+def load_digits() -> Tuple[Arrays, Arrays]:
+  """Loads the digits, scaled to [0, 1], split into train and test.
+
+  Returns:
+    `((train_images, train_labels), (test_images, test_labels))`: images
+    float32 of shape [n, 8, 8], labels int32 of shape [n]. The last 20% of
+    the data set is the test set.
+  """
+  digits = datasets.load_digits()
+  images = (digits.images / 16.0).astype(np.float32)
+  labels = digits.target.astype(np.int32)
+  num_train = int(round(len(images) * (1 - TEST_FRACTION)))
+  return ((images[:num_train], labels[:num_train]),
+          (images[num_train:], labels[num_train:]))
+
+
+def train_input_fn(images: np.ndarray, labels: np.ndarray, batch_size: int):
+  """Shuffled, repeated training batches of `{'image': ...}` and labels."""
+  dataset = tf.data.Dataset.from_tensor_slices(({"image": images}, labels))
+  dataset = dataset.shuffle(len(images), seed=0).repeat()
+  return dataset.batch(batch_size, drop_remainder=True).prefetch(2)
+
+
+def eval_input_fn(images: np.ndarray, labels: Optional[np.ndarray],
+                  batch_size: int):
+  """One pass over the data in order.
+
+  The last batch is usually smaller and need not divide by the number of
+  towers: replicate splits it into shards that differ by at most one.
+  """
+  features = {"image": images}
+  data = features if labels is None else (features, labels)
+  return tf.data.Dataset.from_tensor_slices(data).batch(batch_size)
+
+
+def build_logits(images: tf.Tensor, model: str, training: bool) -> tf.Tensor:
+  """The network: images [batch, 8, 8] to logits [batch, 10].
+
+  Keras layers are used on purpose: they ignore variable-scope reuse, and
+  replicate still gives every tower the same, single set of weights.
+  """
+  if model == "cnn":
+    x = tf.reshape(images, [-1, IMAGE_SIZE, IMAGE_SIZE, 1])
+    x = tf.keras.layers.Conv2D(32, 3, padding="same", activation="relu")(x)
+    x = tf.keras.layers.Conv2D(32, 3, padding="same", activation="relu")(x)
+    x = tf.keras.layers.MaxPool2D(2)(x)
+    x = tf.keras.layers.Flatten()(x)
+  else:
+    x = tf.reshape(images, [-1, IMAGE_SIZE * IMAGE_SIZE])
+  x = tf.keras.layers.Dense(128, activation="relu")(x)
+  x = tf.keras.layers.Dropout(0.2)(x, training=training)
+  return tf.keras.layers.Dense(NUM_CLASSES)(x)
+
+
+def model_fn(features: Dict[str, tf.Tensor], labels: Optional[tf.Tensor],
+             mode: str, params: Dict[str, Any]) -> tf.estimator.EstimatorSpec:
+  """An ordinary Estimator model_fn; nothing in it knows about towers.
+
+  Args:
+    features: `{'image': float32 [batch, 8, 8]}`.
+    labels: int32 [batch] digit labels, or None in PREDICT mode.
+    mode: a `tf.estimator.ModeKeys`.
+    params: `{'model': 'mlp' or 'cnn', 'learning_rate': float}`.
+
+  Returns:
+    The EstimatorSpec for `mode`.
+  """
+  training = mode == tf.estimator.ModeKeys.TRAIN
+  logits = build_logits(features["image"], params["model"], training)
+  probabilities = tf.nn.softmax(logits)
+  classes = tf.argmax(logits, axis=1, output_type=tf.int32)
+  predictions = {"classes": classes, "probabilities": probabilities}
+
+  if mode == tf.estimator.ModeKeys.PREDICT:
+    return tf.estimator.EstimatorSpec(
+        mode, predictions=predictions,
+        export_outputs={"serving_default":
+                        tf.estimator.export.PredictOutput(predictions)})
+
+  loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
+  if mode == tf.estimator.ModeKeys.EVAL:
+    metrics = {"accuracy": tf.compat.v1.metrics.accuracy(labels, classes)}
+    return tf.estimator.EstimatorSpec(mode, loss=loss,
+                                      eval_metric_ops=metrics)
+
+  optimizer = replicate.TowerOptimizer(
+      tf.compat.v1.train.AdamOptimizer(params["learning_rate"]))
+  train_op = optimizer.minimize(
+      loss, global_step=tf.compat.v1.train.get_global_step())
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+class ProgressHook(tf.estimator.SessionRunHook):
+  """Prints the loss every `every` steps and measures training throughput.
+
+  Timing starts after the first step, so graph building, session creation
+  and the first step's one-time set-up are left out; it stops after the last
+  step.
+
+  Args:
+    loss: the loss tensor to print: the merged loss over all towers.
+    every: print every this many steps (and on the first and last step).
+    batch_size: examples per step, for the throughput.
+    last_step: the global step training stops at.
+  """
+
+  def __init__(self, loss: tf.Tensor, every: int, batch_size: int,
+               last_step: int):
+    self._loss = loss
+    self._every = max(1, every)
+    self._batch_size = batch_size
+    self._last_step = last_step
+    self._step = 0
+    self._start: Optional[float] = None
+    self._end: Optional[float] = None
+    self._timed_steps = 0
+
+  def after_create_session(self, session, coord):
+    self._step = int(session.run(tf.compat.v1.train.get_global_step()))
+
+  def before_run(self, run_context):
+    # The loss is computed by the training step anyway: no extra work.
+    return tf.estimator.SessionRunArgs(self._loss)
+
+  def after_run(self, run_context, run_values):
+    now = time.perf_counter()
+    if self._start is None:
+      self._start = now
+    else:
+      self._timed_steps += 1
+      self._end = now
+    self._step += 1
+    if (self._step % self._every == 0 or self._timed_steps == 0 or
+        self._step == self._last_step):
+      print(f"step {self._step:5d}  loss {float(run_values.results):.4f}",
+            flush=True)
+
+  @property
+  def examples_per_sec(self) -> float:
+    """Training examples per second over the timed steps (0 if none)."""
+    if not self._timed_steps or self._end <= self._start:
+      return 0.0
+    return self._timed_steps * self._batch_size / (self._end - self._start)
+
+
+def with_training_hooks(model_fn, make_hooks):
+  """Adds hooks, built on the merged TRAIN spec, to a (replicated) model_fn.
+
+  A hook passed to `Estimator.train(hooks=...)` cannot see the model's loss
+  tensor; one returned in the spec can. Adding it here, outside
+  `replicate_model_fn`, gives it the loss summed over every tower rather
+  than one tower's share.
+
+  Args:
+    model_fn: a model_fn with the full Estimator signature.
+    make_hooks: called with the merged TRAIN `EstimatorSpec`, returns a list
+      of `SessionRunHook`s.
+
+  Returns:
+    A model_fn with the same signature.
+  """
+
+  def model_fn_with_hooks(features, labels, mode, params, config):
+    spec = model_fn(features, labels, mode, params, config)
+    if mode == tf.estimator.ModeKeys.TRAIN:
+      hooks = list(spec.training_hooks) + list(make_hooks(spec))
+      spec = spec._replace(training_hooks=tuple(hooks))
+    return spec
+
+  return model_fn_with_hooks
+
+
+def configure_devices(towers: Optional[int]) -> Tuple[Optional[List[str]],
+                                                       Optional[
+                                                           tf.compat.v1.ConfigProto]]:
+  """Picks the tower devices; without a GPU, creates virtual CPU devices.
+
+  Must run before anything initialises TensorFlow's devices: the virtual CPU
+  devices cannot be added afterwards.
+
+  Args:
+    towers: the number of towers, or None for the default (every GPU, or
+      `DEFAULT_CPU_TOWERS` virtual CPUs).
+
+  Returns:
+    `(devices, session_config)`: `devices` for `replicate_model_fn` (None:
+    every local GPU) and the session config the Estimator must use (None:
+    TensorFlow's default).
+
+  Raises:
+    ValueError: `towers` is not positive, or more than the GPUs there are.
+  """
+  if towers is not None and towers < 1:
+    raise ValueError(f"--towers={towers}: need at least one tower.")
+  gpus = tf.config.list_physical_devices("GPU")
+  if gpus:
+    if towers is None or towers == len(gpus):
+      return None, None
+    if towers > len(gpus):
+      raise ValueError(f"--towers={towers} but there are only {len(gpus)} "
+                       "GPUs; pass at most that many.")
+    return [f"/device:GPU:{i}" for i in range(towers)], None
+  towers = towers or DEFAULT_CPU_TOWERS
+  cpu = tf.config.list_physical_devices("CPU")[0]
+  tf.config.set_logical_device_configuration(
+      cpu, [tf.config.LogicalDeviceConfiguration()] * towers)
+  session_config = tf.compat.v1.ConfigProto(
+      device_count={"CPU": towers}, allow_soft_placement=True)
+  return [f"/device:CPU:{i}" for i in range(towers)], session_config
+
+
+def main(argv: List[str]) -> None:
+  del argv  # Unused.
+  tf.compat.v1.logging.set_verbosity(tf.compat.v1.logging.ERROR)
+  devices, session_config = configure_devices(FLAGS.towers)
+  if devices is None:
+    shown = [d.name for d in tf.config.list_logical_devices("GPU")]
+  else:
+    shown = devices
+  print(f"replicate {replicate.__version__}: {FLAGS.model} on "
+        f"{len(shown)} towers {shown}", flush=True)
+
+  (train_x, train_y), (test_x, test_y) = load_digits()
+  print(f"digits: {len(train_x)} train, {len(test_x)} test images; batch "
+        f"{FLAGS.batch_size}, {FLAGS.steps} steps", flush=True)
+
+  model_dir = FLAGS.model_dir or tempfile.mkdtemp(prefix="digits_")
+  progress = []
+
+  def make_hooks(spec):
+    hook = ProgressHook(spec.loss, FLAGS.log_every, FLAGS.batch_size,
+                        FLAGS.steps)
+    progress.append(hook)
+    return [hook]
+
+  estimator = tf.estimator.Estimator(
+      model_fn=with_training_hooks(
+          replicate.replicate_model_fn(model_fn, devices=devices),
+          make_hooks),
+      model_dir=model_dir,
+      params={"model": FLAGS.model, "learning_rate": FLAGS.learning_rate},
+      config=tf.estimator.RunConfig(session_config=session_config,
+                                    tf_random_seed=0))
+
+  estimator.train(
+      lambda: train_input_fn(train_x, train_y, FLAGS.batch_size),
+      steps=FLAGS.steps)
+  # Only this call's steps count: progress[-1] is the hook of this train().
+  examples_per_sec = progress[-1].examples_per_sec
+
+  results = estimator.evaluate(
+      lambda: eval_input_fn(test_x, test_y, FLAGS.batch_size))
+  print(f"test loss: {results['loss']:.4f} (global step "
+        f"{results['global_step']})")
+  print(f"test accuracy: {results['accuracy']:.4f}")
+  print(f"training examples/sec: {examples_per_sec:.1f}")
+
+  shown = 10
+  predicted = [p["classes"] for p in estimator.predict(
+      lambda: eval_input_fn(test_x[:shown], None, FLAGS.batch_size))]
+  print(f"first {shown} test labels:      {test_y[:shown].tolist()}")
+  print(f"first {shown} test predictions: {[int(c) for c in predicted]}")
+
+  if FLAGS.export_dir:
+    serving_input_fn = (
+        tf.estimator.export.build_raw_serving_input_receiver_fn(
+            {"image": tf.compat.v1.placeholder(
+                tf.float32, [None, IMAGE_SIZE, IMAGE_SIZE], name="image")}))
+    path = estimator.export_saved_model(FLAGS.export_dir, serving_input_fn)
+    print(f"exported SavedModel: {path.decode()}")
+  print(f"checkpoints: {model_dir}")
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,138 @@
+"""Where variables and ops land, and what they are called."""
+
+from absl.testing import parameterized
+import tensorflow as tf
+
+import replicate
+from tests import harness
+from tests import models
+
+TRAIN = tf.estimator.ModeKeys.TRAIN
+GPUS = ["/device:GPU:0", "/device:GPU:1", "/device:GPU:2", "/device:GPU:3"]
+
+
+def _build(model_fn, tower_devices=None, placement="shared", params=None,
+           mode=TRAIN, batch=8):
+  graph = tf.Graph()
+  with graph.as_default():
+    tf.compat.v1.train.create_global_step()
+    features, labels = models.data(batch)
+    features = {"x": tf.constant(features["x"])}
+    labels = tf.constant(labels)
+    graph.ops_before_model_fn = len(graph.get_operations())
+    spec = harness.wrap(model_fn, tower_devices, placement=placement)(
+        features, labels, mode, params or {})
+  return graph, spec
+
+
+def _trainable(graph):
+  return {v.op.name: v for v in graph.get_collection(
+      tf.compat.v1.GraphKeys.TRAINABLE_VARIABLES)}
+
+
+class PlacementTest(parameterized.TestCase):
+
+  def test_shared_puts_every_variable_on_the_host_and_ops_on_towers(self):
+    graph, _ = _build(models.classifier_model_fn, GPUS)
+    for variable in graph.get_collection(
+        tf.compat.v1.GraphKeys.GLOBAL_VARIABLES):
+      if variable.op.name != "global_step":
+        self.assertEqual(variable.device, "/device:CPU:0", variable.op.name)
+    for index in range(4):
+      prefix = f"tower_{index}/" if index else ""
+      matmul = graph.get_operation_by_name(prefix + "hidden/MatMul")
+      self.assertEqual(matmul.device, GPUS[index])
+      gradient = graph.get_operation_by_name(
+          f"{prefix}gradients/{prefix}hidden/MatMul_grad/MatMul")
+      self.assertEqual(gradient.device, GPUS[index])
+
+  def test_single_gpu_is_the_consolidation_device(self):
+    graph, _ = _build(models.classifier_model_fn, GPUS[:1])
+    for variable in _trainable(graph).values():
+      self.assertEqual(variable.device, "/device:GPU:0")
+
+  def test_round_robin_spreads_variables_one_after_another(self):
+    graph, _ = _build(models.classifier_model_fn, GPUS, "round_robin")
+    devices = [v.device for v in graph.get_collection(
+        tf.compat.v1.GraphKeys.TRAINABLE_VARIABLES)]
+    self.assertEqual(devices, GPUS)  # hidden/kernel, bias, logits/kernel, bias
+    slot = graph.get_operation_by_name("logits/kernel/Adagrad")
+    self.assertEqual(slot.device, GPUS[2])  # slots live with their variable
+
+  def test_explicit_device_in_the_model_fn_is_kept(self):
+    def model_fn(features, labels, mode):
+      with tf.device("/device:CPU:0"):
+        pinned = tf.identity(features["x"], name="pinned")
+      logits = tf.compat.v1.layers.dense(pinned, 3, name="logits")
+      loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
+      opt = replicate.TowerOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1))
+      return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=opt.minimize(loss))
+    graph, _ = _build(model_fn, GPUS[:2])
+    self.assertEqual(graph.get_operation_by_name("tower_1/pinned").device,
+                     "/device:CPU:0")
+    self.assertEqual(graph.get_operation_by_name("tower_1/logits/MatMul").device,
+                     GPUS[1])
+
+  def test_one_device_adds_no_ops_and_keeps_every_name(self):
+    plain, _ = _build(models.classifier_model_fn)
+    one, _ = _build(models.classifier_model_fn, GPUS[:1])
+    self.assertEqual([op.name for op in one.get_operations()],
+                     [op.name for op in plain.get_operations()])
+    model_ops = one.get_operations()[one.ops_before_model_fn:]
+    self.assertEqual({op.device for op in model_ops}, {"/device:GPU:0", ""})
+    for op in model_ops:
+      if not op.device:  # placed by TensorFlow with the variable they touch
+        colocated = [g for g in op.colocation_groups()
+                     if g != b"loc:@" + op.name.encode()]
+        self.assertTrue(op.type == "ReadVariableOp" or colocated, op.name)
+    self.assertEqual({op.device for op in plain.get_operations()}, {""})
+
+
+class NamesTest(parameterized.TestCase):
+
+  @parameterized.parameters("v1", "keras")
+  def test_variables_are_those_of_the_unwrapped_model(self, layers):
+    params = {"layers": layers}
+    plain, _ = _build(models.classifier_model_fn, params=params)
+    for n in (2, 4):
+      graph, _ = _build(models.classifier_model_fn, GPUS[:n], params=params)
+      self.assertEqual(sorted(_trainable(graph)), sorted(_trainable(plain)))
+      names = lambda g: sorted(v.op.name for v in g.get_collection(
+          tf.compat.v1.GraphKeys.GLOBAL_VARIABLES))
+      self.assertEqual(names(graph), names(plain))
+
+  def test_tower_zero_has_unwrapped_op_names_and_others_a_prefix(self):
+    plain, _ = _build(models.classifier_model_fn)
+    graph, _ = _build(models.classifier_model_fn, GPUS[:2])
+    names = {op.name for op in graph.get_operations()}
+    for op in plain.get_operations():
+      if op.name.startswith(("hidden/", "logits/")) and "Initializer" not in op.name:
+        self.assertIn(op.name, names)
+    self.assertIn("tower_1/hidden/MatMul", names)
+    self.assertNotIn("tower_1/hidden/kernel", names)  # variables not duplicated
+
+
+class CurrentTowerTest(parameterized.TestCase):
+
+  def test_current_tower_inside_and_outside(self):
+    seen = []
+
+    def model_fn(features, labels, mode):
+      seen.append(replicate.current_tower())
+      logits = tf.compat.v1.layers.dense(features["x"], 3, name="logits")
+      loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
+      opt = replicate.TowerOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1))
+      return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=opt.minimize(loss))
+
+    self.assertIsNone(replicate.current_tower())
+    _build(model_fn, GPUS[:3])
+    self.assertEqual([(t.index, t.num_towers, t.device) for t in seen],
+                     [(i, 3, GPUS[i]) for i in range(3)])
+    _build(model_fn, GPUS[:1])
+    self.assertEqual(tuple(seen[-1]), (0, 1, GPUS[0]))
+    self.assertIsNone(replicate.current_tower())
+
+
+if __name__ == "__main__":
+  from absl.testing import absltest
+  absltest.main()
