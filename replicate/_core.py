@@ -167,12 +167,12 @@ def _run_towers(model_fn, features, labels, mode, arguments, devices,
   specs = []
   try:
     with _towers.replication_scope(replication):
-      keras_names = _towers.KerasNames()
+      name_counters = _towers.NameCounters()
       for index, device in enumerate(devices):
         device_function = (None if serving else
                            _devices.tower_device_function(device, choose))
         with _towers.tower_scope(replication, index, device_function,
-                                 None if serving else device, keras_names):
+                                 None if serving else device, name_counters):
           specs.append(model_fn(**arguments(shards.features[index],
                                             shards.labels[index])))
   finally:

@@ -15,6 +15,8 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional
 
 import tensorflow as tf
 from absl import logging
+# Variable-scope name counters have no public accessor.
+from tensorflow.python.ops import variable_scope as variable_scope_lib  # pylint: disable=g-direct-tensorflow-import
 
 
 class Tower(NamedTuple):
@@ -120,32 +122,42 @@ def replication_scope(replication: Replication):
     stack.pop()
 
 
-class KerasNames:
-  """Keras's per-graph layer-name counters, restored before every tower.
+class NameCounters:
+  """Per-graph name counters, restored before every tower.
 
-  Keras names layers `dense`, `dense_1`, ... by a per-graph counter; without
-  the restore tower 1's first Dense would be `dense_2` where tower 0's was
-  `dense`, and no name would line up across towers.
+  Keras names layers `dense`, `dense_1`, ... and variable scopes opened
+  with a default name are numbered the same way, by counters kept per
+  graph. Restored before each tower, every tower names its layers as tower 0
+  did, so tower i finds tower 0's variables and Keras layers line up.
   """
 
   def __init__(self):
     try:
       from keras.src import backend  # pylint: disable=g-import-not-at-top
-    except ImportError:  # Keras moved or is absent: nothing to restore.
+    except ImportError:  # Keras moved or is absent: no counters to restore.
       backend = None
-    self._backend = backend
+    self._keras = backend
     if backend is not None:
       self._uids = dict(backend.get_default_graph_uid_map())
       self._observed = set(backend.OBSERVED_NAMES)
+    self._scope_counts = dict(_variable_scope_counts())
 
   def restore(self):
-    if self._backend is None:
-      return
-    uids = self._backend.get_default_graph_uid_map()
-    uids.clear()
-    uids.update(self._uids)
-    self._backend.OBSERVED_NAMES.clear()
-    self._backend.OBSERVED_NAMES.update(self._observed)
+    if self._keras is not None:
+      uids = self._keras.get_default_graph_uid_map()
+      uids.clear()
+      uids.update(self._uids)
+      self._keras.OBSERVED_NAMES.clear()
+      self._keras.OBSERVED_NAMES.update(self._observed)
+    counts = _variable_scope_counts()
+    counts.clear()
+    counts.update(self._scope_counts)
+
+
+def _variable_scope_counts() -> dict:
+  """The graph's count of variable scopes opened under each name."""
+  store = variable_scope_lib.get_variable_scope_store()
+  return store.variable_scopes_count
 
 
 def _is_model_state(kwargs) -> bool:
@@ -202,12 +214,12 @@ def _variable_creator(replication: Replication, index: int, name_root: str):
 @contextlib.contextmanager
 def tower_scope(replication: Replication, index: int,
                 device_function: Optional[Callable[[tf.Operation], str]],
-                device: Optional[str], keras_names: "KerasNames"):
+                device: Optional[str], name_counters: "NameCounters"):
   """Builds tower `index`: its name scope, reuse, devices and variables."""
   replication.created.append({})
   replication.keys.append({})
   replication.tower = Tower(index, replication.num_towers, device)
-  keras_names.restore()
+  name_counters.restore()
   with contextlib.ExitStack() as stack:
     graph = replication.graph
     if index > 0:
