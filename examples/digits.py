@@ -28,7 +28,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import tempfile  # pylint: disable=g-import-not-at-top,g-bad-import-order
 import time
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from absl import app
 from absl import flags
@@ -83,7 +83,8 @@ def load_digits() -> Tuple[Arrays, Arrays]:
   return (train_x, train_y), (test_x, test_y)
 
 
-def train_input_fn(images: np.ndarray, labels: np.ndarray, batch_size: int):
+def train_input_fn(images: np.ndarray, labels: np.ndarray,
+                   batch_size: int) -> tf.data.Dataset:
   """Shuffled, repeated training batches of `{'image': ...}` and labels."""
   dataset = tf.data.Dataset.from_tensor_slices(({"image": images}, labels))
   dataset = dataset.shuffle(len(images), seed=0).repeat()
@@ -91,7 +92,7 @@ def train_input_fn(images: np.ndarray, labels: np.ndarray, batch_size: int):
 
 
 def eval_input_fn(images: np.ndarray, labels: Optional[np.ndarray],
-                  batch_size: int):
+                  batch_size: int) -> tf.data.Dataset:
   """One pass over the data in order.
 
   The last batch is usually smaller and need not divide by the number of
@@ -180,23 +181,26 @@ class ProgressHook(tf.estimator.SessionRunHook):
 
   Args:
     loss: the loss tensor to print: the merged loss over all towers.
-    every: print every this many steps (and on the first and last step).
+    every: print every this many global steps (and on the first and last
+      step of this run).
     batch_size: examples per step, for the throughput.
-    last_step: the global step training stops at.
+    steps: how many steps this `train()` call runs.
   """
 
   def __init__(self, loss: tf.Tensor, every: int, batch_size: int,
-               last_step: int):
+               steps: int):
     self._loss = loss
     self._every = max(1, every)
     self._batch_size = batch_size
-    self._last_step = last_step
+    self._steps = steps
     self._step = 0
+    self._done = 0
     self._start: Optional[float] = None
     self._end: Optional[float] = None
     self._timed_steps = 0
 
   def after_create_session(self, session, coord):
+    del coord  # Unused.
     self._step = int(session.run(tf.compat.v1.train.get_global_step()))
 
   def before_run(self, run_context):
@@ -211,8 +215,8 @@ class ProgressHook(tf.estimator.SessionRunHook):
       self._timed_steps += 1
       self._end = now
     self._step += 1
-    if (self._step % self._every == 0 or self._timed_steps == 0 or
-        self._step == self._last_step):
+    self._done += 1
+    if (self._step % self._every == 0 or self._done in (1, self._steps)):
       print(f"step {self._step:5d}  loss {float(run_values.results):.4f}",
             flush=True)
 
@@ -224,7 +228,11 @@ class ProgressHook(tf.estimator.SessionRunHook):
     return self._timed_steps * self._batch_size / (self._end - self._start)
 
 
-def with_training_hooks(model_fn, make_hooks):
+def with_training_hooks(
+    model_fn: Callable[..., tf.estimator.EstimatorSpec],
+    make_hooks: Callable[[tf.estimator.EstimatorSpec],
+                         List[tf.estimator.SessionRunHook]],
+) -> Callable[..., tf.estimator.EstimatorSpec]:
   """Adds hooks, built on the merged TRAIN spec, to a (replicated) model_fn.
 
   A hook passed to `Estimator.train(hooks=...)` cannot see the model's loss
@@ -292,17 +300,15 @@ def configure_devices(
 
 
 def main(argv: List[str]) -> None:
+  """Trains, evaluates, predicts and optionally exports; prints the results."""
   del argv  # Unused.
   tf.compat.v1.logging.set_verbosity(tf.compat.v1.logging.ERROR)
   if not FLAGS["verbosity"].present:  # replicate logs its towers at INFO.
     logging.set_verbosity(logging.WARNING)
   devices, session_config = configure_devices(FLAGS.towers)
-  if devices is None:
-    shown = [d.name for d in tf.config.list_logical_devices("GPU")]
-  else:
-    shown = devices
+  towers = devices or [d.name for d in tf.config.list_logical_devices("GPU")]
   print(f"replicate {replicate.__version__}: {FLAGS.model} on "
-        f"{len(shown)} towers {shown}", flush=True)
+        f"{len(towers)} towers {towers}", flush=True)
 
   (train_x, train_y), (test_x, test_y) = load_digits()
   print(f"digits: {len(train_x)} train, {len(test_x)} test images; batch "
@@ -311,7 +317,7 @@ def main(argv: List[str]) -> None:
   model_dir = FLAGS.model_dir or tempfile.mkdtemp(prefix="digits_")
   progress = []
 
-  def make_hooks(spec):
+  def make_hooks(spec: tf.estimator.EstimatorSpec) -> List[ProgressHook]:
     hook = ProgressHook(spec.loss, FLAGS.log_every, FLAGS.batch_size,
                         FLAGS.steps)
     progress.append(hook)
@@ -339,11 +345,11 @@ def main(argv: List[str]) -> None:
   print(f"test accuracy: {results['accuracy']:.4f}")
   print(f"training examples/sec: {examples_per_sec:.1f}")
 
-  shown = 10
+  count = 10
   predicted = [p["classes"] for p in estimator.predict(
-      lambda: eval_input_fn(test_x[:shown], None, FLAGS.batch_size))]
-  print(f"first {shown} test labels:      {test_y[:shown].tolist()}")
-  print(f"first {shown} test predictions: {[int(c) for c in predicted]}")
+      lambda: eval_input_fn(test_x[:count], None, FLAGS.batch_size))]
+  print(f"first {count} test labels:      {test_y[:count].tolist()}")
+  print(f"first {count} test predictions: {[int(c) for c in predicted]}")
 
   if FLAGS.export_dir:
     path = estimator.export_saved_model(FLAGS.export_dir,

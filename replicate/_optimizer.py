@@ -131,7 +131,7 @@ class TowerOptimizer(_Optimizer):
         return tf.no_op(name="gather_gradients")
     towers = [_call(state, i, call, grads_and_vars)
               for i in range(replication.num_towers)]
-    with replication.root_scope():
+    with replication.tower_zero_scope():
       summed = _aggregate.sum_gradients(towers)
       return self.optimizer.apply_gradients(summed, global_step, name)
 

@@ -48,6 +48,8 @@ class Replication:
   # Per tower: variable creation key -> variable, and variable -> key.
   created: List[Dict[Any, tf.Variable]] = dataclasses.field(default_factory=list)
   keys: List[Dict[Any, Any]] = dataclasses.field(default_factory=list)
+  # Per tower: the name scope its ops are built under ('' or 'tower_i/').
+  name_roots: List[str] = dataclasses.field(default_factory=list)
   # True while the last tower applies gradients under tower 0's scopes.
   in_root_scope: bool = False
 
@@ -62,12 +64,35 @@ class Replication:
     return self.sizes[self.tower.index if index is None else index]
 
   @contextlib.contextmanager
-  def root_scope(self):
-    """Enters tower 0's name and variable scopes (for the gradient apply)."""
+  def tower_zero_scope(self):
+    """Translates the current name and variable scopes to tower 0's.
+
+    The last tower applies the summed gradients where tower 0 would have
+    made the same call (e.g. inside a canned model's `dnn` variable scope),
+    so slot variables and update ops get the unreplicated model's names.
+    """
+    graph = self.graph
+    current = graph.get_name_scope()
+    own_root = self.name_roots[self.tower.index]
+    if current + "/" == own_root:
+      current = ""
+    elif own_root and current.startswith(own_root):
+      current = current[len(own_root):]
+    root = self.root_name_scope
+    name_scope = f"{root}/{current}" if root and current else root or current
+    scope = tf.compat.v1.get_variable_scope()
+    # A copy whose reuse is tower 0's, not the reuse=True of later towers.
+    variable_scope = tf.compat.v1.VariableScope(
+        reuse=self.root_variable_scope.reuse, name=scope.name,
+        initializer=scope.initializer, regularizer=scope.regularizer,
+        caching_device=scope.caching_device, partitioner=scope.partitioner,
+        custom_getter=scope.custom_getter,
+        name_scope=name_scope + "/" if name_scope else "", dtype=scope.dtype,
+        use_resource=scope.use_resource, constraint=scope.constraint)
     self.in_root_scope = True
     try:
-      with tf.compat.v1.variable_scope(self.root_variable_scope), \
-          _absolute_name_scope(self.graph, self.root_name_scope):
+      with tf.compat.v1.variable_scope(variable_scope), \
+          _absolute_name_scope(graph, name_scope):
         yield
     finally:
       self.in_root_scope = False
@@ -231,6 +256,7 @@ def tower_scope(replication: Replication, index: int,
     else:
       name_root = (replication.root_name_scope + "/"
                    if replication.root_name_scope else "")
+    replication.name_roots.append(name_root)
     if device_function is not None:
       stack.enter_context(tf.compat.v1.device(device_function))
     stack.enter_context(tf.compat.v1.variable_creator_scope(
