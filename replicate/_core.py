@@ -22,7 +22,7 @@ from replicate import _split
 from replicate import _towers
 
 _ModeKeys = tf.estimator.ModeKeys
-_PLACEHOLDER_OPS = frozenset(["Placeholder", "PlaceholderWithDefault"])
+_PLACEHOLDER_OPS = frozenset(["Placeholder"])
 
 
 def replicate_model_fn(

@@ -30,9 +30,12 @@ def devices(kind, n):
 
 def session_config(kind=VIRTUAL_CPUS, soft=None):
   soft = (kind == GPU_NAMES) if soft is None else soft
-  return tf.compat.v1.ConfigProto(
+  config = tf.compat.v1.ConfigProto(
       device_count={"CPU": 4}, allow_soft_placement=soft,
       inter_op_parallelism_threads=2, intra_op_parallelism_threads=1)
+  # Grappler's rewrites cost more than these tiny graphs take to run.
+  config.graph_options.rewrite_options.disable_meta_optimizer = True
+  return config
 
 
 def initial_value(name, shape, dtype):
