@@ -10,6 +10,7 @@ layers, which ignore variable-scope reuse).
 import collections
 import contextlib
 import dataclasses
+import re
 import threading
 from typing import Any, Callable, Dict, List, NamedTuple, Optional
 
@@ -48,8 +49,6 @@ class Replication:
   # Per tower: variable creation key -> variable, and variable -> key.
   created: List[Dict[Any, tf.Variable]] = dataclasses.field(default_factory=list)
   keys: List[Dict[Any, Any]] = dataclasses.field(default_factory=list)
-  # Per tower: the name scope its ops are built under ('' or 'tower_i/').
-  name_roots: List[str] = dataclasses.field(default_factory=list)
   # True while the last tower applies gradients under tower 0's scopes.
   in_root_scope: bool = False
 
@@ -64,38 +63,31 @@ class Replication:
     return self.sizes[self.tower.index if index is None else index]
 
   @contextlib.contextmanager
-  def tower_zero_scope(self):
-    """Translates the current name and variable scopes to tower 0's.
+  def scopes(self, scopes: "Scopes"):
+    """Re-enters `scopes` (recorded in tower 0) to build there, unshared.
 
-    The last tower applies the summed gradients where tower 0 would have
-    made the same call (e.g. inside a canned model's `dnn` variable scope),
-    so slot variables and update ops get the unreplicated model's names.
+    The last tower applies the summed gradients where tower 0 made the same
+    optimizer call, so slot variables and update ops get the unreplicated
+    model's names, and variables created there are not tower 0's to share.
     """
-    graph = self.graph
-    current = graph.get_name_scope()
-    own_root = self.name_roots[self.tower.index]
-    if current + "/" == own_root:
-      current = ""
-    elif own_root and current.startswith(own_root):
-      current = current[len(own_root):]
-    root = self.root_name_scope
-    name_scope = f"{root}/{current}" if root and current else root or current
-    scope = tf.compat.v1.get_variable_scope()
-    # A copy whose reuse is tower 0's, not the reuse=True of later towers.
-    variable_scope = tf.compat.v1.VariableScope(
-        reuse=self.root_variable_scope.reuse, name=scope.name,
-        initializer=scope.initializer, regularizer=scope.regularizer,
-        caching_device=scope.caching_device, partitioner=scope.partitioner,
-        custom_getter=scope.custom_getter,
-        name_scope=name_scope + "/" if name_scope else "", dtype=scope.dtype,
-        use_resource=scope.use_resource, constraint=scope.constraint)
     self.in_root_scope = True
     try:
-      with tf.compat.v1.variable_scope(variable_scope), \
-          _absolute_name_scope(graph, name_scope):
+      with tf.compat.v1.variable_scope(scopes.variable_scope), \
+          _absolute_name_scope(self.graph, scopes.name_scope):
         yield
     finally:
       self.in_root_scope = False
+
+
+class Scopes(NamedTuple):
+  """The name scope and variable scope some code was built under."""
+  name_scope: str
+  variable_scope: Any
+
+  @classmethod
+  def current(cls) -> "Scopes":
+    return cls(tf.compat.v1.get_default_graph().get_name_scope(),
+               tf.compat.v1.get_variable_scope())
 
 
 def _absolute_name_scope(graph: tf.Graph, scope: str):
@@ -193,6 +185,18 @@ def _is_model_state(kwargs) -> bool:
   return tf.compat.v1.GraphKeys.GLOBAL_VARIABLES in collections_
 
 
+def _without_root(name: str, root: str) -> str:
+  """`name` with the tower's root scope removed wherever it occurs.
+
+  Keras layers built inside a Keras model also carry the scope they were
+  declared in (`tower_1/dnn/tower_1/hiddenlayer_0/kernel`), not only the
+  one they are called in.
+  """
+  if not root:
+    return name
+  return re.sub(r"(^|/)" + re.escape(root), r"\1", name)
+
+
 def _variable_creator(replication: Replication, index: int, name_root: str):
   """Returns a creator giving towers after the first tower 0's variables.
 
@@ -213,7 +217,7 @@ def _variable_creator(replication: Replication, index: int, name_root: str):
     scope = tf.compat.v1.get_default_graph().get_name_scope()
     name = kwargs.get("name") or "Variable"
     full = f"{scope}/{name}" if scope else name
-    relative = full[len(name_root):] if full.startswith(name_root) else full
+    relative = _without_root(full, name_root)
     counts[relative] += 1
     key = (relative, counts[relative])
     if index > 0:
@@ -256,7 +260,6 @@ def tower_scope(replication: Replication, index: int,
     else:
       name_root = (replication.root_name_scope + "/"
                    if replication.root_name_scope else "")
-    replication.name_roots.append(name_root)
     if device_function is not None:
       stack.enter_context(tf.compat.v1.device(device_function))
     stack.enter_context(tf.compat.v1.variable_creator_scope(
