@@ -1,7 +1,8 @@
 """Merging the towers' EstimatorSpecs into one.
 
 TRAIN takes the last tower's spec (hooks made after the last optimizer call
-live there), EVAL and PREDICT the first tower's; the loss is the sum of the
+live there) with every tower's train_op grouped, EVAL and PREDICT the first
+tower's; the loss is the sum of the
 towers' scaled losses, predictions and export outputs are concatenated along
 the batch, and each eval metric's variables are summed into tower 0's.
 """
@@ -126,6 +127,13 @@ def merge_specs(mode, specs: List[Any], replication: _towers.Replication,
           _aggregate.scale_loss(s.loss, replication.loss_reduction,
                                 replication.fraction(i), replication.size(i))
           for i, s in enumerate(specs)])
+    if mode == _ModeKeys.TRAIN:
+      # The last tower's train_op applies the summed gradients; the others
+      # run too, for update ops a model_fn tied to them (tower 0's change
+      # the model's state, later towers' are discarded).
+      fields["train_op"] = tf.group(
+          specs[-1].train_op, *[s.train_op for s in specs[:-1]],
+          name="train_op")
     if mode == _ModeKeys.EVAL:
       fields["eval_metric_ops"] = merge_eval_metric_ops(specs, replication)
     if mode == _ModeKeys.PREDICT:

@@ -81,7 +81,11 @@ def _batch_size(named_leaves):
 
 
 def shard_sizes(batch_size: Size, num_shards: int) -> List[Size]:
-  """Sizes of `num_shards` in-order shards that differ by at most one."""
+  """Sizes of `num_shards` in-order shards that differ by at most one.
+
+  The larger shards come first, so tower 0 (whose update ops change the
+  model's state) has an example whenever the batch has one.
+  """
   if isinstance(batch_size, int):
     base, extra = divmod(batch_size, num_shards)
     return [base + (1 if i < extra else 0) for i in range(num_shards)]

@@ -51,6 +51,10 @@ class Replication:
   keys: List[Dict[Any, Any]] = dataclasses.field(default_factory=list)
   # True while the last tower applies gradients under tower 0's scopes.
   in_root_scope: bool = False
+  # Names of the ops that apply summed gradients (built in the last tower).
+  apply_ops: set = dataclasses.field(default_factory=set)
+  # UPDATE_OPS as they were before tower 0: each tower sees these and its own.
+  update_ops_before: Optional[List[Any]] = None
 
   @property
   def is_last_tower(self) -> bool:
@@ -71,12 +75,15 @@ class Replication:
     model's names, and variables created there are not tower 0's to share.
     """
     self.in_root_scope = True
+    first_op = len(self.graph.get_operations())
     try:
       with tf.compat.v1.variable_scope(scopes.variable_scope), \
           _absolute_name_scope(self.graph, scopes.name_scope):
         yield
     finally:
       self.in_root_scope = False
+      self.apply_ops.update(
+          op.name for op in self.graph.get_operations()[first_op:])
 
 
 class Scopes(NamedTuple):
@@ -240,6 +247,67 @@ def _variable_creator(replication: Replication, index: int, name_root: str):
   return creator
 
 
+def _collection(graph: tf.Graph, key: str) -> List[Any]:
+  return graph.get_collection_ref(key)
+
+
+@contextlib.contextmanager
+def _own_collections(replication: Replication, index: int):
+  """Keeps the towers' update ops and summaries apart.
+
+  Each tower sees in UPDATE_OPS the ops from before tower 0 and its own, as
+  the unwrapped model_fn would. Summaries of towers after the first are
+  dropped: TensorBoard shows tower 0's, under the unwrapped model's names.
+  """
+  graph = replication.graph
+  updates = _collection(graph, tf.compat.v1.GraphKeys.UPDATE_OPS)
+  if replication.update_ops_before is None:
+    replication.update_ops_before = list(updates)
+  updates[:] = replication.update_ops_before
+  summaries = _collection(graph, tf.compat.v1.GraphKeys.SUMMARIES)
+  summaries_before = list(summaries)
+  yield
+  if index > 0:
+    summaries[:] = summaries_before
+
+
+_STATE_WRITES = frozenset(
+    ["AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp"])
+
+
+def _discard_state_writes(replication: Replication, index: int, ops):
+  """Redirects tower `index`'s writes to shared model variables.
+
+  Only tower 0 changes model state outside the optimizer: a batch-norm
+  layer in tower i > 0 still computes its update, but writes it to a
+  private local variable that is never saved or read. So moving statistics
+  get one update per step, from tower 0's shard, deterministically, however
+  the model_fn ties update ops to its train_op. Reads are left alone.
+  """
+  global_refs = {v.ref() for v in tf.compat.v1.global_variables()}
+  handles = {v.handle.op.name: v for v in replication.created[0].values()
+             if v.ref() in global_refs and hasattr(v, "handle")}
+  for op in ops:
+    if (op.type not in _STATE_WRITES or op.name in replication.apply_ops or
+        op.inputs[0].op.name not in handles):
+      continue
+    variable = handles[op.inputs[0].op.name]
+    replication.in_root_scope = True
+    try:
+      with tf.compat.v1.colocate_with(variable.handle.op, ignore_existing=True), \
+          tf.name_scope("discarded_update"):
+        sink = tf.compat.v1.Variable(
+            lambda v=variable: tf.zeros(v.shape, v.dtype), trainable=False,
+            collections=[tf.compat.v1.GraphKeys.LOCAL_VARIABLES],
+            use_resource=True, name="sink")
+    finally:
+      replication.in_root_scope = False
+    # Operations have no public way to change an input once built.
+    op._update_input(0, sink.handle)  # pylint: disable=protected-access
+    logging.info("replicate: tower %d's write %s to %s is discarded", index,
+                 op.name, variable.op.name)
+
+
 @contextlib.contextmanager
 def tower_scope(replication: Replication, index: int,
                 device_function: Optional[Callable[[tf.Operation], str]],
@@ -250,6 +318,7 @@ def tower_scope(replication: Replication, index: int,
   replication.tower = Tower(index, replication.num_towers, device)
   name_counters.restore()
   with contextlib.ExitStack() as stack:
+    stack.enter_context(_own_collections(replication, index))
     graph = replication.graph
     if index > 0:
       stack.enter_context(tf.compat.v1.variable_scope(
@@ -266,4 +335,8 @@ def tower_scope(replication: Replication, index: int,
         _variable_creator(replication, index, name_root)))
     logging.info("replicate: building tower %d of %d on %s", index,
                  replication.num_towers, device or "no pinned device")
+    first_op = len(graph.get_operations())
     yield replication.tower
+    if index > 0:
+      _discard_state_writes(replication, index,
+                            graph.get_operations()[first_op:])
