@@ -136,3 +136,28 @@ class CurrentTowerTest(parameterized.TestCase):
 if __name__ == "__main__":
   from absl.testing import absltest
   absltest.main()
+
+
+class InitialWeightsTest(parameterized.TestCase):
+
+  def test_unseeded_initializers_start_equal_after_set_random_seed(self):
+    def model_fn(features, labels, mode, params):
+      del params
+      hidden = tf.keras.layers.Dense(8, activation="relu")(features["x"])
+      logits = tf.compat.v1.layers.dense(hidden, 3)
+      loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
+      opt = replicate.TowerOptimizer(
+          tf.compat.v1.train.GradientDescentOptimizer(0.1))
+      return tf.estimator.EstimatorSpec(mode, loss=loss,
+                                        train_op=opt.minimize(loss))
+
+    def initial_values(tower_devices):
+      tf.keras.utils.set_random_seed(42)
+      graph, _ = _build(model_fn, tower_devices)
+      with graph.as_default(), tf.compat.v1.Session(
+          config=harness.session_config(harness.GPU_NAMES)) as session:
+        session.run(tf.compat.v1.global_variables_initializer())
+        return {name: session.run(v) for name, v in _trainable(graph).items()}
+
+    expected = initial_values(None)
+    harness.assert_close_nests(initial_values(GPUS), expected, rtol=0, atol=0)
