@@ -8,7 +8,7 @@ equals one device's.
 from replicate._core import replicate_model_fn
 from replicate._devices import VariablePlacement
 from replicate._optimizer import TowerOptimizer
-from replicate._towers import current_tower
+from replicate._context import current_tower
 
 __version__ = "0.1.0"
 

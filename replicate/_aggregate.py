@@ -81,7 +81,7 @@ def sum_gradients(
   """
   summed = []
   with tf.name_scope("gradient_sum"):
-    for position, pairs in enumerate(zip(*tower_grads_and_vars)):
+    for pairs in zip(*tower_grads_and_vars):
       variable = pairs[0][1]
       grads = [g for g, _ in pairs if g is not None]
       if grads:

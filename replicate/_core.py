@@ -9,7 +9,7 @@ specs.
 import contextlib
 import copy
 import inspect
-from typing import Any, Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import tensorflow as tf
 from absl import logging
@@ -17,8 +17,10 @@ from absl import logging
 from replicate import _aggregate
 from replicate import _devices
 from replicate import _merge
-from replicate import _optimizer
+from replicate import _context
+from replicate import _gather
 from replicate import _split
+from replicate import _sharing
 from replicate import _towers
 
 _ModeKeys = tf.estimator.ModeKeys
@@ -140,12 +142,12 @@ def _run_on_one_device(model_fn, features, labels, arguments, device,
                        reduction, serving):
   """One device: no splitting, no added ops, the model_fn's own names."""
   graph = tf.compat.v1.get_default_graph()
-  replication = _towers.Replication(
+  replication = _context.Replication(
       num_towers=1, devices=[device], loss_reduction=reduction,
       fractions=[1.0], sizes=[None], graph=graph)
   device = None if serving else device
-  with _towers.replication_scope(replication):
-    replication.tower = _towers.Tower(0, 1, device)
+  with _context.replication_scope(replication):
+    replication.tower = _context.Tower(0, 1, device)
     with _on_device(device):
       return model_fn(**arguments(features, labels))
 
@@ -159,15 +161,15 @@ def _run_towers(model_fn, features, labels, mode, arguments, devices,
                len(devices), devices, placement.value, hub or "any device")
   with _on_device(hub), tf.name_scope("split_inputs"):
     shards = _split.split_batch(features, labels, len(devices))
-  replication = _towers.Replication(
+  replication = _context.Replication(
       num_towers=len(devices), devices=devices, loss_reduction=reduction,
       fractions=shards.fractions, sizes=shards.sizes, graph=graph)
   choose = _devices.variable_device_chooser(placement, devices)
-  _optimizer.clear_gather_state(graph)
+  _gather.clear_gather_state(graph)
   specs = []
   try:
-    with _towers.replication_scope(replication):
-      name_counters = _towers.NameCounters()
+    with _context.replication_scope(replication):
+      name_counters = _sharing.NameCounters()
       for index, device in enumerate(devices):
         device_function = (None if serving else
                            _devices.tower_device_function(device, choose))
@@ -176,7 +178,7 @@ def _run_towers(model_fn, features, labels, mode, arguments, devices,
           specs.append(model_fn(**arguments(shards.features[index],
                                             shards.labels[index])))
   finally:
-    calls = _optimizer.clear_gather_state(graph)
+    calls = _gather.clear_gather_state(graph)
   if mode == _ModeKeys.TRAIN:
     _check_optimizer_calls(calls, len(devices))
   return _merge.merge_specs(mode, specs, replication, hub)

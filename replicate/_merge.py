@@ -14,7 +14,7 @@ import contextlib
 import tensorflow as tf
 
 from replicate import _aggregate
-from replicate import _towers
+from replicate import _context
 
 _ModeKeys = tf.estimator.ModeKeys
 _export = tf.estimator.export
@@ -65,7 +65,7 @@ def concat_export_outputs(export_outputs: Sequence[Dict[str, Any]]):
           for key in export_outputs[0]}
 
 
-def _metric_variables_by_tower(replication: _towers.Replication):
+def _metric_variables_by_tower(replication: _context.Replication):
   """Per tower: creation key -> metric variable."""
   metric_refs = {v.ref() for v in tf.compat.v1.get_collection(
       tf.compat.v1.GraphKeys.METRIC_VARIABLES)}
@@ -73,7 +73,7 @@ def _metric_variables_by_tower(replication: _towers.Replication):
           for created in replication.created]
 
 
-def _reduce_metric_variables(replication: _towers.Replication, after):
+def _reduce_metric_variables(replication: _context.Replication, after):
   """One op that adds towers 1..N-1's metric variables into tower 0's.
 
   Runs after `after` (every tower's update ops) and zeroes the added
@@ -99,7 +99,7 @@ def _reduce_metric_variables(replication: _towers.Replication, after):
   return tf.group(*adds, *zeroes, name="reduce_metric_variables")
 
 
-def merge_eval_metric_ops(specs, replication: _towers.Replication):
+def merge_eval_metric_ops(specs, replication: _context.Replication):
   """Tower 0's metric values, updated by every tower's update ops."""
   keys = [sorted(spec.eval_metric_ops or {}) for spec in specs]
   for index, tower_keys in enumerate(keys[1:], start=1):
@@ -115,7 +115,7 @@ def merge_eval_metric_ops(specs, replication: _towers.Replication):
           for key in keys[0]}
 
 
-def merge_specs(mode, specs: List[Any], replication: _towers.Replication,
+def merge_specs(mode, specs: List[Any], replication: _context.Replication,
                 device):
   """Builds the one EstimatorSpec the Estimator sees."""
   template = specs[-1] if mode == _ModeKeys.TRAIN else specs[0]

@@ -1,0 +1,139 @@
+"""Where a replicated model_fn stands while its towers are built.
+
+`Replication` is what every tower of one call needs to know (devices, each
+tower's share of the batch, tower 0's scopes and variables); the current
+one, and the current `Tower`, are kept per thread and per graph.
+"""
+
+import contextlib
+import dataclasses
+import threading
+from typing import Any, Dict, List, NamedTuple, Optional
+
+import tensorflow as tf
+
+
+class Tower(NamedTuple):
+  """Where a model_fn call stands: returned by `replicate.current_tower()`.
+
+  Attributes:
+    index: the tower's position, 0 to `num_towers - 1`.
+    num_towers: how many towers the batch is split over.
+    device: the tower's device string, e.g. '/device:GPU:1'; None where the
+      graph is built for serving and pins no device.
+  """
+  index: int
+  num_towers: int
+  device: Optional[str]
+
+
+@dataclasses.dataclass
+class Replication:
+  """One call of a replicated model_fn: what every tower needs to know."""
+  num_towers: int
+  devices: List[str]
+  loss_reduction: str
+  fractions: List[Any]          # each tower's share of the batch
+  sizes: List[Any]              # each tower's number of examples
+  graph: tf.Graph
+  root_name_scope: str = ""
+  root_variable_scope: Any = None
+  tower: Optional[Tower] = None
+  # Per tower: variable creation key -> variable, and variable -> key.
+  created: List[Dict[Any, tf.Variable]] = dataclasses.field(default_factory=list)
+  keys: List[Dict[Any, Any]] = dataclasses.field(default_factory=list)
+  # True while the last tower applies gradients under tower 0's scopes.
+  in_root_scope: bool = False
+  # Names of the ops that apply summed gradients (built in the last tower).
+  apply_ops: set = dataclasses.field(default_factory=set)
+  # UPDATE_OPS as they were before tower 0: each tower sees these and its own.
+  update_ops_before: Optional[List[Any]] = None
+
+  @property
+  def is_last_tower(self) -> bool:
+    return self.tower.index == self.num_towers - 1
+
+  def fraction(self, index: Optional[int] = None):
+    return self.fractions[self.tower.index if index is None else index]
+
+  def size(self, index: Optional[int] = None):
+    return self.sizes[self.tower.index if index is None else index]
+
+  @contextlib.contextmanager
+  def scopes(self, scopes: "Scopes"):
+    """Re-enters `scopes` (recorded in tower 0) to build there, unshared.
+
+    The last tower applies the summed gradients where tower 0 made the same
+    optimizer call, so slot variables and update ops get the unreplicated
+    model's names, and variables created there are not tower 0's to share.
+    """
+    self.in_root_scope = True
+    first_op = len(self.graph.get_operations())
+    try:
+      with tf.compat.v1.variable_scope(scopes.variable_scope), \
+          absolute_name_scope(self.graph, scopes.name_scope):
+        yield
+    finally:
+      self.in_root_scope = False
+      self.apply_ops.update(
+          op.name for op in self.graph.get_operations()[first_op:])
+
+
+class Scopes(NamedTuple):
+  """The name scope and variable scope some code was built under."""
+  name_scope: str
+  variable_scope: Any
+
+  @classmethod
+  def current(cls) -> "Scopes":
+    return cls(tf.compat.v1.get_default_graph().get_name_scope(),
+               tf.compat.v1.get_variable_scope())
+
+
+def absolute_name_scope(graph: tf.Graph, scope: str):
+  """Enters name scope `scope` exactly ('' is the top level)."""
+  return graph.name_scope(scope + "/" if scope else None)
+
+
+_local = threading.local()
+
+
+def current_replication() -> Optional[Replication]:
+  """The replication being built on this thread, if any."""
+  stack = getattr(_local, "stack", None)
+  if not stack:
+    return None
+  replication = stack[-1]
+  if replication.graph is not tf.compat.v1.get_default_graph():
+    return None
+  return replication
+
+
+def current_tower() -> Optional[Tower]:
+  """The tower being built, inside a replicated model_fn; None outside one.
+
+  A model_fn can use it to do some work in one tower only, e.g. write
+  summaries where `replicate.current_tower().index == 0`.
+
+  Returns:
+    A `Tower` with `index`, `num_towers` and `device`, or None.
+  """
+  replication = current_replication()
+  return replication.tower if replication is not None else None
+
+
+@contextlib.contextmanager
+def replication_scope(replication: Replication):
+  """Makes `replication` current for the duration of the model_fn calls."""
+  if current_replication() is not None:
+    raise ValueError(
+        "replicate_model_fn was called inside another replicated model_fn; "
+        "wrap a model_fn once, not a model_fn that is already replicated.")
+  replication.root_name_scope = replication.graph.get_name_scope()
+  replication.root_variable_scope = tf.compat.v1.get_variable_scope()
+  stack = _local.__dict__.setdefault("stack", [])
+  stack.append(replication)
+  try:
+    yield replication
+  finally:
+    stack.pop()

@@ -1,0 +1,155 @@
+"""One set of variables for all towers, and one writer of model state.
+
+Towers after the first get tower 0's variables back from a variable creator
+(Keras layers ignore variable-scope reuse), find their layers under tower
+0's names (name counters restored per tower), and have their writes to
+shared model variables (batch-norm moving statistics) discarded.
+"""
+
+import collections
+import re
+
+import tensorflow as tf
+from absl import logging
+# Variable-scope name counters have no public accessor.
+from tensorflow.python.ops import variable_scope as variable_scope_lib  # pylint: disable=g-direct-tensorflow-import
+
+from replicate._context import Replication
+
+
+class NameCounters:
+  """Per-graph name counters, restored before every tower.
+
+  Keras names layers `dense`, `dense_1`, ... and variable scopes opened
+  with a default name are numbered the same way, by counters kept per
+  graph. Restored before each tower, every tower names its layers as tower 0
+  did, so tower i finds tower 0's variables and Keras layers line up.
+  """
+
+  def __init__(self):
+    try:
+      from keras.src import backend  # pylint: disable=g-import-not-at-top
+    except ImportError:  # Keras moved or is absent: no counters to restore.
+      backend = None
+    self._keras = backend
+    if backend is not None:
+      self._uids = dict(backend.get_default_graph_uid_map())
+      self._observed = set(backend.OBSERVED_NAMES)
+    self._scope_counts = dict(_variable_scope_counts())
+
+  def restore(self):
+    if self._keras is not None:
+      uids = self._keras.get_default_graph_uid_map()
+      uids.clear()
+      uids.update(self._uids)
+      self._keras.OBSERVED_NAMES.clear()
+      self._keras.OBSERVED_NAMES.update(self._observed)
+    counts = _variable_scope_counts()
+    counts.clear()
+    counts.update(self._scope_counts)
+
+
+def _variable_scope_counts() -> dict:
+  """The graph's count of variable scopes opened under each name."""
+  store = variable_scope_lib.get_variable_scope_store()
+  return store.variable_scopes_count
+
+
+def _is_model_state(kwargs) -> bool:
+  """Whether a variable being created would be saved in checkpoints."""
+  collections_ = kwargs.get("collections")
+  if collections_ is None:
+    return True
+  return tf.compat.v1.GraphKeys.GLOBAL_VARIABLES in collections_
+
+
+def _without_root(name: str, root: str) -> str:
+  """`name` with the tower's root scope removed wherever it occurs.
+
+  Keras layers built inside a Keras model also carry the scope they were
+  declared in (`tower_1/dnn/tower_1/hiddenlayer_0/kernel`), not only the
+  one they are called in.
+  """
+  if not root:
+    return name
+  return re.sub(r"(^|/)" + re.escape(root), r"\1", name)
+
+
+def variable_creator(replication: Replication, index: int, name_root: str):
+  """Returns a creator giving towers after the first tower 0's variables.
+
+  Variables are matched by the name they are asked for (relative to the
+  tower's root scope) and how many times that name was asked for before,
+  so TensorFlow's own uniquifying of names cannot pair the wrong ones.
+  Only checkpointed (global) variables are shared: metric and other local
+  variables stay per tower.
+  """
+  counts = collections.Counter()
+  created, keys = replication.created[index], replication.keys[index]
+  global_refs = None
+
+  def creator(next_creator, **kwargs):
+    nonlocal global_refs
+    if replication.in_root_scope:
+      return next_creator(**kwargs)
+    scope = tf.compat.v1.get_default_graph().get_name_scope()
+    name = kwargs.get("name") or "Variable"
+    full = f"{scope}/{name}" if scope else name
+    relative = _without_root(full, name_root)
+    counts[relative] += 1
+    key = (relative, counts[relative])
+    if index > 0:
+      original = replication.created[0].get(key)
+      if global_refs is None:
+        global_refs = {v.ref() for v in tf.compat.v1.global_variables()}
+      if original is not None and original.ref() in global_refs:
+        return original
+      if _is_model_state(kwargs):
+        raise ValueError(
+            f"Tower {index} creates variable {full!r} that tower 0 did not "
+            f"create (tower 0 created {len(replication.created[0])} "
+            "variables); every tower must build the same model, so make the "
+            "model_fn create the same variables in every call.")
+    variable = next_creator(**kwargs)
+    created[key] = variable
+    keys[variable.ref()] = key
+    return variable
+
+  return creator
+
+
+_STATE_WRITES = frozenset(
+    ["AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp"])
+
+
+def discard_state_writes(replication: Replication, index: int, ops):
+  """Redirects tower `index`'s writes to shared model variables.
+
+  Only tower 0 changes model state outside the optimizer: a batch-norm
+  layer in tower i > 0 still computes its update, but writes it to a
+  private local variable that is never saved or read. So moving statistics
+  get one update per step, from tower 0's shard, deterministically, however
+  the model_fn ties update ops to its train_op. Reads are left alone.
+  """
+  global_refs = {v.ref() for v in tf.compat.v1.global_variables()}
+  handles = {v.handle.op.name: v for v in replication.created[0].values()
+             if v.ref() in global_refs and hasattr(v, "handle")}
+  for op in ops:
+    if (op.type not in _STATE_WRITES or op.name in replication.apply_ops or
+        op.inputs[0].op.name not in handles):
+      continue
+    variable = handles[op.inputs[0].op.name]
+    replication.in_root_scope = True
+    try:
+      with tf.compat.v1.colocate_with(variable.handle.op, ignore_existing=True), \
+          tf.name_scope("discarded_update"):
+        sink = tf.compat.v1.Variable(
+            lambda v=variable: tf.zeros(v.shape, v.dtype), trainable=False,
+            collections=[tf.compat.v1.GraphKeys.LOCAL_VARIABLES],
+            use_resource=True, name="sink")
+    finally:
+      replication.in_root_scope = False
+    # Operations have no public way to change an input once built.
+    op._update_input(0, sink.handle)  # pylint: disable=protected-access
+    logging.info("replicate: tower %d's write %s to %s is discarded", index,
+                 op.name, variable.op.name)

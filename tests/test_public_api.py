@@ -1,0 +1,29 @@
+"""The public namespace holds exactly the names DESIGN.md lists."""
+
+import tensorflow as tf
+
+import replicate
+
+
+def test_public_names_are_exactly_all():
+  public = {name for name in dir(replicate) if not name.startswith("_")}
+  assert public == set(replicate.__all__) == {
+      "TowerOptimizer", "VariablePlacement", "current_tower",
+      "replicate_model_fn"}
+  assert isinstance(replicate.__version__, str)
+
+
+def test_variable_placement_members_and_strings():
+  assert replicate.VariablePlacement("shared") is replicate.VariablePlacement.SHARED
+  assert (replicate.VariablePlacement("round_robin") is
+          replicate.VariablePlacement.ROUND_ROBIN)
+
+
+def test_tower_optimizer_flavours():
+  v1 = replicate.TowerOptimizer(tf.compat.v1.train.AdagradOptimizer(0.1))
+  assert isinstance(v1, replicate.TowerOptimizer)
+  assert isinstance(v1, tf.compat.v1.train.Optimizer)
+  keras = replicate.TowerOptimizer(tf.keras.optimizers.legacy.Adagrad(0.1))
+  assert isinstance(keras, tf.keras.optimizers.legacy.Optimizer)
+  lazy = replicate.TowerOptimizer(lambda: tf.keras.optimizers.legacy.Adam())
+  assert isinstance(lazy(), tf.keras.optimizers.legacy.Optimizer)
