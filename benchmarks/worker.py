@@ -28,27 +28,26 @@ from absl import app  # pylint: disable=g-import-not-at-top
 from absl import flags
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.client import timeline
 
+import common
 import replicate
 import workloads
 
-VARIANTS = ("plain", "mirrored", "replicate_shared", "replicate_round_robin")
+VARIANTS = common.VARIANTS
 LOSS_COLLECTION = "benchmark_losses"
 _NEVER = 10**9  # steps: no checkpoints, summaries or step logs while timing
 
 FLAGS = flags.FLAGS
 flags.DEFINE_enum("variant", "plain", VARIANTS, "What to run.")
 flags.DEFINE_enum("workload", "mlp", workloads.WORKLOADS, "Model.")
-flags.DEFINE_integer("towers", 1, "Number of devices N.")
+flags.DEFINE_integer("towers", 1, "Number of devices N.", lower_bound=1)
 flags.DEFINE_enum("device_type", "CPU", ["CPU", "GPU"],
                   "CPU: N virtual CPU devices; GPU: the first N GPUs.")
-flags.DEFINE_integer("batch_size", 256, "Global batch (examples per step).")
-flags.DEFINE_integer("examples", 2048, "Synthetic examples (then repeated).")
-flags.DEFINE_integer("warmup_steps", 20, "Untimed steps after the first.")
-flags.DEFINE_integer("window_steps", 20, "Steps per timed window.")
-flags.DEFINE_integer("windows", 5, "Timed windows (median is reported).")
+common.define_timing_flags()
 flags.DEFINE_integer("trace_steps", 0,
-                     "Extra FULL_TRACE steps after the windows (profiling).")
+                     "Extra FULL_TRACE steps after the windows (profiling).",
+                     lower_bound=0)
 flags.DEFINE_string("trace_dir", None, "Where traced steps' StepStats go.")
 flags.DEFINE_integer("seed", 0, "Seed of the data and the initial weights.")
 flags.DEFINE_float("learning_rate", 0.01, "Momentum optimizer rate.")
@@ -62,6 +61,7 @@ flags.DEFINE_bool("fast_exit", False,
 
 
 def device_names(device_type: str, towers: int) -> List[str]:
+  """'/device:CPU:0'.. (or GPU) for N towers."""
   return [f"/device:{device_type}:{i}" for i in range(towers)]
 
 
@@ -100,6 +100,7 @@ def recording(model_fn):
 
 
 def build_model_fn(variant: str, devices: List[str]):
+  """The workload's model_fn, replicated for the replicate variants."""
   base = workloads.model_fn
   if variant.startswith("replicate_"):
     placement = replicate.VariablePlacement(variant[len("replicate_"):])
@@ -110,6 +111,7 @@ def build_model_fn(variant: str, devices: List[str]):
 
 def build_estimator(variant: str, devices: List[str], model_dir: str,
                     config: tf.compat.v1.ConfigProto) -> tf.estimator.Estimator:
+  """An Estimator that never checkpoints, summarises or logs while timing."""
   strategy = (tf.distribute.MirroredStrategy(devices=devices)
               if variant == "mirrored" else None)
   run_config = tf.estimator.RunConfig(
@@ -144,6 +146,7 @@ class TimingHook(tf.estimator.SessionRunHook):
     self.marks: List[tuple] = []
     self.losses: List[float] = []
     self.step_stats: List[Any] = []
+    self.partition_graphs: List[Any] = []
 
   def begin(self):
     self._loss_tensors = tf.compat.v1.get_collection(LOSS_COLLECTION)
@@ -155,7 +158,8 @@ class TimingHook(tf.estimator.SessionRunHook):
     options = None
     if self._tracing():
       options = tf.compat.v1.RunOptions(
-          trace_level=tf.compat.v1.RunOptions.FULL_TRACE)
+          trace_level=tf.compat.v1.RunOptions.FULL_TRACE,
+          output_partition_graphs=True)
     return tf.estimator.SessionRunArgs(self._loss_tensors, options=options)
 
   def after_run(self, run_context, run_values):
@@ -170,6 +174,7 @@ class TimingHook(tf.estimator.SessionRunHook):
       self.marks.append((now, cpu))
     if tracing:
       self.step_stats.append(run_values.run_metadata.step_stats)
+      self.partition_graphs = list(run_values.run_metadata.partition_graphs)
     if self.step == self.last_step and self._on_last_step:
       self._on_last_step()
 
@@ -199,7 +204,6 @@ def summarise(hook: TimingHook, t_train: float, batch: int,
 
 def write_traces(hook: TimingHook, trace_dir: str, name: str) -> List[str]:
   """Each traced step's StepStats (binary proto) and Chrome trace JSON."""
-  from tensorflow.python.client import timeline  # pylint: disable=g-import-not-at-top
   os.makedirs(trace_dir, exist_ok=True)
   paths = []
   for i, stats in enumerate(hook.step_stats):
@@ -209,6 +213,9 @@ def write_traces(hook: TimingHook, trace_dir: str, name: str) -> List[str]:
     with open(base + ".trace.json", "w") as f:
       f.write(timeline.Timeline(stats).generate_chrome_trace_format())
     paths.append(base)
+  for i, graph in enumerate(hook.partition_graphs):
+    with open(os.path.join(trace_dir, f"{name}_partition{i}.pb"), "wb") as f:
+      f.write(graph.SerializeToString())
   return paths
 
 
@@ -269,6 +276,7 @@ class Run:
 
 
 def write_record(record: Dict[str, Any]) -> None:
+  """To --result_file, or stdout."""
   text = json.dumps(record, indent=1)
   if FLAGS.result_file:
     with open(FLAGS.result_file, "w") as f:

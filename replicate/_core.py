@@ -163,7 +163,7 @@ def _run_towers(model_fn, features, labels, mode, arguments, devices,
     shards = _split.split_batch(features, labels, len(devices))
   replication = _context.Replication(
       num_towers=len(devices), devices=devices, loss_reduction=reduction,
-      fractions=shards.fractions, sizes=shards.sizes, graph=graph)
+      fractions=shards.fractions, sizes=shards.sizes, graph=graph, hub=hub)
   choose = _devices.variable_device_chooser(placement, devices)
   _gather.clear_gather_state(graph)
   specs = []

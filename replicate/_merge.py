@@ -1,7 +1,7 @@
 """Merging the towers' EstimatorSpecs into one.
 
 TRAIN takes the last tower's spec (hooks made after the last optimizer call
-live there) with every tower's train_op grouped, EVAL and PREDICT the first
+live there) with tower 0's train_op grouped in, EVAL and PREDICT the first
 tower's; the loss is the sum of the
 towers' scaled losses, predictions and export outputs are concatenated along
 the batch, and each eval metric's variables are summed into tower 0's.
@@ -128,12 +128,12 @@ def merge_specs(mode, specs: List[Any], replication: _context.Replication,
                                 replication.fraction(i), replication.size(i))
           for i, s in enumerate(specs)])
     if mode == _ModeKeys.TRAIN:
-      # The last tower's train_op applies the summed gradients; the others
-      # run too, for update ops a model_fn tied to them (tower 0's change
-      # the model's state, later towers' are discarded).
-      fields["train_op"] = tf.group(
-          specs[-1].train_op, *[s.train_op for s in specs[:-1]],
-          name="train_op")
+      # The last tower's train_op applies the summed gradients; tower 0's
+      # runs too, for the update ops a model_fn tied to it (e.g. a canned
+      # head's batch norm): tower 0's writes are the model's state, later
+      # towers' are discarded, so their train_ops need not run.
+      fields["train_op"] = tf.group(specs[-1].train_op, specs[0].train_op,
+                                    name="train_op")
     if mode == _ModeKeys.EVAL:
       fields["eval_metric_ops"] = merge_eval_metric_ops(specs, replication)
     if mode == _ModeKeys.PREDICT:

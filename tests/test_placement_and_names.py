@@ -46,6 +46,14 @@ class PlacementTest(parameterized.TestCase):
           f"{prefix}gradients/{prefix}hidden/MatMul_grad/MatMul")
       self.assertEqual(gradient.device, GPUS[index])
 
+  def test_summed_gradients_are_applied_on_the_consolidation_device(self):
+    graph, _ = _build(models.classifier_model_fn, GPUS)
+    self.assertEqual(graph.get_operation_by_name("Adagrad/learning_rate").device,
+                     "/device:CPU:0")
+    update = graph.get_operation_by_name(
+        "Adagrad/update_hidden/kernel/ResourceApplyAdagrad")
+    self.assertIn(b"loc:@hidden/kernel", update.colocation_groups())
+
   def test_single_gpu_is_the_consolidation_device(self):
     graph, _ = _build(models.classifier_model_fn, GPUS[:1])
     for variable in _trainable(graph).values():

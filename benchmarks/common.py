@@ -1,0 +1,88 @@
+"""What run.py and profile_towers.py share: starting a worker process."""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Any, Dict, List, Optional
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+WORKER = os.path.join(HERE, "worker.py")
+VARIANTS = ("plain", "mirrored", "replicate_shared", "replicate_round_robin")
+
+
+@dataclasses.dataclass
+class Settings:
+  """The resolved configuration of one benchmark."""
+  variants: List[str]
+  workloads: List[str]
+  towers: List[int]
+  rounds: int
+  device_type: str
+  fast_exit: bool
+  jobs: int
+  worker_flags: Dict[str, Any]
+
+
+def define_timing_flags() -> None:
+  """Flags the driver and the worker share: batch, data and timed windows."""
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  flags.DEFINE_integer("batch_size", 256,
+                       "Global batch (examples per step), same for all "
+                       "variants.", lower_bound=1)
+  flags.DEFINE_integer("examples", 2048,
+                       "Synthetic examples per workload (then repeated).",
+                       lower_bound=1)
+  flags.DEFINE_integer("warmup_steps", 20, "Untimed steps after the first.",
+                       lower_bound=0)
+  flags.DEFINE_integer("window_steps", 20, "Steps per timed window.",
+                       lower_bound=1)
+  flags.DEFINE_integer("windows", 5,
+                       "Timed windows per run (the median is reported).",
+                       lower_bound=1)
+
+
+def worker_env() -> Dict[str, str]:
+  """This environment, with the working tree's `replicate` importable."""
+  env = dict(os.environ)
+  env["PYTHONPATH"] = os.pathsep.join(
+      [ROOT] + [p for p in [env.get("PYTHONPATH")] if p])
+  env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+  return env
+
+
+def run_worker(worker_flags: Dict[str, Any], result_file: str,
+               timeout: Optional[float]) -> Dict[str, Any]:
+  """Runs worker.py with `worker_flags`; its record, or one with 'error'."""
+  if os.path.exists(result_file):
+    os.remove(result_file)
+  args: List[str] = [sys.executable, WORKER, f"--result_file={result_file}"]
+  args += [f"--{k}={v}" for k, v in worker_flags.items()]
+  started = time.perf_counter()
+  try:
+    proc = subprocess.run(args, capture_output=True, text=True,
+                          env=worker_env(), timeout=timeout)
+    error = None if proc.returncode == 0 and os.path.exists(result_file) else (
+        f"exit {proc.returncode}: {proc.stderr[-2000:]}")
+  except subprocess.TimeoutExpired:
+    error = f"timed out after {timeout} s"
+  record: Dict[str, Any] = {}
+  if error is None:
+    with open(result_file) as f:
+      record.update(json.load(f))
+  else:
+    record["error"] = error
+  record["process_wall_s"] = time.perf_counter() - started
+  return record
+
+
+def count_gpus() -> int:
+  """GPUs TensorFlow sees, asked in a subprocess (no TF in the caller)."""
+  code = ("import tensorflow as tf; "
+          "print(len(tf.config.list_physical_devices('GPU')))")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True,
+                       text=True, env=worker_env(), check=True).stdout
+  return int(out.strip().splitlines()[-1])

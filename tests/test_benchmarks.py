@@ -1,0 +1,92 @@
+"""benchmarks/run.py end to end in its smoke configuration, and its report.
+
+The smoke run trains every variant for a few steps at N=1 and N=2 (two
+runs at a time): it checks that everything runs and reports, not speed, so
+nothing here asserts on timings.
+"""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_BENCHMARKS = os.path.join(_ROOT, "benchmarks")
+sys.path.insert(0, _BENCHMARKS)
+
+import common  # pylint: disable=g-import-not-at-top,wrong-import-position
+import report  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+VARIANTS = common.VARIANTS
+
+
+def _smoke(tmp_path):
+  out = tmp_path / "smoke.json"
+  proc = subprocess.run(
+      [sys.executable, os.path.join(_BENCHMARKS, "run.py"), "--smoke",
+       "--device_type=CPU", f"--out={out}"],
+      capture_output=True, text=True, timeout=300, cwd=_ROOT,
+      env=common.worker_env())
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  return proc.stdout, json.loads(out.read_text())
+
+
+def test_smoke_run_reports_every_variant_at_one_and_two_towers(tmp_path):
+  stdout, result = _smoke(tmp_path)
+  rows = result["rows"]
+  assert sorted((r["variant"], r["towers"]) for r in rows) == sorted(
+      (v, n) for v in VARIANTS for n in (1, 2))
+  for row in rows:
+    assert row["runs"] == 1 and row["failed"] == 0, row
+    assert row["examples_per_sec"] > 0, row
+    assert math.isfinite(row["final_loss"]), row
+    assert row["build_s"] > 0 and row["peak_rss_mib"] > 0, row
+    assert f"| mlp | {row['towers']} | {row['variant']} |" in stdout
+  # Same model, seed and examples per step: every variant, the same loss.
+  losses = [r["final_loss"] for r in rows]
+  np.testing.assert_allclose(losses, losses[0], rtol=1e-3)
+  assert all(r["vs_plain"] for r in rows if r["variant"] != "plain")
+  assert all(r["vs_mirrored"] for r in rows if r["variant"] in
+             report.REPLICATE)
+
+
+def _record(round_index, variant, examples_per_sec, towers=2):
+  return {"round": round_index, "workload": "mlp", "towers": towers,
+          "variant": variant, "examples_per_sec": examples_per_sec,
+          "build_s": 1.0, "peak_rss_mib": 500.0, "cpu_s_per_example": 1e-5,
+          "final_loss": 0.5}
+
+
+def _settings(rounds):
+  return common.Settings(variants=list(VARIANTS), workloads=["mlp"],
+                         towers=[2], rounds=rounds, device_type="CPU",
+                         fast_exit=True, jobs=1,
+                         worker_flags={"batch_size": 256, "warmup_steps": 1,
+                                       "window_steps": 1, "windows": 1})
+
+
+def test_ratios_are_taken_within_rounds_then_summarised():
+  # The machine runs twice as fast in round 1: the ratios do not move.
+  speeds = {"plain": 100.0, "mirrored": 50.0, "replicate_shared": 90.0,
+            "replicate_round_robin": 80.0}
+  records = [_record(r, v, s * (1 + r)) for r in range(3)
+             for v, s in speeds.items()]
+  records[-2] = dict(records[-2], examples_per_sec=3 * 99.0)  # 0.99x plain
+  records.append(dict(_record(2, "mirrored", 0.0), error="timed out"))
+  rows = {r["variant"]: r for r in report.aggregate(records, _settings(3))}
+  shared = rows["replicate_shared"]
+  assert shared["vs_plain"]["median"] == 0.9
+  assert shared["vs_plain"]["max"] == 0.99
+  assert shared["vs_mirrored"]["median"] == 1.8
+  assert rows["mirrored"]["failed"] == 1 and rows["mirrored"]["runs"] == 3
+  targets = {t["target"]: t
+             for t in report.check_targets(list(rows.values()))}
+  assert targets["N=2: replicate >= 1.3x mirrored"]["met"]
+  assert not targets["N=2: replicate >= 0.95x plain"]["met"]
+  table = report.markdown(list(rows.values()), list(targets.values()),
+                          _settings(3))
+  assert "| mlp | 2 | replicate_shared | 180 | 0.90 (0.90–0.99) |" in table
+  assert "mirrored (1 failed)" in table
