@@ -37,13 +37,18 @@ def validate_loss_reduction(loss_reduction) -> str:
   return value
 
 
+def is_sum(loss_reduction: str) -> bool:
+  """Whether the reduction adds (rather than averages) over the batch."""
+  return loss_reduction == _Reduction.SUM
+
+
 def scale_loss(loss, loss_reduction: str, fraction, size):
   """Weights one tower's loss by its share of the batch.
 
   A tower without examples contributes zero, even where its own loss is NaN
   (a mean over nothing), and still has zero rather than no gradients.
   """
-  if loss_reduction == _Reduction.SUM:
+  if is_sum(loss_reduction):
     return loss
   loss = tf.convert_to_tensor(loss)
   if isinstance(size, int) and size > 0:

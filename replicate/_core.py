@@ -50,7 +50,8 @@ def replicate_model_fn(
     loss_reduction: how the model_fn reduces its loss over a batch, a
       `tf.compat.v1.losses.Reduction` (or Keras reduction name). SUM adds the
       towers' losses; every averaging reduction weights each tower's loss by
-      its share of the batch. NONE is refused.
+      its share of the batch. NONE is refused. For a canned estimator's
+      model_fn the head's own reduction is used (v1 heads sum by default).
     devices: device names, e.g. ['/device:GPU:0', '/device:GPU:1']; None
       means every local GPU, or the host CPU when there is none.
     variable_placement: a `replicate.VariablePlacement` (or its string):
@@ -64,7 +65,8 @@ def replicate_model_fn(
     ValueError: the reduction is NONE or unknown, a device name is bad or
       repeated, or the placement is unknown.
   """
-  reduction = _aggregate.validate_loss_reduction(loss_reduction)
+  reduction = _reduction_for(model_fn,
+                             _aggregate.validate_loss_reduction(loss_reduction))
   placement = _devices.as_variable_placement(variable_placement)
   given = None if devices is None else _devices.resolve_devices(devices)
   accepted = _accepted_arguments(model_fn)
@@ -82,6 +84,50 @@ def replicate_model_fn(
   replicated_model_fn.__name__ = f"replicated_{getattr(model_fn, '__name__', 'model_fn')}"
   replicated_model_fn.__doc__ = model_fn.__doc__
   return replicated_model_fn
+
+
+def _canned_head_reduction(model_fn):
+  """(estimator, its head's loss reduction) if model_fn is a canned one's.
+
+  `canned.model_fn` closes over the Estimator, whose own model_fn closes
+  over the head; v1 heads (`_loss_reduction`) sum by default, v2 heads
+  (`loss_reduction`) average.
+  """
+  try:
+    estimator = inspect.getclosurevars(model_fn).nonlocals.get("self")
+    if not isinstance(estimator, (tf.estimator.Estimator,
+                                  tf.compat.v1.estimator.Estimator)):
+      return None, None
+    head = inspect.getclosurevars(
+        estimator._model_fn).nonlocals.get("head")  # pylint: disable=protected-access
+  except (TypeError, ValueError, AttributeError):
+    return None, None
+  reduction = (getattr(head, "loss_reduction", None) or
+               getattr(head, "_loss_reduction", None))
+  if reduction is None:
+    return None, None
+  return estimator, _aggregate.validate_loss_reduction(reduction)
+
+
+def _reduction_for(model_fn, reduction: str) -> str:
+  """The reduction to use: a canned head's, where the model_fn has one.
+
+  Raises:
+    ValueError: SUM was asked for a canned head that averages its loss.
+  """
+  estimator, head_reduction = _canned_head_reduction(model_fn)
+  if head_reduction is None or _aggregate.is_sum(head_reduction) == (
+      _aggregate.is_sum(reduction)):
+    return reduction
+  name = type(estimator).__name__
+  if _aggregate.is_sum(reduction):
+    raise ValueError(
+        f"loss_reduction=SUM, but {name}'s head averages its loss "
+        f"({head_reduction!r}): loss and gradients would be N (the number of "
+        "towers) times too large; leave loss_reduction at its default.")
+  logging.info("replicate: %s's head sums its loss (%r); using Reduction.SUM",
+               name, head_reduction)
+  return head_reduction
 
 
 class _Arguments:

@@ -169,3 +169,11 @@ def test_batch_norm_dnn_trains_replicated_with_plain_checkpoint_names(
   name = "dnn/hiddenlayer_0/batchnorm_0/moving_mean"
   moved = replicated.get_variable_value(name)
   assert np.all(np.isfinite(moved)) and np.abs(moved).max() > 0
+
+
+def test_sum_for_an_averaging_canned_head_is_refused(tmp_path):
+  canned = CANNED["dnn_classifier"](_config(tmp_path))
+  with pytest.raises(ValueError, match="loss_reduction=SUM, but "
+                     "DNNClassifierV2's head averages its loss"):
+    replicate.replicate_model_fn(
+        canned.model_fn, loss_reduction=tf.compat.v1.losses.Reduction.SUM)
