@@ -31,7 +31,6 @@ class Tower(NamedTuple):
 class Replication:
   """One call of a replicated model_fn: what every tower needs to know."""
   num_towers: int
-  devices: List[str]
   loss_reduction: str
   fractions: List[Any]          # each tower's share of the batch
   sizes: List[Any]              # each tower's number of examples
@@ -39,11 +38,10 @@ class Replication:
   root_name_scope: str = ""
   root_variable_scope: Any = None
   tower: Optional[Tower] = None
-  # Per tower: variable creation key -> variable, and variable -> key.
+  # Per tower: variable creation key -> variable.
   created: List[Dict[Any, tf.Variable]] = dataclasses.field(default_factory=list)
-  keys: List[Dict[Any, Any]] = dataclasses.field(default_factory=list)
-  # True while the last tower applies gradients under tower 0's scopes.
-  in_root_scope: bool = False
+  # True while variables are created for no tower (gradient apply, sinks).
+  unshared: bool = False
   # Names of the ops that apply summed gradients (built in the last tower).
   apply_ops: set = dataclasses.field(default_factory=set)
   # Where inputs are split and results merged; None in serving graphs.
@@ -69,7 +67,7 @@ class Replication:
     optimizer call, so slot variables and update ops get the unreplicated
     model's names, and variables created there are not tower 0's to share.
     """
-    self.in_root_scope = True
+    self.unshared = True
     first_op = len(self.graph.get_operations())
     # On the consolidation device, so that e.g. learning-rate tensors are
     # not sent there from the last tower every step; per-variable updates
@@ -81,7 +79,7 @@ class Replication:
           absolute_name_scope(self.graph, scopes.name_scope), placed:
         yield
     finally:
-      self.in_root_scope = False
+      self.unshared = False
       self.apply_ops.update(
           op.name for op in self.graph.get_operations()[first_op:])
 

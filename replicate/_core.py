@@ -189,7 +189,7 @@ def _run_on_one_device(model_fn, features, labels, arguments, device,
   """One device: no splitting, no added ops, the model_fn's own names."""
   graph = tf.compat.v1.get_default_graph()
   replication = _context.Replication(
-      num_towers=1, devices=[device], loss_reduction=reduction,
+      num_towers=1, loss_reduction=reduction,
       fractions=[1.0], sizes=[None], graph=graph)
   device = None if serving else device
   with _context.replication_scope(replication):
@@ -208,7 +208,7 @@ def _run_towers(model_fn, features, labels, mode, arguments, devices,
   with _on_device(hub), tf.name_scope("split_inputs"):
     shards = _split.split_batch(features, labels, len(devices))
   replication = _context.Replication(
-      num_towers=len(devices), devices=devices, loss_reduction=reduction,
+      num_towers=len(devices), loss_reduction=reduction,
       fractions=shards.fractions, sizes=shards.sizes, graph=graph, hub=hub)
   choose = _devices.variable_device_chooser(placement, devices)
   _gather.clear_gather_state(graph)

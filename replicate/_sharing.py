@@ -85,12 +85,12 @@ def variable_creator(replication: Replication, index: int, name_root: str):
   variables stay per tower.
   """
   counts = collections.Counter()
-  created, keys = replication.created[index], replication.keys[index]
+  created = replication.created[index]
   global_refs = None
 
   def creator(next_creator, **kwargs):
     nonlocal global_refs
-    if replication.in_root_scope:
+    if replication.unshared:
       return next_creator(**kwargs)
     scope = tf.compat.v1.get_default_graph().get_name_scope()
     name = kwargs.get("name") or "Variable"
@@ -112,7 +112,6 @@ def variable_creator(replication: Replication, index: int, name_root: str):
             "model_fn create the same variables in every call.")
     variable = next_creator(**kwargs)
     created[key] = variable
-    keys[variable.ref()] = key
     return variable
 
   return creator
@@ -139,7 +138,7 @@ def discard_state_writes(replication: Replication, index: int, ops):
         op.inputs[0].op.name not in handles):
       continue
     variable = handles[op.inputs[0].op.name]
-    replication.in_root_scope = True
+    replication.unshared = True
     try:
       with tf.compat.v1.colocate_with(variable.handle.op, ignore_existing=True), \
           tf.name_scope("discarded_update"):
@@ -148,7 +147,7 @@ def discard_state_writes(replication: Replication, index: int, ops):
             collections=[tf.compat.v1.GraphKeys.LOCAL_VARIABLES],
             use_resource=True, name="sink")
     finally:
-      replication.in_root_scope = False
+      replication.unshared = False
     # Operations have no public way to change an input once built.
     op._update_input(0, sink.handle)  # pylint: disable=protected-access
     logging.info("replicate: tower %d's write %s to %s is discarded", index,

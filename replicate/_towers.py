@@ -8,7 +8,7 @@ layers, which ignore variable-scope reuse).
 """
 
 import contextlib
-from typing import Any, Callable, List, Optional
+from typing import Callable, Optional
 
 import tensorflow as tf
 from absl import logging
@@ -17,10 +17,6 @@ from replicate import _sharing
 from replicate._context import Replication
 from replicate._context import Tower
 from replicate._context import absolute_name_scope
-
-
-def _collection(graph: tf.Graph, key: str) -> List[Any]:
-  return graph.get_collection_ref(key)
 
 
 @contextlib.contextmanager
@@ -32,11 +28,11 @@ def _own_collections(replication: Replication, index: int):
   dropped: TensorBoard shows tower 0's, under the unwrapped model's names.
   """
   graph = replication.graph
-  updates = _collection(graph, tf.compat.v1.GraphKeys.UPDATE_OPS)
+  updates = graph.get_collection_ref(tf.compat.v1.GraphKeys.UPDATE_OPS)
   if replication.update_ops_before is None:
     replication.update_ops_before = list(updates)
   updates[:] = replication.update_ops_before
-  summaries = _collection(graph, tf.compat.v1.GraphKeys.SUMMARIES)
+  summaries = graph.get_collection_ref(tf.compat.v1.GraphKeys.SUMMARIES)
   summaries_before = list(summaries)
   yield
   if index > 0:
@@ -49,7 +45,6 @@ def tower_scope(replication: Replication, index: int,
                 device: Optional[str], name_counters: _sharing.NameCounters):
   """Builds tower `index`: its name scope, reuse, devices and variables."""
   replication.created.append({})
-  replication.keys.append({})
   replication.tower = Tower(index, replication.num_towers, device)
   name_counters.restore()
   with contextlib.ExitStack() as stack:
@@ -74,4 +69,4 @@ def tower_scope(replication: Replication, index: int,
     yield replication.tower
     if index > 0:
       _sharing.discard_state_writes(replication, index,
-                            graph.get_operations()[first_op:])
+                                    graph.get_operations()[first_op:])
