@@ -78,7 +78,8 @@ def train(model_fn, data, batch_size, steps, tower_devices=None,
     spec = wrap(model_fn, tower_devices, reduction, placement)(
         features, labels, TRAIN, params or {})
     with tf.compat.v1.Session(config=session_config(kind)) as session:
-      session.run(tf.compat.v1.global_variables_initializer())
+      session.run([tf.compat.v1.global_variables_initializer(),
+                   tf.compat.v1.local_variables_initializer()])
       set_trainable_weights(session)
       losses = [session.run([spec.loss, spec.train_op])[0]
                 for _ in range(steps)]

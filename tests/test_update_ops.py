@@ -107,3 +107,43 @@ class SummariesTest(parameterized.TestCase):
 if __name__ == "__main__":
   from absl.testing import absltest
   absltest.main()
+
+
+class StateWritesTest(parameterized.TestCase):
+
+  @staticmethod
+  def _model_fn(features, labels, mode, params):
+    del params
+    frozen = tf.keras.layers.Dense(
+        3, trainable=False, name="frozen",
+        kernel_initializer=tf.keras.initializers.GlorotUniform(seed=4))
+    hidden = frozen(features["x"])
+    logits = tf.compat.v1.layers.dense(hidden, 2, name="logits")
+    counter = tf.compat.v1.get_variable(
+        "examples_seen", [], tf.int64, trainable=False,
+        initializer=tf.compat.v1.zeros_initializer())
+    count = counter.assign_add(tf.shape(features["x"], out_type=tf.int64)[0])
+    loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
+    optimizer = replicate.TowerOptimizer(
+        tf.compat.v1.train.GradientDescentOptimizer(0.1))
+    with tf.control_dependencies([count]):
+      train_op = optimizer.minimize(loss, tf.compat.v1.train.get_global_step())
+    return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+  @parameterized.parameters(("shared", 2), ("round_robin", 4))
+  def test_frozen_weights_are_read_and_counters_advance_once(
+      self, placement, num_towers):
+    data = ({"x": X}, (np.arange(8) % 2).astype(np.int64))
+    expected_losses, expected = harness.train(self._model_fn, data, 8, 3)
+    losses, values = harness.train(
+        self._model_fn, data, 8, 3,
+        tower_devices=harness.devices(harness.VIRTUAL_CPUS, num_towers),
+        placement=placement)
+    np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
+    counted = "examples_seen"
+    harness.assert_close_nests(
+        {k: v for k, v in values.items() if k != counted},
+        {k: v for k, v in expected.items() if k != counted})
+    # Tower 0 counts its own shard; the other towers' counts are discarded.
+    self.assertEqual(expected["examples_seen"], 3 * 8)
+    self.assertEqual(values["examples_seen"], 3 * (8 // num_towers))
