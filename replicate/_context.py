@@ -47,7 +47,7 @@ class Replication:
   # Where inputs are split and results merged; None in serving graphs.
   hub: Optional[str] = None
   # UPDATE_OPS as they were before tower 0: each tower sees these and its own.
-  update_ops_before: Optional[List[Any]] = None
+  update_ops_before: List[Any] = dataclasses.field(default_factory=list)
 
   @property
   def is_last_tower(self) -> bool:
@@ -136,6 +136,8 @@ def replication_scope(replication: Replication):
         "wrap a model_fn once, not a model_fn that is already replicated.")
   replication.root_name_scope = replication.graph.get_name_scope()
   replication.root_variable_scope = tf.compat.v1.get_variable_scope()
+  replication.update_ops_before = replication.graph.get_collection(
+      tf.compat.v1.GraphKeys.UPDATE_OPS)
   stack = _local.__dict__.setdefault("stack", [])
   stack.append(replication)
   try:

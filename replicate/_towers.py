@@ -29,8 +29,6 @@ def _own_collections(replication: Replication, index: int):
   """
   graph = replication.graph
   updates = graph.get_collection_ref(tf.compat.v1.GraphKeys.UPDATE_OPS)
-  if replication.update_ops_before is None:
-    replication.update_ops_before = list(updates)
   updates[:] = replication.update_ops_before
   summaries = graph.get_collection_ref(tf.compat.v1.GraphKeys.SUMMARIES)
   summaries_before = list(summaries)

@@ -38,6 +38,17 @@ def session_config(kind=VIRTUAL_CPUS, soft=None):
   return config
 
 
+def estimator_config(model_dir, seed):
+  """RunConfig for the Estimator tests: 4 CPU devices, no periodic saves."""
+  return tf.estimator.RunConfig(
+      model_dir=str(model_dir), tf_random_seed=seed,
+      save_checkpoints_steps=1000, save_summary_steps=1000,
+      log_step_count_steps=1000,
+      session_config=tf.compat.v1.ConfigProto(
+          device_count={"CPU": 4}, allow_soft_placement=True,
+          inter_op_parallelism_threads=2, intra_op_parallelism_threads=1))
+
+
 def initial_value(name, shape, dtype):
   rng = np.random.RandomState(zlib.crc32(name.encode()) % (2**31))
   if dtype.is_integer:

@@ -11,17 +11,14 @@ import pytest
 import tensorflow as tf
 
 import replicate
+from tests import harness
 from tests import models
 
 GPUS = [f"/device:GPU:{i}" for i in range(4)]
 
 
 def _config(model_dir):
-  return tf.estimator.RunConfig(
-      model_dir=str(model_dir), tf_random_seed=7, save_checkpoints_steps=1000,
-      save_summary_steps=1000, log_step_count_steps=1000,
-      session_config=tf.compat.v1.ConfigProto(
-          device_count={"CPU": 4}, allow_soft_placement=True))
+  return harness.estimator_config(model_dir, seed=7)
 
 
 def _canned(model_dir):

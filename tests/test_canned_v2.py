@@ -13,6 +13,7 @@ import pytest
 import tensorflow as tf
 
 import replicate
+from tests import harness
 from tests import models
 
 COLUMNS = [tf.feature_column.numeric_column("x", shape=(models.NUM_FEATURES,))]
@@ -20,12 +21,7 @@ Adagrad = tf.keras.optimizers.legacy.Adagrad
 
 
 def _config(model_dir):
-  return tf.estimator.RunConfig(
-      model_dir=str(model_dir), tf_random_seed=7, save_checkpoints_steps=1000,
-      save_summary_steps=1000, log_step_count_steps=1000,
-      session_config=tf.compat.v1.ConfigProto(
-          device_count={"CPU": 4}, allow_soft_placement=True,
-          inter_op_parallelism_threads=2, intra_op_parallelism_threads=1))
+  return harness.estimator_config(model_dir, seed=7)
 
 
 CANNED = {

@@ -10,6 +10,7 @@ import pytest
 import tensorflow as tf
 
 import replicate
+from tests import harness
 from tests import models
 
 TOWERS = {"plain": None,
@@ -21,12 +22,7 @@ BATCH = 16
 
 
 def _config(model_dir):
-  return tf.estimator.RunConfig(
-      model_dir=str(model_dir), tf_random_seed=42, save_checkpoints_steps=1000,
-      save_summary_steps=1000, log_step_count_steps=1000,
-      session_config=tf.compat.v1.ConfigProto(
-          device_count={"CPU": 4}, allow_soft_placement=True,
-          inter_op_parallelism_threads=2, intra_op_parallelism_threads=1))
+  return harness.estimator_config(model_dir, seed=42)
 
 
 def model_fn(features, labels, mode, params):
