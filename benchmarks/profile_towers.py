@@ -38,6 +38,8 @@ flags.DEFINE_integer("batch_size", 256, "Global batch.")
 flags.DEFINE_integer("trace_steps", 10, "Traced steps per run.")
 flags.DEFINE_integer("warmup_steps", 30, "Steps before the windows.")
 flags.DEFINE_bool("serial", False, "One inter-op and one intra-op thread.")
+flags.DEFINE_integer("inter_op_threads", 0, "Without --serial; 0: TF's.")
+flags.DEFINE_integer("intra_op_threads", 0, "Without --serial; 0: TF's.")
 flags.DEFINE_integer("repeats", 3,
                      "Runs per (variant, N), interleaved; medians over all "
                      "their traced steps.")
@@ -115,13 +117,14 @@ def count_sends(partition_files: List[str]) -> int:
 
 def traced_run(variant: str, towers: int, trace_dir: str) -> Dict[str, Any]:
   """Runs one traced worker; its record and per-step summaries."""
-  threads = 1 if FLAGS.serial else 0
+  inter = 1 if FLAGS.serial else FLAGS.inter_op_threads
+  intra = 1 if FLAGS.serial else FLAGS.intra_op_threads
   record = common.run_worker(
       dict(variant=variant, workload=FLAGS.workload, towers=towers,
            batch_size=FLAGS.batch_size, warmup_steps=FLAGS.warmup_steps,
            window_steps=10, windows=3, trace_steps=FLAGS.trace_steps,
-           trace_dir=trace_dir, inter_op_threads=threads,
-           intra_op_threads=threads, fast_exit=True),
+           trace_dir=trace_dir, inter_op_threads=inter,
+           intra_op_threads=intra, fast_exit=True),
       os.path.join(trace_dir, "result.json"), timeout=600)
   if "error" in record:
     raise RuntimeError(f"{variant} N={towers}: {record['error']}")
@@ -159,12 +162,20 @@ def aggregate(variant: str, towers: int,
   }
 
 
+def _threads() -> str:
+  if FLAGS.serial:
+    return "1 thread"
+  name = lambda n: n or "TF's"
+  return (f"inter-op threads {name(FLAGS.inter_op_threads)}, intra-op "
+          f"{name(FLAGS.intra_op_threads)}")
+
+
 def markdown(rows: List[Dict[str, Any]]) -> str:
   head = ("| variant | N | step ms (untraced) | step ms (traced) | op time "
            "| traced - op time | ops | sends | " + " | ".join(CATEGORIES) +
            " | op time per device |")
   lines = [f"Workload {FLAGS.workload}, global batch {FLAGS.batch_size}, "
-           f"{'1 thread' if FLAGS.serial else 'default threads'}; op time "
+           f"{_threads()}; op time "
            "summed per category, ms per step: medians over the traced steps "
            f"of {FLAGS.repeats} interleaved runs.", "",
            head, "|" + "---|" * (8 + len(CATEGORIES) + 1)]
