@@ -44,7 +44,7 @@ class Replication:
   unshared: bool = False
   # Names of the ops that apply summed gradients (built in the last tower).
   apply_ops: set = dataclasses.field(default_factory=set)
-  # Where inputs are split and results merged; None in serving graphs.
+  # Where inputs are split and results merged; None with one tower.
   hub: Optional[str] = None
   # UPDATE_OPS as they were before tower 0: each tower sees these and its own.
   update_ops_before: List[Any] = dataclasses.field(default_factory=list)
@@ -72,11 +72,10 @@ class Replication:
     # On the consolidation device, so that e.g. learning-rate tensors are
     # not sent there from the last tower every step; per-variable updates
     # stay with their variables (TensorFlow colocates them).
-    placed = (self.graph.device(self.hub) if self.hub
-              else contextlib.nullcontext())
     try:
       with tf.compat.v1.variable_scope(scopes.variable_scope), \
-          absolute_name_scope(self.graph, scopes.name_scope), placed:
+          absolute_name_scope(self.graph, scopes.name_scope), \
+          self.graph.device(self.hub):
         yield
     finally:
       self.unshared = False

@@ -74,12 +74,16 @@ def replicate_model_fn(
   def replicated_model_fn(features, labels, mode, params=None, config=None):
     tower_devices = given or _devices.resolve_devices(None)
     arguments = _Arguments(accepted, labels is not None, mode, params, config)
-    serving = mode == _ModeKeys.PREDICT and _fed_by_placeholders(features)
+    if mode == _ModeKeys.PREDICT and _fed_by_placeholders(features):
+      logging.info("replicate: serving graph (features fed by placeholders): "
+                   "one tower, no device pinned")
+      return _run_on_one_device(model_fn, features, labels, arguments, None,
+                                reduction)
     if len(tower_devices) == 1:
       return _run_on_one_device(model_fn, features, labels, arguments,
-                                tower_devices[0], reduction, serving)
+                                tower_devices[0], reduction)
     return _run_towers(model_fn, features, labels, mode, arguments,
-                       tower_devices, reduction, placement, serving)
+                       tower_devices, reduction, placement)
 
   replicated_model_fn.__name__ = f"replicated_{getattr(model_fn, '__name__', 'model_fn')}"
   replicated_model_fn.__doc__ = model_fn.__doc__
@@ -163,8 +167,9 @@ def _fed_by_placeholders(features, max_ops: int = 10000) -> bool:
   """Whether the features are fed through placeholders.
 
   That is how `export_saved_model` (and any serving graph) gets its inputs.
-  Such a graph is built without pinning devices, so that the SavedModel
-  loads and serves on any machine, a CPU-only one included.
+  Such a graph is the unwrapped model_fn's, with no device pinned, so that
+  the SavedModel is the plain model's and serves on any machine, a CPU-only
+  one included.
   """
   pending = [t.op for t in tf.nest.flatten(features, expand_composites=True)
              if isinstance(t, tf.Tensor)]
@@ -185,13 +190,12 @@ def _on_device(device: Optional[str]):
 
 
 def _run_on_one_device(model_fn, features, labels, arguments, device,
-                       reduction, serving):
-  """One device: no splitting, no added ops, the model_fn's own names."""
+                       reduction):
+  """One device (None: unpinned): no splitting, no added ops, own names."""
   graph = tf.compat.v1.get_default_graph()
   replication = _context.Replication(
       num_towers=1, loss_reduction=reduction,
       fractions=[1.0], sizes=[None], graph=graph)
-  device = None if serving else device
   with _context.replication_scope(replication):
     replication.tower = _context.Tower(0, 1, device)
     with _on_device(device):
@@ -199,13 +203,13 @@ def _run_on_one_device(model_fn, features, labels, arguments, device,
 
 
 def _run_towers(model_fn, features, labels, mode, arguments, devices,
-                reduction, placement, serving):
+                reduction, placement):
   """Several devices: split, build every tower, check, merge."""
   graph = tf.compat.v1.get_default_graph()
-  hub = None if serving else _devices.consolidation_device(devices)
+  hub = _devices.consolidation_device(devices)
   logging.info("replicate: %d towers on %s, variables %s, merging on %s",
-               len(devices), devices, placement.value, hub or "any device")
-  with _on_device(hub), tf.name_scope("split_inputs"):
+               len(devices), devices, placement.value, hub)
+  with tf.device(hub), tf.name_scope("split_inputs"):
     shards = _split.split_batch(features, labels, len(devices))
   replication = _context.Replication(
       num_towers=len(devices), loss_reduction=reduction,
@@ -217,17 +221,16 @@ def _run_towers(model_fn, features, labels, mode, arguments, devices,
     with _context.replication_scope(replication):
       name_counters = _sharing.NameCounters()
       for index, device in enumerate(devices):
-        device_function = (None if serving else
-                           _devices.tower_device_function(device, choose))
+        device_function = _devices.tower_device_function(device, choose)
         with _towers.tower_scope(replication, index, device_function,
-                                 None if serving else device, name_counters):
+                                 device, name_counters):
           specs.append(model_fn(**arguments(shards.features[index],
                                             shards.labels[index])))
   finally:
     calls = _gather.clear_gather_state(graph)
   if mode == _ModeKeys.TRAIN:
     _check_optimizer_calls(calls, len(devices))
-  return _merge.merge_specs(mode, specs, replication, hub)
+  return _merge.merge_specs(mode, specs, replication)
 
 
 def _check_optimizer_calls(calls, num_towers):

@@ -9,7 +9,6 @@ the batch, and each eval metric's variables are summed into tower 0's.
 
 from typing import Any, Dict, List, Sequence
 
-import contextlib
 
 import tensorflow as tf
 
@@ -115,12 +114,10 @@ def merge_eval_metric_ops(specs, replication: _context.Replication):
           for key in keys[0]}
 
 
-def merge_specs(mode, specs: List[Any], replication: _context.Replication,
-                device):
-  """Builds the one EstimatorSpec the Estimator sees."""
+def merge_specs(mode, specs: List[Any], replication: _context.Replication):
+  """Builds the one EstimatorSpec the Estimator sees, on the hub device."""
   template = specs[-1] if mode == _ModeKeys.TRAIN else specs[0]
-  placed = tf.device(device) if device else contextlib.nullcontext()
-  with placed, tf.name_scope("merge_towers"):
+  with tf.device(replication.hub), tf.name_scope("merge_towers"):
     fields = {"predictions": concat_predictions([s.predictions for s in specs])}
     if mode != _ModeKeys.PREDICT:
       fields["loss"] = _aggregate.sum_losses([

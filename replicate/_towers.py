@@ -8,7 +8,7 @@ layers, which ignore variable-scope reuse).
 """
 
 import contextlib
-from typing import Callable, Optional
+from typing import Callable
 
 import tensorflow as tf
 from absl import logging
@@ -39,8 +39,8 @@ def _own_collections(replication: Replication, index: int):
 
 @contextlib.contextmanager
 def tower_scope(replication: Replication, index: int,
-                device_function: Optional[Callable[[tf.Operation], str]],
-                device: Optional[str], name_counters: _sharing.NameCounters):
+                device_function: Callable[[tf.Operation], str],
+                device: str, name_counters: _sharing.NameCounters):
   """Builds tower `index`: its name scope, reuse, devices and variables."""
   replication.created.append({})
   replication.tower = Tower(index, replication.num_towers, device)
@@ -57,12 +57,11 @@ def tower_scope(replication: Replication, index: int,
     else:
       name_root = (replication.root_name_scope + "/"
                    if replication.root_name_scope else "")
-    if device_function is not None:
-      stack.enter_context(tf.compat.v1.device(device_function))
+    stack.enter_context(tf.compat.v1.device(device_function))
     stack.enter_context(tf.compat.v1.variable_creator_scope(
         _sharing.variable_creator(replication, index, name_root)))
     logging.info("replicate: building tower %d of %d on %s", index,
-                 replication.num_towers, device or "no pinned device")
+                 replication.num_towers, device)
     first_op = len(graph.get_operations())
     yield replication.tower
     if index > 0:

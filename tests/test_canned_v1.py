@@ -89,26 +89,33 @@ def _serve_on_cpu_without_soft_placement(export_dir, x):
     with tf.compat.v1.Session(config=config) as session:
       meta_graph = tf.compat.v1.saved_model.loader.load(
           session, ["serve"], export_dir)
-      devices = {node.device for node in meta_graph.graph_def.node
-                 if not node.name.startswith("save/")}  # the Saver's: CPU
+      nodes = {node.name: node.device for node in meta_graph.graph_def.node
+               if not node.name.startswith("save/")}  # the Saver's: CPU
       signature = meta_graph.signature_def["predict"]
       fetch = graph.get_tensor_by_name(signature.outputs["probabilities"].name)
       feed = graph.get_tensor_by_name(signature.inputs["x"].name)
-      return session.run(fetch, {feed: x}), devices
+      return session.run(fetch, {feed: x}), nodes
 
 
-def test_export_from_gpu_towers_serves_on_cpu(runs, tmp_path):
+def _receiver():
+  x = tf.compat.v1.placeholder(tf.float32, [None, models.NUM_FEATURES], "x")
+  return tf.estimator.export.ServingInputReceiver({"x": x}, {"x": x})
+
+
+def test_export_from_gpu_towers_is_the_plain_model_and_serves_on_cpu(
+    runs, tmp_path):
   estimator, _, predictions = runs["gpu4"]
-  def receiver():
-    x = tf.compat.v1.placeholder(tf.float32, [None, models.NUM_FEATURES], "x")
-    return tf.estimator.export.ServingInputReceiver({"x": x}, {"x": x})
-
-  export_dir = estimator.export_saved_model(str(tmp_path), receiver)
-  x = models.data(40)[0]["x"][:7]  # 7 rows: uneven across the 4 towers
-  probabilities, devices = _serve_on_cpu_without_soft_placement(export_dir, x)
-  assert devices == {""}  # no device of the training machine pinned
+  export_dir = estimator.export_saved_model(str(tmp_path / "gpu4"), _receiver)
+  x = models.data(40)[0]["x"][:7]
+  probabilities, nodes = _serve_on_cpu_without_soft_placement(export_dir, x)
+  assert set(nodes.values()) == {""}  # no device of the training machine
   np.testing.assert_allclose(
       probabilities, [p["probabilities"] for p in predictions[:7]], rtol=1e-5)
+  # One tower, not four: the same graph as the unreplicated model's export.
+  plain_dir = runs["plain"][0].export_saved_model(str(tmp_path / "plain"),
+                                                  _receiver)
+  _, plain_nodes = _serve_on_cpu_without_soft_placement(plain_dir, x)
+  assert sorted(nodes) == sorted(plain_nodes)
 
 
 def test_gpu_pinned_graph_would_not_serve_on_cpu():
