@@ -62,11 +62,26 @@ def sum_losses(losses: Sequence[Any]):
   return tf.add_n([tf.convert_to_tensor(l) for l in losses], name="loss_sum")
 
 
+def _sum_device(grads: Sequence[Any], variable) -> str:
+  """The variable's device, or the towers' host where that is another task.
+
+  A variable on a parameter server (another job or task than the towers,
+  e.g. under Estimator's replica_device_setter in a TF_CONFIG cluster) gets
+  one summed gradient over the network instead of one per tower.
+  """
+  variable_spec = tf.DeviceSpec.from_string(variable.device)
+  tower_spec = tf.DeviceSpec.from_string(grads[0].device)
+  task = lambda spec: (spec.job, spec.replica, spec.task)
+  if task(variable_spec) == task(tower_spec):
+    return variable.device
+  return tower_spec.replace(device_type="CPU", device_index=0).to_string()
+
+
 def _sum_one(grads: Sequence[Any], variable):
   """Sums one variable's gradients; IndexedSlices stay sparse."""
   if len(grads) == 1:
     return grads[0]
-  with tf.device(variable.device):
+  with tf.device(_sum_device(grads, variable)):
     if all(isinstance(g, tf.IndexedSlices) for g in grads):
       return tf.IndexedSlices(
           values=tf.concat([g.values for g in grads], axis=0),

@@ -1,0 +1,149 @@
+"""The wrapped model_fn on TensorFlow's own distributed runtime.
+
+A parameter-server cluster of in-process servers: the model's variables
+live on the ps task, the towers on the worker's (virtual CPU) devices, as
+Estimator's `replica_device_setter` puts them for a TF_CONFIG cluster. One
+trainer makes training deterministic, so it must match one device exactly.
+"""
+
+import json
+import os
+import socket
+from unittest import mock
+
+from google.protobuf import text_format
+import numpy as np
+import tensorflow as tf
+
+import replicate
+from tests import harness
+from tests import models
+
+STEPS = 4
+BATCH = 12
+
+
+def _free_port():
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    return s.getsockname()[1]
+
+
+def _cluster(trainer_job):
+  return {"ps": [f"localhost:{_free_port()}"],
+          trainer_job: [f"localhost:{_free_port()}"]}
+
+
+def _server_config():
+  return tf.compat.v1.ConfigProto(device_count={"CPU": 4},
+                                  allow_soft_placement=True)
+
+
+def _model_fn(features, labels, mode):
+  return models.classifier_model_fn(features, labels, mode,
+                                    {"optimizer": "momentum"})
+
+
+def _train_in_cluster(tower_devices):
+  """Trains STEPS steps through a worker server; losses and variables."""
+  cluster = tf.train.ClusterSpec(_cluster("worker"))
+  tf.distribute.Server(cluster, "ps", 0, config=_server_config())
+  worker = tf.distribute.Server(cluster, "worker", 0, config=_server_config())
+  setter = tf.compat.v1.train.replica_device_setter(
+      ps_tasks=1, worker_device="/job:worker/task:0", cluster=cluster)
+  with tf.Graph().as_default() as graph:
+    with tf.compat.v1.device(setter):
+      tf.compat.v1.train.create_global_step()
+      features, labels = harness.batches(models.data(), BATCH)
+      spec = harness.wrap(_model_fn, tower_devices)(
+          features, labels, harness.TRAIN)
+    with tf.compat.v1.Session(worker.target) as session:
+      session.run(tf.compat.v1.global_variables_initializer())
+      harness.set_trainable_weights(session)
+      losses = [session.run([spec.loss, spec.train_op])[0]
+                for _ in range(STEPS)]
+      values = {v.op.name: session.run(v)
+                for v in tf.compat.v1.global_variables()}
+  return losses, values, graph
+
+
+def _devices_of(graph, op_type):
+  return {op.name: op.device for op in graph.get_operations()
+          if op.type == op_type}
+
+
+def test_towers_on_a_worker_with_variables_on_a_parameter_server():
+  expected_losses, expected_values, _ = _train_in_cluster(None)
+  towers = [f"/device:CPU:{i}" for i in range(3)]
+  losses, values, graph = _train_in_cluster(towers)
+  np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
+  harness.assert_close_nests(values, expected_values)
+
+  variables = _devices_of(graph, "VarHandleOp")
+  assert variables["hidden/kernel"] == "/job:ps/task:0/device:CPU:0"
+  assert all(d.startswith("/job:ps/task:0") for d in variables.values())
+  matmuls = _devices_of(graph, "MatMul")
+  assert matmuls["hidden/MatMul"] == "/job:worker/task:0/device:CPU:0"
+  assert matmuls["tower_2/hidden/MatMul"] == "/job:worker/task:0/device:CPU:2"
+  # Summed on the worker: one gradient per variable crosses to the ps.
+  sums = _devices_of(graph, "AddN")
+  assert {d for n, d in sums.items() if n.startswith("gradient_sum/")} == {
+      "/job:worker/task:0/device:CPU:0"}
+  applies = _devices_of(graph, "ResourceApplyMomentum")
+  assert set(applies.values()) == {"/job:ps/task:0/device:CPU:0"}
+
+
+def _estimator_model_fn(features, labels, mode, params):
+  del params
+  logits = tf.compat.v1.layers.dense(
+      features["x"], models.NUM_CLASSES,
+      kernel_initializer=tf.compat.v1.glorot_uniform_initializer(seed=3))
+  loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
+  optimizer = replicate.TowerOptimizer(
+      tf.compat.v1.train.MomentumOptimizer(0.1, 0.9))
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=optimizer.minimize(
+      loss, tf.compat.v1.train.get_global_step()))
+
+
+def _input_fn():
+  x, y = models.data()
+  return tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(BATCH)
+
+
+def _final_weights(model_dir):
+  return {name: tf.train.load_variable(model_dir, name)
+          for name, _ in tf.train.list_variables(model_dir)
+          if name.startswith("dense/")}
+
+
+def test_estimator_in_a_tf_config_cluster_trains_like_one_device(tmp_path):
+  plain = tf.estimator.Estimator(
+      _estimator_model_fn, config=harness.estimator_config(tmp_path / "plain",
+                                                           seed=5))
+  plain.train(_input_fn, max_steps=STEPS)
+
+  cluster = _cluster("chief")
+  tf.distribute.Server(tf.train.ClusterSpec(cluster), "ps", 0,
+                       config=_server_config())
+  tf_config = {"cluster": cluster, "task": {"type": "chief", "index": 0}}
+  with mock.patch.dict(os.environ, {"TF_CONFIG": json.dumps(tf_config)}):
+    config = harness.estimator_config(tmp_path / "cluster", seed=5)
+    assert config.num_ps_replicas == 1 and config.is_chief
+    estimator = tf.estimator.Estimator(
+        replicate.replicate_model_fn(
+            _estimator_model_fn, devices=[f"/device:CPU:{i}" for i in range(2)]),
+        config=config)
+    tf.estimator.train_and_evaluate(
+        estimator, tf.estimator.TrainSpec(_input_fn, max_steps=STEPS),
+        tf.estimator.EvalSpec(_input_fn, steps=1))
+
+  graph = tf.compat.v1.GraphDef()
+  text_format.Parse((tmp_path / "cluster" / "graph.pbtxt").read_text(), graph)
+  devices = {node.name: node.device for node in graph.node}
+  assert devices["dense/kernel"] == "/job:ps/task:0/device:CPU:0"
+  assert devices["tower_1/dense/MatMul"] == "/job:chief/task:0/device:CPU:1"
+  assert tf.train.load_variable(str(tmp_path / "cluster"),
+                                "global_step") == STEPS
+  harness.assert_close_nests(_final_weights(str(tmp_path / "cluster")),
+                             _final_weights(str(tmp_path / "plain")),
+                             rtol=1e-5)
