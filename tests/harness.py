@@ -78,6 +78,19 @@ def wrap(model_fn, tower_devices, reduction=Reduction.SUM_BY_NONZERO_WEIGHTS,
       variable_placement=placement)
 
 
+def run_training(session, spec, steps):
+  """Initialises, loads the seeded weights and runs `steps` train steps.
+
+  Returns the losses and every global variable's value afterwards.
+  """
+  session.run([tf.compat.v1.global_variables_initializer(),
+               tf.compat.v1.local_variables_initializer()])
+  set_trainable_weights(session)
+  losses = [session.run([spec.loss, spec.train_op])[0] for _ in range(steps)]
+  values = {v.op.name: session.run(v) for v in tf.compat.v1.global_variables()}
+  return np.array(losses), values
+
+
 def train(model_fn, data, batch_size, steps, tower_devices=None,
           reduction=Reduction.SUM_BY_NONZERO_WEIGHTS,
           placement=replicate.VariablePlacement.SHARED, kind=VIRTUAL_CPUS,
@@ -89,14 +102,7 @@ def train(model_fn, data, batch_size, steps, tower_devices=None,
     spec = wrap(model_fn, tower_devices, reduction, placement)(
         features, labels, TRAIN, params or {})
     with tf.compat.v1.Session(config=session_config(kind)) as session:
-      session.run([tf.compat.v1.global_variables_initializer(),
-                   tf.compat.v1.local_variables_initializer()])
-      set_trainable_weights(session)
-      losses = [session.run([spec.loss, spec.train_op])[0]
-                for _ in range(steps)]
-      values = {v.op.name: session.run(v)
-                for v in tf.compat.v1.global_variables()}
-  return np.array(losses), values
+      return run_training(session, spec, steps)
 
 
 def evaluate(model_fn, data, batch_size, steps, tower_devices=None,

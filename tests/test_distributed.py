@@ -65,12 +65,7 @@ def _train_in_cluster(tower_devices):
       spec = harness.wrap(_model_fn, tower_devices)(
           features, labels, harness.TRAIN)
     with tf.compat.v1.Session(worker.target) as session:
-      session.run(tf.compat.v1.global_variables_initializer())
-      harness.set_trainable_weights(session)
-      losses = [session.run([spec.loss, spec.train_op])[0]
-                for _ in range(STEPS)]
-      values = {v.op.name: session.run(v)
-                for v in tf.compat.v1.global_variables()}
+      losses, values = harness.run_training(session, spec, STEPS)
   return losses, values, graph
 
 

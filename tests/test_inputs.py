@@ -76,13 +76,8 @@ def _train_sparse(tower_devices, steps=3, batch_size=8):
     spec = harness.wrap(sparse_model_fn, tower_devices)(
         features, labels, tf.estimator.ModeKeys.TRAIN, {})
     with tf.compat.v1.Session(config=harness.session_config()) as session:
-      session.run(tf.compat.v1.global_variables_initializer())
-      harness.set_trainable_weights(session)
-      losses = [session.run([spec.loss, spec.train_op])[0]
-                for _ in range(steps)]
-      values = {v.op.name: session.run(v)
-                for v in tf.compat.v1.global_variables()}
-  return graph, np.array(losses), values
+      losses, values = harness.run_training(session, spec, steps)
+  return graph, losses, values
 
 
 class SparseDictAndOptimizersTest(parameterized.TestCase):
