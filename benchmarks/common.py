@@ -25,6 +25,9 @@ class Settings:
   fast_exit: bool
   jobs: int
   worker_flags: Dict[str, Any]
+  # "runs": a process per variant; "windows": one per (round, workload, N),
+  # its variants taking turns window by window.
+  pairing: str = "runs"
 
 
 def define_timing_flags() -> None:
@@ -56,7 +59,10 @@ def worker_env() -> Dict[str, str]:
 
 def run_worker(worker_flags: Dict[str, Any], result_file: str,
                timeout: Optional[float]) -> Dict[str, Any]:
-  """Runs worker.py with `worker_flags`; its record, or one with 'error'."""
+  """Runs worker.py with `worker_flags`; its record, or one with 'error'.
+
+  A worker that ran several variants (--together) gives {'records': [...]}.
+  """
   if os.path.exists(result_file):
     os.remove(result_file)
   args: List[str] = [sys.executable, WORKER, f"--result_file={result_file}"]
@@ -72,7 +78,9 @@ def run_worker(worker_flags: Dict[str, Any], result_file: str,
   record: Dict[str, Any] = {}
   if error is None:
     with open(result_file) as f:
-      record.update(json.load(f))
+      result = json.load(f)
+    # A list: one record per variant of a --together process.
+    record.update({"records": result} if isinstance(result, list) else result)
   else:
     record["error"] = error
   record["process_wall_s"] = time.perf_counter() - started

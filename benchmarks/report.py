@@ -35,20 +35,34 @@ def _median(values: Sequence[float]) -> Optional[float]:
 
 
 def _ratios(records, variant: str, against: str) -> List[float]:
-  """Same-round examples/sec ratios `variant` / `against`."""
+  """Examples/sec ratios `variant` / `against`, taken within rounds.
+
+  Runs that took turns window by window in one process (pairing
+  'windows') give one ratio per pair of windows; separate runs, one per
+  round.
+  """
   by_round = {}
   for r in records:
     if "error" not in r:
-      by_round.setdefault(r["round"], {})[r["variant"]] = r["examples_per_sec"]
-  return [v[variant] / v[against] for v in by_round.values()
-          if variant in v and against in v and variant != against]
+      by_round.setdefault(r["round"], {})[r["variant"]] = r
+  ratios = []
+  for runs in by_round.values():
+    if variant == against or variant not in runs or against not in runs:
+      continue
+    mine, theirs = runs[variant], runs[against]
+    if mine.get("pairing") == theirs.get("pairing") == "windows":
+      ratios += [a / b for a, b in zip(mine["window_examples_per_sec"],
+                                       theirs["window_examples_per_sec"])]
+    else:
+      ratios.append(mine["examples_per_sec"] / theirs["examples_per_sec"])
+  return ratios
 
 
 def _spread(ratios: List[float]) -> Optional[Dict[str, float]]:
   if not ratios:
     return None
   return {"median": statistics.median(ratios), "min": min(ratios),
-          "max": max(ratios), "rounds": len(ratios)}
+          "max": max(ratios), "pairs": len(ratios)}
 
 
 def aggregate(records: List[Dict[str, Any]],
@@ -65,6 +79,7 @@ def aggregate(records: List[Dict[str, Any]],
         row = {"workload": workload, "towers": n, "variant": variant,
                "runs": len(ok), "failed": len(mine) - len(ok)}
         for key in ("examples_per_sec", "build_s", "peak_rss_mib",
+                    "rss_growth_mib",
                     "cpu_s_per_example", "cores_used", "final_loss",
                     "return_after_last_step_s"):
           row[key] = _median([r.get(key) for r in ok])
@@ -103,16 +118,29 @@ def _fmt_ratio(spread: Optional[Dict[str, float]]) -> str:
           f"({spread['min']:.2f}–{spread['max']:.2f})")
 
 
+def _memory(row: Dict[str, Any]) -> str:
+  if row.get("peak_rss_mib") is None and row.get("rss_growth_mib") is not None:
+    return "+" + _fmt(row["rss_growth_mib"], ".0f")
+  return _fmt(row.get("peak_rss_mib"), ".0f")
+
+
 def markdown(rows: List[Dict[str, Any]], targets: List[Dict[str, Any]],
              settings: Settings) -> str:
   """The side-by-side table and the targets, as markdown."""
   w = settings.worker_flags
+  if settings.pairing == "windows":
+    pairing = ("variants of a round in one process, taking turns window by "
+               "window; ratios: median (min–max) of the ratios of windows "
+               "taken in turn; memory: '+' what the variant's build and "
+               "warm-up added to the shared process")
+  else:
+    pairing = ("a process per run; ratios: median (min–max) of same-round "
+               "ratios")
   lines = [
       f"Devices: {settings.device_type}; global batch {w['batch_size']}; "
       f"{w['warmup_steps']} warm-up steps, {w['windows']} windows of "
-      f"{w['window_steps']} steps; {settings.rounds} rounds. ex/s and the "
-      "other figures: median over rounds; ratios: median (min–max) of "
-      "same-round ratios.", "",
+      f"{w['window_steps']} steps; {settings.rounds} rounds; {pairing}. "
+      "ex/s and the other figures: median over rounds.", "",
       "| workload | N | variant | ex/s | × plain | × mirrored | build s "
       "| return s | peak RSS MiB | CPU µs/ex | cores | final loss |",
       "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -126,7 +154,7 @@ def markdown(rows: List[Dict[str, Any]], targets: List[Dict[str, Any]],
         f"| {_fmt_ratio(row.get('vs_mirrored'))} "
         f"| {_fmt(row['build_s'], '.2f')} "
         f"| {_fmt(row['return_after_last_step_s'], '.2f')} "
-        f"| {_fmt(row['peak_rss_mib'], '.0f')} "
+        f"| {_memory(row)} "
         f"| {_fmt(None if cpu is None else cpu * 1e6, '.1f')} "
         f"| {_fmt(row['cores_used'], '.2f')} "
         f"| {_fmt(row['final_loss'], '.4f')} |")

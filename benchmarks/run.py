@@ -8,6 +8,12 @@ taken between runs of the same round, so that a machine whose speed drifts
 still compares like with like. The table reports medians over rounds and
 the min-max spread of the same-round ratios.
 
+With --pairing=windows (what --quick uses) a round's variants share one
+process per (workload, N) and take turns window by window, so the ratios
+pair windows seconds apart (window k of one variant with window k of the
+other); peak RSS is then the process's, so each variant reports the memory
+its build and warm-up added instead, and no return time.
+
   .venv/bin/python benchmarks/run.py --quick
   .venv/bin/python benchmarks/run.py --out results.json --plot results.png
 
@@ -63,6 +69,10 @@ flags.DEFINE_integer("jobs", 1,
                      "Runs at once. Keep 1 to measure: concurrent runs share "
                      "the cores; --smoke uses 2 (it checks, not measures).",
                      lower_bound=1)
+flags.DEFINE_enum("pairing", "runs", ["runs", "windows"],
+                  "runs: a process per variant, ratios between runs of a "
+                  "round; windows: the variants of a round share a process, "
+                  "ratios between windows taken in turn.")
 flags.DEFINE_bool("quick", False,
                   "Regression check, < 3 min on 2 cores: mlp, N in {1, 2}, "
                   "3 rounds of few steps (explicit flags still win).")
@@ -78,8 +88,8 @@ flags.DEFINE_string("from_json", None,
 # Presets; a flag given on the command line overrides them.
 _PRESETS = {
     "quick": dict(workloads=["mlp"], towers=["1", "2"], rounds=3,
-                  warmup_steps=10, window_steps=20, windows=4,
-                  fast_exit=True),
+                  warmup_steps=10, window_steps=50, windows=6,
+                  fast_exit=True, pairing="windows"),
     "smoke": dict(workloads=["mlp"], towers=["1", "2"], rounds=1,
                   batch_size=64, examples=256, warmup_steps=1,
                   window_steps=2, windows=2, fast_exit=True, jobs=2),
@@ -130,7 +140,8 @@ def resolve_settings() -> Settings:
       variants=list(variants), workloads=list(workloads), towers=towers,
       rounds=_flag("rounds", presets), device_type=device_type,
       fast_exit=_flag("fast_exit", presets), jobs=_flag("jobs", presets),
-      worker_flags={k: _flag(k, presets) for k in _WORKER_FLAGS})
+      worker_flags={k: _flag(k, presets) for k in _WORKER_FLAGS},
+      pairing=_flag("pairing", presets))
 
 
 def rotated(variants: Sequence[str], round_index: int) -> List[str]:
@@ -140,26 +151,45 @@ def rotated(variants: Sequence[str], round_index: int) -> List[str]:
 
 
 def schedule(settings: Settings) -> List[Dict[str, Any]]:
-  """Every run in order: by round, then workload and N, variants rotated."""
+  """Every process in order: by round, then workload and N, variants rotated.
+
+  Each entry lists the variants its process runs: one, or (pairing by
+  windows) all of them.
+  """
   runs = []
   for r in range(settings.rounds):
     for workload in settings.workloads:
       for n in settings.towers:
-        for variant in rotated(settings.variants, r + n):
-          runs.append(dict(round=r, workload=workload, towers=n,
-                           variant=variant))
+        order = rotated(settings.variants, r + n)
+        groups = ([order] if settings.pairing == "windows" else
+                  [[variant] for variant in order])
+        runs += [dict(round=r, workload=workload, towers=n, variants=group)
+                 for group in groups]
   return runs
 
 
 def run_worker(run: Dict[str, Any], settings: Settings,
-               result_file: str) -> Dict[str, Any]:
-  """One run in its own process; its record, or one with an 'error'."""
-  worker_flags = dict(variant=run["variant"], workload=run["workload"],
-                      towers=run["towers"], device_type=settings.device_type,
+               result_file: str) -> List[Dict[str, Any]]:
+  """One process; a record per variant (with an 'error' if it failed)."""
+  worker_flags = dict(workload=run["workload"], towers=run["towers"],
+                      device_type=settings.device_type,
                       fast_exit=settings.fast_exit, **settings.worker_flags)
-  record = dict(run)
-  record.update(common.run_worker(worker_flags, result_file, FLAGS.run_timeout))
-  return record
+  if settings.pairing == "windows":
+    worker_flags["together"] = ",".join(run["variants"])
+  else:
+    worker_flags["variant"] = run["variants"][0]
+  result = common.run_worker(worker_flags, result_file, FLAGS.run_timeout)
+  wall = result.pop("process_wall_s")
+  found = result.pop("records", [result])
+  by_variant = {r.get("variant"): r for r in found}
+  records = []
+  for variant in run["variants"]:
+    record = dict(round=run["round"], workload=run["workload"],
+                  towers=run["towers"], variant=variant, process_wall_s=wall)
+    record.update(by_variant.get(variant) or {"error": result.get(
+        "error", "no record")})
+    records.append(record)
+  return records
 
 
 def run_all(settings: Settings) -> List[Dict[str, Any]]:
@@ -167,21 +197,23 @@ def run_all(settings: Settings) -> List[Dict[str, Any]]:
   runs = schedule(settings)
   done = []
 
-  def one(index: int, run: Dict[str, Any], scratch: str) -> Dict[str, Any]:
+  def one(index: int, run: Dict[str, Any], scratch: str):
     result_file = os.path.join(scratch, f"result_{index}.json")
-    record = run_worker(run, settings, result_file)
+    records = run_worker(run, settings, result_file)
     done.append(index)
-    logging.info("[%d/%d] round %d %s N=%d %s: %s (%.1f s)", len(done),
-                 len(runs), run["round"], run["workload"], run["towers"],
-                 run["variant"], record.get("error", "")[:200] or
-                 f"{record['examples_per_sec']:,.0f} ex/s",
-                 record["process_wall_s"])
-    return record
+    for record in records:
+      logging.info("[%d/%d] round %d %s N=%d %s: %s (%.1f s)", len(done),
+                   len(runs), run["round"], run["workload"], run["towers"],
+                   record["variant"], record.get("error", "")[:200] or
+                   f"{record['examples_per_sec']:,.0f} ex/s",
+                   record["process_wall_s"])
+    return records
 
   with tempfile.TemporaryDirectory(prefix="replicate_bench_") as scratch:
     with futures.ThreadPoolExecutor(max_workers=settings.jobs) as pool:
-      return list(pool.map(one, range(len(runs)), runs,
-                           [scratch] * len(runs)))
+      return [record for records in pool.map(
+          one, range(len(runs)), runs, [scratch] * len(runs))
+              for record in records]
 
 
 def load_runs(path: str):

@@ -2,7 +2,12 @@
 
 Started by `benchmarks/run.py`; writes one JSON record to --result_file.
 TensorFlow is configured (virtual CPU devices) before it initialises, which
-is why every run needs a fresh process.
+is why every tower count needs a fresh process.
+
+With --together, several variants train in this one process, each in its
+own thread, taking turns window by window (one runs at a time): their
+windows are then seconds apart, so ratios between them hold on a machine
+whose speed drifts; --result_file gets a list of records.
 
 Variants:
   plain                  the unwrapped model_fn on one device
@@ -19,6 +24,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from typing import Any, Callable, Dict, List, Optional
 
@@ -40,6 +46,9 @@ _NEVER = 10**9  # steps: no checkpoints, summaries or step logs while timing
 
 FLAGS = flags.FLAGS
 flags.DEFINE_enum("variant", "plain", VARIANTS, "What to run.")
+flags.DEFINE_list("together", [],
+                  "Variants to run in this process, taking turns window by "
+                  "window (overrides --variant; no tracing).")
 flags.DEFINE_enum("workload", "mlp", workloads.WORKLOADS, "Model.")
 flags.DEFINE_integer("towers", 1, "Number of devices N.", lower_bound=1)
 flags.DEFINE_enum("device_type", "CPU", ["CPU", "GPU"],
@@ -135,15 +144,20 @@ class TimingHook(tf.estimator.SessionRunHook):
   """
 
   def __init__(self, warmup: int, window: int, windows: int, trace: int,
-               on_last_step: Optional[Callable[[], None]] = None):
+               on_last_step: Optional[Callable[[], None]] = None,
+               on_mark: Optional[Callable[[], None]] = None):
     self._marks_at = {warmup + 1 + k * window for k in range(windows + 1)}
     self._trace_from = warmup + 1 + windows * window + 1
     self._trace_to = self._trace_from + trace
     self.last_step = self._trace_to - 1
     self._on_last_step = on_last_step
+    self._on_mark = on_mark
     self.step = 0
     self.first_after_run: Optional[float] = None
+    # (wall, process CPU) at the end of the warm-up and of each window, and
+    # when timing resumed after each (later, if on_mark waited its turn).
     self.marks: List[tuple] = []
+    self.resumes: List[tuple] = []
     self.losses: List[float] = []
     self.step_stats: List[Any] = []
     self.partition_graphs: List[Any] = []
@@ -172,6 +186,9 @@ class TimingHook(tf.estimator.SessionRunHook):
     self.losses.append(float(np.mean(run_values.results)))
     if self.step in self._marks_at:
       self.marks.append((now, cpu))
+      if self._on_mark and self.step != self.last_step:
+        self._on_mark()
+      self.resumes.append((time.perf_counter(), time.process_time()))
     if tracing:
       self.step_stats.append(run_values.run_metadata.step_stats)
       self.partition_graphs = list(run_values.run_metadata.partition_graphs)
@@ -182,10 +199,11 @@ class TimingHook(tf.estimator.SessionRunHook):
 def summarise(hook: TimingHook, t_train: float, batch: int,
               window: int) -> Dict[str, Any]:
   """The run's figures from the hook's marks."""
-  walls = [b[0] - a[0] for a, b in zip(hook.marks, hook.marks[1:])]
+  windows = list(zip(hook.resumes, hook.marks[1:]))
+  walls = [end[0] - start[0] for start, end in windows]
   rates = [window * batch / w for w in walls]
-  cpu = hook.marks[-1][1] - hook.marks[0][1]
-  wall = hook.marks[-1][0] - hook.marks[0][0]
+  cpu = sum(end[1] - start[1] for start, end in windows)
+  wall = sum(walls)
   examples = window * batch * len(walls)
   final_step = len(hook.losses) - len(hook.step_stats)
   return {
@@ -219,30 +237,82 @@ def write_traces(hook: TimingHook, trace_dir: str, name: str) -> List[str]:
   return paths
 
 
-class Run:
-  """One configured training run and its record."""
+class Baton:
+  """Lets one of several threads run at a time, taking turns in order."""
 
-  def __init__(self):
-    towers, kind = FLAGS.towers, FLAGS.device_type
-    if FLAGS.batch_size % towers:
-      raise ValueError(f"--batch_size={FLAGS.batch_size} must divide by "
-                       f"--towers={towers}.")
-    configure_devices(kind, towers)
-    self.devices = device_names(kind, towers)
+  def __init__(self, names: List[str]):
+    self._turns = threading.Condition()
+    self._queue = list(names)  # the first one's turn
+
+  def wait(self, name: str) -> None:
+    with self._turns:
+      self._turns.wait_for(lambda: self._queue[0] == name)
+
+  def pass_on(self, name: str) -> None:
+    """To the next in line; `name` queues up again at the end."""
+    with self._turns:
+      self._queue.remove(name)
+      self._queue.append(name)
+      self._turns.notify_all()
+
+  def leave(self, name: str) -> None:
+    with self._turns:
+      if name in self._queue:
+        self._queue.remove(name)
+      self._turns.notify_all()
+
+
+def _resident_mib() -> Optional[float]:
+  """Current resident memory (Linux), for growth while a variant builds."""
+  try:
+    with open("/proc/self/statm") as f:
+      pages = int(f.read().split()[1])
+  except (OSError, IndexError, ValueError):
+    return None
+  return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+class Run:
+  """One configured training run of `variant` and its record.
+
+  With a `baton` it shares the process: it builds and warms up in its turn,
+  then times each window in its turn, and at its last step records and
+  parks its thread (the process exits once every run has recorded).
+  """
+
+  def __init__(self, variant: str, devices: List[str],
+               baton: Optional[Baton] = None):
+    self.variant = variant
+    self.devices = devices
+    self.baton = baton
     self.model_dir = tempfile.mkdtemp(prefix="replicate_bench_")
+    if baton:
+      on_last_step, on_mark = self._finish, self._take_turns
+    else:
+      on_last_step, on_mark = (self._exit if FLAGS.fast_exit else None), None
     self.hook = TimingHook(FLAGS.warmup_steps, FLAGS.window_steps,
-                           FLAGS.windows, FLAGS.trace_steps,
-                           self._exit if FLAGS.fast_exit else None)
+                           FLAGS.windows, 0 if baton else FLAGS.trace_steps,
+                           on_last_step, on_mark)
     self.t_train = None
+    self.rss_before = None
+    self.rss_warm = None
+    self.result: Optional[Dict[str, Any]] = None
+    self.done = threading.Event()
 
   def record(self) -> Dict[str, Any]:
-    record = {"variant": FLAGS.variant, "workload": FLAGS.workload,
+    record = {"variant": self.variant, "workload": FLAGS.workload,
               "towers": FLAGS.towers, "device_type": FLAGS.device_type,
               "devices": self.devices, "batch_size": FLAGS.batch_size}
     record.update(summarise(self.hook, self.t_train, FLAGS.batch_size,
                             FLAGS.window_steps))
-    if FLAGS.trace_steps and FLAGS.trace_dir:
-      name = f"{FLAGS.workload}_{FLAGS.variant}_n{FLAGS.towers}"
+    if self.baton:
+      # One process for all variants: its peak says nothing of one of them.
+      record["pairing"] = "windows"
+      record["peak_rss_mib"] = None
+      if self.rss_before is not None and self.rss_warm is not None:
+        record["rss_growth_mib"] = self.rss_warm - self.rss_before
+    if FLAGS.trace_steps and FLAGS.trace_dir and not self.baton:
+      name = f"{FLAGS.workload}_{self.variant}_n{FLAGS.towers}"
       record["traces"] = write_traces(self.hook, FLAGS.trace_dir, name)
     return record
 
@@ -254,14 +324,30 @@ class Run:
     sys.stderr.flush()
     os._exit(0)  # pylint: disable=protected-access
 
+  def _take_turns(self):
+    if self.rss_warm is None:
+      self.rss_warm = _resident_mib()
+    self.baton.pass_on(self.variant)
+    self.baton.wait(self.variant)
+
+  def _finish(self):
+    """Together: record, make way for the others and never return."""
+    self.result = self.record()
+    self.baton.leave(self.variant)
+    self.done.set()
+    threading.Event().wait()
+
   def train(self) -> Dict[str, Any]:
     """Trains; returns the record (with the time train() took to return)."""
     data = workloads.synthetic_data(FLAGS.examples, FLAGS.seed)
     element = FLAGS.batch_size // (
-        FLAGS.towers if FLAGS.variant == "mirrored" else 1)
+        FLAGS.towers if self.variant == "mirrored" else 1)
     steps = self.hook.last_step
     try:
-      estimator = build_estimator(FLAGS.variant, self.devices, self.model_dir,
+      if self.baton:
+        self.baton.wait(self.variant)
+        self.rss_before = _resident_mib()
+      estimator = build_estimator(self.variant, self.devices, self.model_dir,
                                   session_config(FLAGS.device_type,
                                                  FLAGS.towers))
       self.t_train = time.perf_counter()
@@ -274,8 +360,32 @@ class Run:
     record["return_after_last_step_s"] = t_return - self.hook.marks[-1][0]
     return record
 
+  def train_in_thread(self):
+    """Thread target with a baton: an error is this run's record."""
+    try:
+      self.train()
+    except Exception as error:  # pylint: disable=broad-except
+      self.result = {"variant": self.variant, "error": repr(error)[-2000:]}
+    finally:
+      self.baton.leave(self.variant)
+      self.done.set()
 
-def write_record(record: Dict[str, Any]) -> None:
+
+def run_together(variants: List[str], devices: List[str]):
+  """Every variant in its own thread, taking turns; exits with the records."""
+  baton = Baton(variants)
+  runs = [Run(v, devices, baton) for v in variants]
+  for run in runs:
+    threading.Thread(target=run.train_in_thread, daemon=True).start()
+  for run in runs:
+    run.done.wait()
+  write_record([run.result for run in runs])
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os._exit(0)  # pylint: disable=protected-access
+
+
+def write_record(record: Any) -> None:
   """To --result_file, or stdout."""
   text = json.dumps(record, indent=1)
   if FLAGS.result_file:
@@ -288,7 +398,19 @@ def write_record(record: Dict[str, Any]) -> None:
 def main(argv):
   del argv
   tf.compat.v1.logging.set_verbosity(tf.compat.v1.logging.ERROR)
-  write_record(Run().train())
+  towers, kind = FLAGS.towers, FLAGS.device_type
+  if FLAGS.batch_size % towers:
+    raise ValueError(f"--batch_size={FLAGS.batch_size} must divide by "
+                     f"--towers={towers}.")
+  configure_devices(kind, towers)
+  devices = device_names(kind, towers)
+  if FLAGS.together:
+    unknown = [v for v in FLAGS.together if v not in VARIANTS]
+    if unknown:
+      raise ValueError(f"--together={FLAGS.together}: unknown {unknown}; "
+                       f"choose from {VARIANTS}.")
+    run_together(FLAGS.together, devices)
+  write_record(Run(FLAGS.variant, devices).train())
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _BENCHMARKS = os.path.join(_ROOT, "benchmarks")
@@ -23,19 +24,21 @@ import report  # pylint: disable=g-import-not-at-top,wrong-import-position
 VARIANTS = common.VARIANTS
 
 
-def _smoke(tmp_path):
+def _smoke(tmp_path, pairing):
   out = tmp_path / "smoke.json"
   proc = subprocess.run(
       [sys.executable, os.path.join(_BENCHMARKS, "run.py"), "--smoke",
-       "--device_type=CPU", f"--out={out}"],
+       "--device_type=CPU", f"--pairing={pairing}", f"--out={out}"],
       capture_output=True, text=True, timeout=300, cwd=_ROOT,
       env=common.worker_env())
   assert proc.returncode == 0, proc.stderr[-4000:]
   return proc.stdout, json.loads(out.read_text())
 
 
-def test_smoke_run_reports_every_variant_at_one_and_two_towers(tmp_path):
-  stdout, result = _smoke(tmp_path)
+@pytest.mark.parametrize("pairing", ["runs", "windows"])
+def test_smoke_run_reports_every_variant_at_one_and_two_towers(tmp_path,
+                                                               pairing):
+  stdout, result = _smoke(tmp_path, pairing)
   rows = result["rows"]
   assert sorted((r["variant"], r["towers"]) for r in rows) == sorted(
       (v, n) for v in VARIANTS for n in (1, 2))
@@ -43,7 +46,14 @@ def test_smoke_run_reports_every_variant_at_one_and_two_towers(tmp_path):
     assert row["runs"] == 1 and row["failed"] == 0, row
     assert row["examples_per_sec"] > 0, row
     assert math.isfinite(row["final_loss"]), row
-    assert row["build_s"] > 0 and row["peak_rss_mib"] > 0, row
+    assert row["build_s"] > 0, row
+    if pairing == "runs":
+      assert row["peak_rss_mib"] > 0, row
+    else:  # one process: what each variant added to it, and a ratio per window
+      assert row["peak_rss_mib"] is None and row["rss_growth_mib"] > 0, row
+      if row["variant"] != "plain":
+        assert row["vs_plain"]["pairs"] == result["settings"][
+            "worker_flags"]["windows"], row
     assert f"| mlp | {row['towers']} | {row['variant']} |" in stdout
   # Same model, seed and examples per step: every variant, the same loss.
   losses = [r["final_loss"] for r in rows]
@@ -60,12 +70,13 @@ def _record(round_index, variant, examples_per_sec, towers=2):
           "final_loss": 0.5}
 
 
-def _settings(rounds):
+def _settings(rounds, pairing="runs"):
   return common.Settings(variants=list(VARIANTS), workloads=["mlp"],
                          towers=[2], rounds=rounds, device_type="CPU",
                          fast_exit=True, jobs=1,
                          worker_flags={"batch_size": 256, "warmup_steps": 1,
-                                       "window_steps": 1, "windows": 1})
+                                       "window_steps": 1, "windows": 1},
+                         pairing=pairing)
 
 
 def test_ratios_are_taken_within_rounds_then_summarised():
@@ -90,3 +101,25 @@ def test_ratios_are_taken_within_rounds_then_summarised():
                           _settings(3))
   assert "| mlp | 2 | replicate_shared | 180 | 0.90 (0.90–0.99) |" in table
   assert "mirrored (1 failed)" in table
+
+
+def test_windows_taken_in_turn_give_a_ratio_per_window():
+  # The machine slows down window by window; each pair of windows agrees.
+  drift = [1.0, 0.5, 0.25]
+  def record(variant, speed):
+    rates = [speed * d for d in drift]
+    return dict(_record(0, variant, float(np.median(rates))), pairing="windows",
+                window_examples_per_sec=rates, peak_rss_mib=None,
+                rss_growth_mib=40.0)
+  records = [record("plain", 100.0), record("mirrored", 50.0),
+             record("replicate_shared", 120.0),
+             record("replicate_round_robin", 100.0)]
+  rows = {r["variant"]: r
+          for r in report.aggregate(records, _settings(1, "windows"))}
+  shared = rows["replicate_shared"]
+  assert shared["vs_plain"] == {"median": 1.2, "min": 1.2, "max": 1.2,
+                                "pairs": 3}
+  assert shared["vs_mirrored"]["median"] == 2.4
+  table = report.markdown(list(rows.values()), [], _settings(1, "windows"))
+  assert "| mlp | 2 | replicate_shared | 60 | 1.20 (1.20–1.20) |" in table
+  assert "| +40 |" in table
