@@ -9,7 +9,6 @@ the batch, and each eval metric's variables are summed into tower 0's.
 
 from typing import Any, Dict, List, Sequence
 
-
 import tensorflow as tf
 
 from replicate import _aggregate
