@@ -237,6 +237,13 @@ def write_traces(hook: TimingHook, trace_dir: str, name: str) -> List[str]:
   return paths
 
 
+def _exit_now() -> None:
+  """Exits at once: no end-of-training checkpoint, teardown or thread joins."""
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os._exit(0)  # pylint: disable=protected-access
+
+
 class Baton:
   """Lets one of several threads run at a time, taking turns in order."""
 
@@ -320,9 +327,7 @@ class Run:
     """--fast_exit: record now, skip the checkpoint and the teardown."""
     write_record(self.record())
     shutil.rmtree(self.model_dir, ignore_errors=True)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # pylint: disable=protected-access
+    _exit_now()
 
   def _take_turns(self):
     if self.rss_warm is None:
@@ -380,9 +385,7 @@ def run_together(variants: List[str], devices: List[str]):
   for run in runs:
     run.done.wait()
   write_record([run.result for run in runs])
-  sys.stdout.flush()
-  sys.stderr.flush()
-  os._exit(0)  # pylint: disable=protected-access
+  _exit_now()
 
 
 def write_record(record: Any) -> None:

@@ -76,8 +76,8 @@ def _devices_of(graph, op_type):
 
 def test_towers_on_a_worker_with_variables_on_a_parameter_server():
   expected_losses, expected_values, _ = _train_in_cluster(None)
-  towers = [f"/device:CPU:{i}" for i in range(3)]
-  losses, values, graph = _train_in_cluster(towers)
+  losses, values, graph = _train_in_cluster(
+      harness.devices(harness.VIRTUAL_CPUS, 3))
   np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
   harness.assert_close_nests(values, expected_values)
 
@@ -154,7 +154,7 @@ def _train_monitored(tower_devices, params):
 def test_sync_replicas_optimizer_inside_tower_optimizer():
   """Its accumulators and its hook (made in every tower) work replicated."""
   expected = _train_monitored(None, {"sync": True})
-  actual = _train_monitored([f"/device:CPU:{i}" for i in range(3)],
+  actual = _train_monitored(harness.devices(harness.VIRTUAL_CPUS, 3),
                             {"sync": True})
   harness.assert_close_nests(actual, expected)
 
@@ -171,7 +171,8 @@ def test_estimator_in_a_tf_config_cluster_trains_like_one_device(tmp_path):
     assert config.num_ps_replicas == 1 and config.is_chief
     estimator = tf.estimator.Estimator(
         replicate.replicate_model_fn(
-            _estimator_model_fn, devices=[f"/device:CPU:{i}" for i in range(2)]),
+            _estimator_model_fn,
+            devices=harness.devices(harness.VIRTUAL_CPUS, 2)),
         config=config, params={})
     tf.estimator.train_and_evaluate(
         estimator, tf.estimator.TrainSpec(_input_fn, max_steps=STEPS),
