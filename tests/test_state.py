@@ -8,6 +8,7 @@ the summed update; initializers are left alone; hooks are tower 0's.
 """
 
 import os
+import tempfile
 
 from absl.testing import parameterized
 import numpy as np
@@ -197,6 +198,27 @@ class AfterTrainOpTest(parameterized.TestCase):
     values, _ = _assert_equal_to_one_device(model_fn, num_towers, 8, 3, True)
     self.assertEqual(values["global_step"], 3)
 
+  def test_estimator_max_steps_runs_as_many_steps_as_one_device(self):
+    def model_fn(features, labels, mode):
+      seen = tf.compat.v1.get_variable(
+          "examples_seen", [], tf.int64, trainable=False, aggregation=SUM,
+          initializer=tf.compat.v1.zeros_initializer())
+      count = seen.assign_add(tf.shape(features["x"], out_type=tf.int64)[0])
+      loss = _loss(labels, _linear(features["x"]))
+      train_op = _minimize(loss, global_step=False)
+      with tf.control_dependencies([train_op, count]):
+        train_op = tf.compat.v1.assign_add(
+            tf.compat.v1.train.get_global_step(), 1)
+      return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+    input_fn = lambda: tf.data.Dataset.from_tensor_slices(DATA).repeat().batch(
+        8, drop_remainder=True)
+    estimator = tf.estimator.Estimator(
+        replicate.replicate_model_fn(model_fn, devices=_towers(2)),
+        config=harness.estimator_config(tempfile.mkdtemp(), 1))
+    estimator.train(input_fn, max_steps=6)
+    self.assertEqual(estimator.get_variable_value("global_step"), 6)
+    self.assertEqual(estimator.get_variable_value("examples_seen"), 6 * 8)
+
 
 def _counting_model_fn(features, labels, mode, params):
   """Counters, a class histogram (scatter) and a moving feature mean."""
@@ -238,6 +260,15 @@ class AggregationTest(parameterized.TestCase):
     np.testing.assert_array_equal(values["class_counts"],
                                   np.bincount(labels, minlength=3))
     self.assertEqual(values["steps_seen"], steps)
+
+  def test_round_robin_variables_combine_like_shared_ones(self):
+    expected = harness.train(_counting_model_fn, DATA, 10, 2,
+                             params={"resource": True})[1]
+    values = harness.train(
+        _counting_model_fn, DATA, 10, 2, tower_devices=_towers(4),
+        placement=replicate.VariablePlacement.ROUND_ROBIN,
+        params={"resource": True})[1]
+    harness.assert_close_nests(values, expected, rtol=1e-5, atol=1e-6)
 
   def test_only_first_replica_keeps_tower_zeros_write(self):
     def model_fn(features, labels, mode):
@@ -312,9 +343,7 @@ class InitFromCheckpointTest(parameterized.TestCase):
   @classmethod
   def setUpClass(cls):
     super().setUpClass()
-    cls.checkpoint = os.path.join(
-        parameterized.absltest.get_default_test_tmpdir(), "warm", "model")
-    os.makedirs(os.path.dirname(cls.checkpoint), exist_ok=True)
+    cls.checkpoint = os.path.join(tempfile.mkdtemp(), "model")
     cls.kernel = np.arange(15, dtype=np.float32).reshape(5, 3) / 10.0
     with tf.Graph().as_default():
       tf.compat.v1.get_variable("logits/kernel", initializer=cls.kernel)
