@@ -81,6 +81,8 @@ def combine_state_writes(replication: Replication):
   """
   variables = _model_variables()
   skip = replication.apply_ops | _initializer_ops(variables.values())
+  for ops in replication.tower_ops[1:]:
+    _check_no_writes_in_functions(ops, variables)
   writes = [_tower_writes(ops, variables, skip) for ops in replication.tower_ops]
   sinks = _Sinks()
   for key in sorted({k for tower in writes for k in tower}):
@@ -116,6 +118,29 @@ def _source(tensor: tf.Tensor) -> tf.Operation:
 def _is_initializer(op: tf.Operation) -> bool:
   """A write of a checkpoint's value (`init_from_checkpoint`)."""
   return any(_source(t).type in _RESTORES for t in op.inputs[1:])
+
+
+def _check_no_writes_in_functions(ops, variables):
+  """Refuses writes inside tf.cond / tf.while_loop bodies (functions).
+
+  Their ops are not in the graph to combine, so every tower would write.
+  TensorFlow marks a function call's resource inputs that are only read.
+  """
+  for op in ops:
+    try:
+      read_only = set(op.get_attr("_read_only_resource_inputs"))
+    except ValueError:
+      continue
+    for position, tensor in enumerate(op.inputs):
+      variable = variables.get(_source(tensor).name)
+      if (variable is not None and tensor.dtype == tf.resource and
+          position not in read_only):
+        raise ValueError(
+            f"{op.type} op {op.name!r} writes variable {variable.op.name!r} "
+            "inside a tf.cond, tf.while_loop or tf.function, where the "
+            "towers' writes cannot be combined; write it outside (e.g. give "
+            "Keras layers a Python bool `training=mode == "
+            "tf.estimator.ModeKeys.TRAIN`, not a tensor).")
 
 
 def _tower_writes(ops, variables, skip):

@@ -317,6 +317,20 @@ class AggregationTest(parameterized.TestCase):
     with self.assertRaisesRegex(ValueError, "declares no aggregation"):
       harness.train(model_fn, DATA, 7, 1, tower_devices=_towers(2))
 
+  def test_writes_inside_a_cond_are_refused(self):
+    def model_fn(features, labels, mode):
+      training = tf.compat.v1.placeholder_with_default(True, [])
+      layer = tf.keras.layers.BatchNormalization(name="bn")
+      normalized = layer(features["x"], training=training)
+      loss = _loss(labels, _linear(normalized))
+      with tf.control_dependencies(layer.updates):
+        train_op = _minimize(loss)
+      return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+    with self.assertRaisesRegex(
+        ValueError, r"If op 'tower_1/bn/cond_\d' writes variable "
+        r"'bn/moving_(mean|variance)' inside a tf.cond.*Python bool"):
+      harness.train(model_fn, DATA, 8, 1, tower_devices=_towers(2))
+
   def test_unwrapped_second_optimizer_is_refused(self):
     def model_fn(features, labels, mode):
       logits = _linear(features["x"]) + _linear(features["x"], name="other")
