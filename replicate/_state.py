@@ -30,6 +30,7 @@ import tensorflow as tf
 from absl import logging
 
 from replicate._context import Replication
+from replicate._variance import add_between_shard_variance
 
 _Aggregation = tf.VariableAggregation
 
@@ -223,6 +224,10 @@ def _feed_combined(replication, group: List[_Write], aggregation):
           mean and first.kind is _Kind.SCATTER_ADD) else None
       _set_rows(first, *_concatenated_rows(group, weights))
       return
+    if mean:
+      add_between_shard_variance(
+          [w.op for w in group], _weights(replication),
+          lambda values: _weighted_sum(replication, values))
     values = [w.op.inputs[1] for w in group]
     if first.kind is _Kind.VALUE and not mean:
       old = _read(first)
