@@ -264,6 +264,40 @@ def test_no_clipping_warning_for_gradient_transform(caplog):
               if "clips each tower's share" in r.getMessage()]
 
 
+def _log_norm(grads_and_vars):
+  """A transform that writes the gradients' global norm as a summary."""
+  tf.compat.v1.summary.scalar(
+      "gradient_norm", tf.linalg.global_norm([g for g, _ in grads_and_vars]))
+  return grads_and_vars
+
+
+def _summarised_norms(num_towers):
+  """The SUMMARIES collection's names, and the logged norm of step 1."""
+  make = lambda: replicate.TowerOptimizer(
+      tf.compat.v1.train.AdagradOptimizer(0.1), gradient_transform=_log_norm)
+  devices = None if num_towers is None else _towers(num_towers)
+  with tf.Graph().as_default():
+    tf.compat.v1.train.create_global_step()
+    features, labels = harness.batches(_data(1), BATCH)
+    spec = harness.wrap(_custom_model_fn(make), devices)(
+        features, labels, harness.TRAIN, params={})
+    summaries = tf.compat.v1.get_collection(tf.compat.v1.GraphKeys.SUMMARIES)
+    with tf.compat.v1.Session(config=harness.session_config()) as session:
+      session.run(tf.compat.v1.global_variables_initializer())
+      harness.set_trainable_weights(session)
+      serialized, _ = session.run([summaries, spec.train_op])
+  norms = [tf.compat.v1.Summary.FromString(s).value[0].simple_value
+           for s in serialized]
+  return [s.op.name for s in summaries], norms
+
+
+def test_summary_of_a_gradient_transform_is_kept_once():
+  names, norms = _summarised_norms(4)
+  expected_names, expected_norms = _summarised_norms(None)
+  assert names == expected_names == ["gradient_norm"]
+  np.testing.assert_allclose(norms, expected_norms, rtol=1e-5)
+
+
 def test_gradient_transform_must_be_functions():
   with pytest.raises(ValueError, match="got gradient_transform=3; pass a "
                      "function from a list of"):
