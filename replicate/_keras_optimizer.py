@@ -31,10 +31,19 @@ class KerasTowerOptimizer(_KerasOptimizer):
 
   The v2 canned heads call `get_updates(loss, variables)` and set
   `iterations` to the global step in every tower; the wrapped optimizer's
-  iterations advance once per step, in the last tower's apply.
+  iterations advance once per step, in the last tower's apply. The wrapped
+  optimizer (a LossScaleOptimizer included) gets the summed gradients, so
+  its clipping and finite checks see what one device's would.
+
+  Args:
+    optimizer: a `tf.keras.optimizers.legacy.Optimizer`.
+    gradient_transform: as for TowerOptimizer: None, a function
+      `grads_and_vars -> grads_and_vars` or a list of them, applied to the
+      summed gradients before `optimizer.apply_gradients`.
   """
 
-  def __init__(self, optimizer: _KerasOptimizer, gradient_transform=None):
+  def __init__(self, optimizer: _KerasOptimizer,
+               gradient_transform: _transform.GradientTransforms = None):
     super().__init__(name=_innermost(optimizer)._name)  # pylint: disable=protected-access
     self._wrapped_keras = optimizer
     self._transforms = _transform.Pipeline(gradient_transform)

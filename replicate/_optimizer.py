@@ -9,7 +9,7 @@ estimators require) get the Keras flavour in `_keras_optimizer`.
 """
 
 import weakref
-from typing import Any, Callable, Sequence, Union
+from typing import Any, Callable, Union
 
 import tensorflow as tf
 
@@ -74,8 +74,12 @@ class TowerOptimizer(_Optimizer):
   canned estimators take) gives a Keras optimizer that does the same through
   `get_updates` / `get_gradients` / `apply_gradients`; its own `clipnorm`,
   `clipvalue`, `global_clipnorm` and `gradient_transformers` see the summed
-  gradients. A Keras `LossScaleOptimizer` skips a step where the summed
-  gradients are not finite (any tower overflowed), as one device would.
+  gradients. A loss-scale optimizer (Keras' `LossScaleOptimizer` or v1's
+  `MixedPrecisionLossScaleOptimizer`) skips a step where the summed
+  gradients are not finite (any tower overflowed), as one device would; a
+  dynamic loss scale creates variables when it is built, so for an
+  Estimator pass a function: `TowerOptimizer(lambda: LossScaleOptimizer(
+  tf.keras.optimizers.legacy.Adam()))`.
 
   To transform the summed gradients before they are applied (clip them,
   scale some, add noise, log their norm), pass `gradient_transform`: a
@@ -113,9 +117,7 @@ class TowerOptimizer(_Optimizer):
 
   def __init__(self, optimizer_or_optimizer_fn: Union[
       _Optimizer, _KerasOptimizer, Callable[[], Any]],
-               gradient_transform: Union[
-                   None, _transform.GradientTransform,
-                   Sequence[_transform.GradientTransform]] = None):
+               gradient_transform: _transform.GradientTransforms = None):
     self._wrapped = _PerGraph(
         optimizer_or_optimizer_fn, (_Optimizer, _KerasOptimizer),
         "a tf.compat.v1.train.Optimizer or tf.keras.optimizers.legacy."

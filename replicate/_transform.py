@@ -14,6 +14,8 @@ from absl import logging
 
 GradsAndVars = List[Tuple[Any, tf.Variable]]
 GradientTransform = Callable[[GradsAndVars], GradsAndVars]
+# What TowerOptimizer's `gradient_transform` takes: none, one, or a list.
+GradientTransforms = Union[None, GradientTransform, Sequence[GradientTransform]]
 
 # Name scopes of tf.clip_by_value, tf.clip_by_norm and tf.clip_by_global_norm.
 _CLIP_SCOPE_PREFIX = "clip_by_"
@@ -40,6 +42,10 @@ def clip_by_global_norm(clip_norm: float) -> GradientTransform:
 
   See `TowerOptimizer.clip_by_global_norm`.
   """
+  if isinstance(clip_norm, (int, float)) and not clip_norm > 0:
+    raise ValueError(
+        f"clip_by_global_norm got clip_norm={clip_norm!r}; pass the largest "
+        "global norm to apply, a positive number.")
 
   def transform(grads_and_vars: GradsAndVars) -> GradsAndVars:
     grads = [g for g, _ in grads_and_vars]
@@ -52,8 +58,7 @@ def clip_by_global_norm(clip_norm: float) -> GradientTransform:
 class Pipeline:
   """A TowerOptimizer's gradient transforms (none, one or several in order)."""
 
-  def __init__(self, gradient_transform: Union[
-      None, GradientTransform, Sequence[GradientTransform]]):
+  def __init__(self, gradient_transform: GradientTransforms):
     if gradient_transform is None:
       transforms = ()
     elif callable(gradient_transform):
@@ -67,10 +72,6 @@ class Pipeline:
           "a function from a list of (gradient, variable) pairs to such a "
           "list, or a list of such functions.")
     self._transforms = transforms
-
-  @property
-  def transforms(self) -> Tuple[GradientTransform, ...]:
-    return self._transforms
 
   def prepare(self, grads_and_vars):
     """One device's gradients as the towers' sums reach the transforms.

@@ -308,6 +308,12 @@ def test_gradient_transform_must_be_functions():
     replicate.TowerOptimizer(KerasAdagrad(0.1), gradient_transform=[len, 3])
 
 
+def test_clip_norm_must_be_positive():
+  with pytest.raises(ValueError, match="got clip_norm=0; pass the largest "
+                     "global norm"):
+    replicate.TowerOptimizer.clip_by_global_norm(0)
+
+
 def test_gradient_transform_returning_none_is_an_error():
   make = lambda: replicate.TowerOptimizer(
       tf.compat.v1.train.AdagradOptimizer(0.1),
