@@ -190,17 +190,17 @@ V1_OPTIMIZERS = {
 }
 
 
-def _scale_embeddings(grads_and_vars):
-  """Halves the embedding's (sparse) gradient: a per-variable transform."""
+def _halve_embedding_gradients(grads_and_vars):
+  """A per-variable transform on a sparse gradient (README's example)."""
   return [(tf.IndexedSlices(g.values * 0.5, g.indices, g.dense_shape)
-           if isinstance(g, tf.IndexedSlices) else g, v)
+           if v.op.name == "embeddings" else g, v)
           for g, v in grads_and_vars]
 
 
 TRANSFORMS = {
     "none": None,
     "global_norm": replicate.TowerOptimizer.clip_by_global_norm(0.05),
-    "list": [_scale_embeddings,
+    "list": [_halve_embedding_gradients,
              replicate.TowerOptimizer.clip_by_global_norm(0.05)],
 }
 
