@@ -83,7 +83,7 @@ def combine_state_writes(replication: Replication):
   variables = _model_variables()
   skip = replication.apply_ops | _initializer_ops(variables.values())
   for ops in replication.tower_ops[1:]:
-    _check_no_writes_in_functions(ops, variables)
+    _check_no_writes_in_functions(ops, variables, skip)
   writes = [_tower_writes(ops, variables, skip) for ops in replication.tower_ops]
   sinks = _Sinks()
   for key in sorted({k for tower in writes for k in tower}):
@@ -121,13 +121,17 @@ def _is_initializer(op: tf.Operation) -> bool:
   return any(_source(t).type in _RESTORES for t in op.inputs[1:])
 
 
-def _check_no_writes_in_functions(ops, variables):
+def _check_no_writes_in_functions(ops, variables, skip):
   """Refuses writes inside tf.cond / tf.while_loop bodies (functions).
 
   Their ops are not in the graph to combine, so every tower would write.
   TensorFlow marks a function call's resource inputs that are only read.
+  The summed gradients' apply (in `skip`) runs once, so it may (a
+  loss-scale optimizer applies inside a tf.cond).
   """
   for op in ops:
+    if op.name in skip:
+      continue
     try:
       read_only = set(op.get_attr("_read_only_resource_inputs"))
     except ValueError:
