@@ -64,7 +64,9 @@ flags.DEFINE_integer("steps", 1000, "Global steps to train (all trainers).")
 flags.DEFINE_integer("batch_size", 64,
                      "Batch size of each trainer, split across its towers.")
 flags.DEFINE_enum("model", "mlp", ["mlp", "cnn"], "Model to train.")
-flags.DEFINE_float("learning_rate", 0.01, "Adam learning rate.")
+flags.DEFINE_enum("optimizer", "adam", ["adam", "sgd"],
+                  "Adam, or plain gradient descent.")
+flags.DEFINE_float("learning_rate", 0.01, "The optimizer's learning rate.")
 flags.DEFINE_float("dropout", 0.2, "Dropout rate.")
 flags.DEFINE_bool("sync", False,
                   "Synchronous training: SyncReplicasOptimizer (inside "
@@ -84,7 +86,8 @@ flags.DEFINE_integer("step_delay_ms", 0,
                      "training down, to watch it or to kill tasks mid-way.")
 
 # Forwarded from the launcher to every task.
-_TASK_FLAGS = ("towers", "steps", "batch_size", "model", "learning_rate",
+_TASK_FLAGS = ("towers", "steps", "batch_size", "model", "optimizer",
+               "learning_rate",
                "dropout", "sync", "model_dir", "save_checkpoints_steps",
                "throttle_secs", "log_every", "step_delay_ms", "timeout")
 _POLL_SECS = 0.2
@@ -128,26 +131,33 @@ def _label(job: str, index: int) -> str:
 
 
 class _Child:
-  """One task's process, its output printed line by line under its label."""
+  """One task's process; prints its output line by line, then its status.
+
+  Each line is prefixed by the task's label and the seconds since `start`.
+  """
 
   def __init__(self, label: str, args: Sequence[str], env: Dict[str, str],
-               lock: threading.Lock):
+               lock: threading.Lock, start: float):
     self.label = label
     self.lines: List[str] = []
     # Its own session: Ctrl-C reaches the launcher only, which ends it.
     self.process = subprocess.Popen(
         args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         text=True, start_new_session=True)
-    self._lock = lock
+    self._lock, self._start = lock, start
     self._reader = threading.Thread(target=self._read, daemon=True)
     self._reader.start()
 
+  def _print(self, text: str) -> None:
+    with self._lock:
+      print(f"[{self.label:>9} {time.monotonic() - self._start:6.1f}s] {text}",
+            flush=True)
+
   def _read(self):
     for line in self.process.stdout:
-      line = line.rstrip("\n")
-      self.lines.append(line)
-      with self._lock:
-        print(f"[{self.label:>9}] {line}", flush=True)
+      self.lines.append(line.rstrip("\n"))
+      self._print(self.lines[-1])
+    self._print(f"exited with status {self.process.wait()}")
 
   def stop(self):
     """Ends the process group: SIGTERM, then SIGKILL after a grace period."""
@@ -175,14 +185,14 @@ def _task_args() -> List[str]:
   return args
 
 
-def _start_children(cluster, model_dir: str) -> Dict[str, _Child]:
+def _start_children(cluster, start: float) -> Dict[str, _Child]:
   lock = threading.Lock()
   children = {}
   for job, index in task_names(cluster, FLAGS.evaluator):
     env = dict(os.environ, PYTHONUNBUFFERED="1", TF_CONFIG=json.dumps(
         {"cluster": cluster, "task": {"type": job, "index": index}}))
     label = _label(job, index)
-    children[label] = _Child(label, _task_args(), env, lock)
+    children[label] = _Child(label, _task_args(), env, lock, start)
   return children
 
 
@@ -225,7 +235,7 @@ def launch_cluster() -> int:
   children = {}
   start = time.monotonic()
   try:
-    children = _start_children(cluster, FLAGS.model_dir)
+    children = _start_children(cluster, start)
     failed = _wait(children, FLAGS.timeout)
   except KeyboardInterrupt:
     failed = ["interrupted"]

@@ -33,6 +33,7 @@ class TaskOptions:
   batch_size: int = 64
   model: str = "mlp"
   learning_rate: float = 0.01
+  optimizer: str = "adam"
   dropout: float = digits_lib.DROPOUT
   sync: bool = False
   save_checkpoints_steps: int = 100
@@ -55,7 +56,7 @@ def cluster_model_fn(features, labels, mode, params, config):
                                    params["dropout"])
   loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
   sync = tf.compat.v1.train.SyncReplicasOptimizer(
-      tf.compat.v1.train.AdamOptimizer(params["learning_rate"]),
+      digits_lib.make_optimizer(params),
       replicas_to_aggregate=config.num_worker_replicas,
       total_num_replicas=config.num_worker_replicas)
   train_op = replicate.TowerOptimizer(sync).minimize(
@@ -265,7 +266,8 @@ def run_task(options: TaskOptions) -> None:
   estimator = tf.estimator.Estimator(
       model_fn, config=config,
       params={"model": options.model, "learning_rate": options.learning_rate,
-              "dropout": options.dropout, "sync": options.sync})
+              "optimizer": options.optimizer, "dropout": options.dropout,
+              "sync": options.sync})
   trainers, index = config.num_worker_replicas, trainer_index(config)
   train_spec = tf.estimator.TrainSpec(
       lambda: digits_lib.train_input_fn(train_x, train_y, options.batch_size,

@@ -97,7 +97,8 @@ def model_fn(features: Dict[str, tf.Tensor], labels: Optional[tf.Tensor],
     labels: int32 [batch] digit labels, or None in PREDICT mode.
     mode: a `tf.estimator.ModeKeys`.
     params: `{'model': 'mlp' or 'cnn', 'learning_rate': float}`, and
-      optionally `'dropout'` (the dropout rate; `DROPOUT` by default).
+      optionally `'dropout'` (the dropout rate; `DROPOUT` by default) and
+      `'optimizer'` (see `make_optimizer`).
 
   Returns:
     The EstimatorSpec for `mode`.
@@ -121,11 +122,17 @@ def model_fn(features: Dict[str, tf.Tensor], labels: Optional[tf.Tensor],
     return tf.estimator.EstimatorSpec(mode, loss=loss,
                                       eval_metric_ops=metrics)
 
-  optimizer = replicate.TowerOptimizer(
-      tf.compat.v1.train.AdamOptimizer(params["learning_rate"]))
+  optimizer = replicate.TowerOptimizer(make_optimizer(params))
   train_op = optimizer.minimize(
       loss, global_step=tf.compat.v1.train.get_global_step())
   return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+def make_optimizer(params: Dict[str, Any]) -> tf.compat.v1.train.Optimizer:
+  """Adam, or plain gradient descent for params['optimizer'] == 'sgd'."""
+  if params.get("optimizer", "adam") == "sgd":
+    return tf.compat.v1.train.GradientDescentOptimizer(params["learning_rate"])
+  return tf.compat.v1.train.AdamOptimizer(params["learning_rate"])
 
 
 def serving_input_receiver_fn() -> tf.estimator.export.ServingInputReceiver:
