@@ -194,7 +194,7 @@ def with_task_hooks(model_fn, options: TaskOptions):
       hooks = list(spec.training_hooks) + [
           TaskProgressHook(spec.loss, options.log_every,
                            options.step_delay_ms / 1000)]
-      if config.task_type == "worker":
+      if in_cluster(config) and config.task_type == "worker":
         hooks.append(WaitForCheckpointHook(options.model_dir, options.timeout))
       if options.sync and config.is_chief:
         hooks.append(CancelQueueRunnersAtEndHook())
@@ -223,9 +223,15 @@ def exit_after(timeout_secs: float) -> None:
   timer.start()
 
 
+def in_cluster(config: tf.estimator.RunConfig) -> bool:
+  return bool(config.cluster_spec.jobs)
+
+
 def trainer_index(config: tf.estimator.RunConfig) -> int:
   """The chief (or a lone machine) is trainer 0, worker i trainer i + 1."""
-  return config.task_id + 1 if config.task_type == "worker" else 0
+  if not in_cluster(config) or config.task_type != "worker":
+    return 0
+  return config.task_id + 1
 
 
 def _devices(towers: Optional[int]):
@@ -240,7 +246,7 @@ def _run_config(options: TaskOptions, session_config):
       save_checkpoints_steps=options.save_checkpoints_steps,
       save_summary_steps=options.save_checkpoints_steps,
       log_step_count_steps=None, experimental_max_worker_delay_secs=0)
-  if config.cluster_spec.jobs and config.task_type != "evaluator":
+  if in_cluster(config) and config.task_type != "evaluator":
     # A trainer (or ps) of a cluster keeps Estimator's session config: device
     # filters (a trainer talks to the ps tasks and itself only) and soft
     # placement. Its towers' devices are its server's.
@@ -257,7 +263,8 @@ def run_task(options: TaskOptions) -> None:
   model_fn = with_task_hooks(
       replicate.replicate_model_fn(cluster_model_fn, devices=devices), options)
   config = _run_config(options, session_config)
-  role = config.task_type or "local"
+  # Without a cluster RunConfig calls the lone machine a worker.
+  role = config.task_type if in_cluster(config) else "local"
   print(f"{role} {config.task_id}: replicate {replicate.__version__}, "
         f"towers {devices or 'every GPU'}, model_dir {options.model_dir}",
         flush=True)
