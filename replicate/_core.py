@@ -15,6 +15,7 @@ import tensorflow as tf
 from absl import logging
 
 from replicate import _aggregate
+from replicate import _cluster
 from replicate import _devices
 from replicate import _merge
 from replicate import _context
@@ -64,16 +65,20 @@ def replicate_model_fn(
 
   Raises:
     ValueError: the reduction is NONE or unknown, a device name is bad or
-      repeated, or the placement is unknown.
+      repeated, the placement is unknown, or `TF_CONFIG` is not JSON or
+      names a task its cluster does not have. The returned model_fn raises
+      it for devices on another task of the cluster.
   """
   reduction = _reduction_for(model_fn,
                              _aggregate.validate_loss_reduction(loss_reduction))
   placement = _devices.as_variable_placement(variable_placement)
   given = None if devices is None else _devices.resolve_devices(devices)
   accepted = _accepted_arguments(model_fn)
+  _cluster.check_tf_config()
 
   def replicated_model_fn(features, labels, mode, params=None, config=None):
     tower_devices = given or _devices.resolve_devices(None)
+    _cluster.check_devices(tower_devices, config)
     arguments = _Arguments(accepted, labels is not None, mode, params, config)
     if mode == _ModeKeys.PREDICT and _fed_by_placeholders(features):
       logging.info("replicate: serving graph (features fed by placeholders): "
