@@ -53,7 +53,9 @@ def replicate_model_fn(
       its share of the batch. NONE is refused. For a canned estimator's
       model_fn the head's own reduction is used (v1 heads sum by default).
     devices: device names, e.g. ['/device:GPU:0', '/device:GPU:1']; None
-      means every local GPU, or the host CPU when there is none.
+      means every local GPU, or the host CPU when there is none. Names of
+      this process's devices are checked against the local devices (and
+      the CPUs `config.session_config` asks for) when the model_fn runs.
     variable_placement: a `replicate.VariablePlacement` (or its string):
       SHARED keeps every variable on the consolidation device, ROUND_ROBIN
       spreads them over the towers' devices.
@@ -63,7 +65,8 @@ def replicate_model_fn(
 
   Raises:
     ValueError: the reduction is NONE or unknown, a device name is bad or
-      repeated, or the placement is unknown.
+      repeated, or the placement is unknown; from the returned model_fn, a
+      device does not exist.
   """
   reduction = _reduction_for(model_fn,
                              _aggregate.validate_loss_reduction(loss_reduction))
@@ -79,6 +82,8 @@ def replicate_model_fn(
                    "one tower, no device pinned")
       return _run_on_one_device(model_fn, features, labels, arguments, None,
                                 reduction)
+    if given:
+      _devices.check_local_devices(given, config)
     if len(tower_devices) == 1:
       return _run_on_one_device(model_fn, features, labels, arguments,
                                 tower_devices[0], reduction)
@@ -213,7 +218,8 @@ def _run_towers(model_fn, features, labels, mode, arguments, devices,
     shards = _split.split_batch(features, labels, len(devices))
   replication = _context.Replication(
       num_towers=len(devices), loss_reduction=reduction,
-      fractions=shards.fractions, sizes=shards.sizes, graph=graph, hub=hub)
+      fractions=shards.fractions, sizes=shards.sizes, graph=graph, hub=hub,
+      inputs=list(zip(shards.features, shards.labels)))
   choose = _devices.variable_device_chooser(placement, devices)
   _gather.clear_gather_state(graph)
   specs = []
