@@ -309,6 +309,63 @@ class ScalarPredictionsTest(parameterized.TestCase):
         self._spec(mode, tf.reduce_mean)
 
 
+def mean_loss_model_fn(features, labels, mode):
+  """A tf.reduce_mean loss (NaN over no examples) watched by a NanTensorHook."""
+  logits = tf.compat.v1.layers.dense(features["x"], 2, name="logits")
+  loss = tf.reduce_mean(
+      tf.nn.sparse_softmax_cross_entropy_with_logits(labels, logits))
+  optimizer = replicate.TowerOptimizer(
+      tf.compat.v1.train.GradientDescentOptimizer(0.5))
+  return tf.estimator.EstimatorSpec(
+      mode, loss=loss, train_op=optimizer.minimize(
+          loss, tf.compat.v1.train.get_global_step()),
+      training_hooks=[tf.compat.v1.train.NanTensorHook(loss)])
+
+
+def _run_mean_loss(tower_devices, batch_size, static):
+  """One train step: the loss, the trained weights, what the hook says."""
+  rng = np.random.RandomState(4)
+  x = rng.randn(batch_size, 5).astype(np.float32)
+  labels = rng.randint(2, size=batch_size).astype(np.int64)
+  with tf.Graph().as_default():
+    tf.compat.v1.train.create_global_step()
+    if static:
+      features, labels = {"x": tf.constant(x)}, tf.constant(labels)
+    else:
+      features = {"x": tf.compat.v1.placeholder_with_default(x, [None, 5])}
+      labels = tf.compat.v1.placeholder_with_default(labels, [None])
+    spec = harness.wrap(mean_loss_model_fn, tower_devices, reduction=(
+        tf.compat.v1.losses.Reduction.MEAN))(
+            features, labels, tf.estimator.ModeKeys.TRAIN)
+    with tf.compat.v1.Session(config=harness.session_config()) as session:
+      losses, values = harness.run_training(session, spec, 1)
+    with tf.compat.v1.train.MonitoredSession(
+        session_creator=tf.compat.v1.train.ChiefSessionCreator(
+            config=harness.session_config()),
+        hooks=spec.training_hooks) as session:
+      try:
+        session.run(spec.train_op)
+        hook_says = "finite"
+      except tf.compat.v1.train.NanLossDuringTrainingError:
+        hook_says = "NaN"
+  return losses[0], values, hook_says
+
+
+class EmptyBatchTest(parameterized.TestCase):
+  """B = 0 gives one device's NaN mean; empty towers of a batch add 0."""
+
+  @parameterized.parameters((2, 0, False), (4, 0, False), (4, 0, True),
+                            (4, 3, False), (2, 1, True))
+  def test_match_one_device(self, num_towers, batch_size, static):
+    expected = _run_mean_loss(None, batch_size, static)
+    actual = _run_mean_loss(
+        harness.devices(harness.VIRTUAL_CPUS, num_towers), batch_size, static)
+    harness.assert_close_nests(actual[:2], expected[:2], rtol=1e-5, atol=1e-6)
+    self.assertEqual(actual[2], expected[2])
+    self.assertEqual(np.isnan(actual[0]), batch_size == 0)
+    self.assertEqual(actual[2], "NaN" if batch_size == 0 else "finite")
+
+
 if __name__ == "__main__":
   from absl.testing import absltest
   absltest.main()
