@@ -10,6 +10,8 @@ from typing import Any, List, Sequence, Tuple
 
 import tensorflow as tf
 
+from replicate import _transform
+
 _Reduction = tf.compat.v1.losses.Reduction
 
 # Keras' reduction names mapped to tf.compat.v1.losses.Reduction.
@@ -80,15 +82,20 @@ def _sum_device(grads: Sequence[Any], variable) -> str:
 
 
 def _sum_one(grads: Sequence[Any], variable):
-  """Sums one variable's gradients; IndexedSlices stay sparse."""
-  if len(grads) == 1:
+  """Sums one variable's gradients; IndexedSlices stay sparse.
+
+  The towers' IndexedSlices are concatenated and their duplicate rows summed,
+  so that a norm or clip of the rows (Keras' `clipnorm`, a gradient
+  transform) sees the same rows as one device.
+  """
+  if len(grads) == 1 and not isinstance(grads[0], tf.IndexedSlices):
     return grads[0]
   with tf.device(_sum_device(grads, variable)):
     if all(isinstance(g, tf.IndexedSlices) for g in grads):
-      return tf.IndexedSlices(
+      return _transform.merge_duplicate_rows(tf.IndexedSlices(
           values=tf.concat([g.values for g in grads], axis=0),
           indices=tf.concat([g.indices for g in grads], axis=0),
-          dense_shape=grads[0].dense_shape)
+          dense_shape=grads[0].dense_shape))
     return tf.add_n([tf.convert_to_tensor(g) for g in grads])
 
 

@@ -9,8 +9,21 @@ applies like the v1 TowerOptimizer.
 import tensorflow as tf
 
 from replicate import _gather
+from replicate import _transform
 
 _KerasOptimizer = tf.keras.optimizers.legacy.Optimizer
+
+
+def _innermost(optimizer: _KerasOptimizer) -> _KerasOptimizer:
+  """The optimizer inside wrappers such as Keras' LossScaleOptimizer.
+
+  A LossScaleOptimizer does not run OptimizerV2's constructor, so it has no
+  `_name` or `_iterations` of its own; its inner optimizer has them.
+  """
+  inner = getattr(optimizer, "inner_optimizer", None)
+  while isinstance(inner, _KerasOptimizer):
+    optimizer, inner = inner, getattr(inner, "inner_optimizer", None)
+  return optimizer
 
 
 class KerasTowerOptimizer(_KerasOptimizer):
@@ -18,12 +31,22 @@ class KerasTowerOptimizer(_KerasOptimizer):
 
   The v2 canned heads call `get_updates(loss, variables)` and set
   `iterations` to the global step in every tower; the wrapped optimizer's
-  iterations advance once per step, in the last tower's apply.
+  iterations advance once per step, in the last tower's apply. The wrapped
+  optimizer (a LossScaleOptimizer included) gets the summed gradients, so
+  its clipping and finite checks see what one device's would.
+
+  Args:
+    optimizer: a `tf.keras.optimizers.legacy.Optimizer`.
+    gradient_transform: as for TowerOptimizer: None, a function
+      `grads_and_vars -> grads_and_vars` or a list of them, applied to the
+      summed gradients before `optimizer.apply_gradients`.
   """
 
-  def __init__(self, optimizer: _KerasOptimizer):
-    super().__init__(name=optimizer._name)  # pylint: disable=protected-access
+  def __init__(self, optimizer: _KerasOptimizer,
+               gradient_transform: _transform.GradientTransforms = None):
+    super().__init__(name=_innermost(optimizer)._name)  # pylint: disable=protected-access
     self._wrapped_keras = optimizer
+    self._transforms = _transform.Pipeline(gradient_transform)
 
   @property
   def optimizer(self) -> _KerasOptimizer:
@@ -38,7 +61,7 @@ class KerasTowerOptimizer(_KerasOptimizer):
   @iterations.setter
   def iterations(self, variable):
     # Every tower of a canned model_fn sets the same global step.
-    if self._wrapped_keras._iterations is not variable:  # pylint: disable=protected-access
+    if _innermost(self._wrapped_keras)._iterations is not variable:  # pylint: disable=protected-access
       self._wrapped_keras.iterations = variable
 
   def get_gradients(self, loss, params):
@@ -59,11 +82,17 @@ class KerasTowerOptimizer(_KerasOptimizer):
   def apply_gradients(self, grads_and_vars, name=None, **kwargs):
     """Records the tower's gradients; the last tower applies their sum."""
     optimizer = self._wrapped_keras
-    if _gather.replicated() is None:
-      return optimizer.apply_gradients(grads_and_vars, name=name, **kwargs)
-    return _gather.gather_and_apply(
-        grads_and_vars,
-        lambda summed: optimizer.apply_gradients(summed, name=name, **kwargs))
+
+    def apply(summed):
+      return optimizer.apply_gradients(self._transforms(summed), name=name,
+                                       **kwargs)
+
+    replication = _gather.replicated()
+    if replication is None:
+      return apply(self._transforms.prepare(grads_and_vars))
+    grads_and_vars = list(grads_and_vars)
+    _transform.warn_if_clipped(grads_and_vars, replication.tower.index)
+    return _gather.gather_and_apply(grads_and_vars, apply)
 
   def get_slot(self, var, slot_name):
     """Forwards to the wrapped optimizer."""

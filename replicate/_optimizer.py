@@ -14,6 +14,7 @@ from typing import Any, Callable, Union
 import tensorflow as tf
 
 from replicate import _gather
+from replicate import _transform
 from replicate._keras_optimizer import KerasTowerOptimizer
 
 _Optimizer = tf.compat.v1.train.Optimizer
@@ -71,34 +72,80 @@ class TowerOptimizer(_Optimizer):
 
   A Keras legacy optimizer (`tf.keras.optimizers.legacy.*`, what the v2
   canned estimators take) gives a Keras optimizer that does the same through
-  `get_updates` / `get_gradients` / `apply_gradients`.
+  `get_updates` / `get_gradients` / `apply_gradients`; its own `clipnorm`,
+  `clipvalue`, `global_clipnorm` and `gradient_transformers` see the summed
+  gradients. A loss-scale optimizer (Keras' `LossScaleOptimizer` or v1's
+  `MixedPrecisionLossScaleOptimizer`) skips a step where the summed
+  gradients are not finite (any tower overflowed), as one device would; a
+  dynamic loss scale creates variables when it is built, so for an
+  Estimator pass a function: `TowerOptimizer(lambda: LossScaleOptimizer(
+  tf.keras.optimizers.legacy.Adam()))`.
+
+  To transform the summed gradients before they are applied (clip them,
+  scale some, add noise, log their norm), pass `gradient_transform`: a
+  function from the list of (gradient, variable) pairs to the pairs to
+  apply. It runs once per step on the sums, and on one device (or outside
+  `replicate_model_fn`) on that device's gradients, so both give the same
+  result. Clipping in the model_fn before `apply_gradients` would clip each
+  tower's share instead.
+
+      opt = replicate.TowerOptimizer(
+          tf.compat.v1.train.AdagradOptimizer(0.1),
+          gradient_transform=replicate.TowerOptimizer.clip_by_global_norm(5.0))
 
   Args:
     optimizer_or_optimizer_fn: a `tf.compat.v1.train.Optimizer` or a
       `tf.keras.optimizers.legacy.Optimizer`, or a function of no arguments
       returning one; the function is called once per graph, when the
       optimizer is first needed.
+    gradient_transform: None, a function `grads_and_vars -> grads_and_vars`
+      or a list of them (applied in order). It gets only variables with a
+      gradient; an `IndexedSlices` gradient has each index once. It runs
+      where tower 0 applies, before the wrapped optimizer's own processing
+      (e.g. Keras clipping, a loss-scale optimizer's finite check).
 
   Raises:
-    ValueError: the argument is neither an optimizer nor callable.
+    ValueError: the argument is neither an optimizer nor callable, or
+      `gradient_transform` is neither a function nor a list of them.
   """
 
   def __new__(cls, optimizer_or_optimizer_fn=None, *args, **kwargs):
-    del args, kwargs
     if cls is TowerOptimizer and isinstance(optimizer_or_optimizer_fn,
                                             _KerasOptimizer):
-      return KerasTowerOptimizer(optimizer_or_optimizer_fn)
+      return KerasTowerOptimizer(optimizer_or_optimizer_fn, *args, **kwargs)
     return super().__new__(cls)
 
   def __init__(self, optimizer_or_optimizer_fn: Union[
-      _Optimizer, _KerasOptimizer, Callable[[], Any]]):
+      _Optimizer, _KerasOptimizer, Callable[[], Any]],
+               gradient_transform: _transform.GradientTransforms = None):
     self._wrapped = _PerGraph(
         optimizer_or_optimizer_fn, (_Optimizer, _KerasOptimizer),
         "a tf.compat.v1.train.Optimizer or tf.keras.optimizers.legacy."
         "Optimizer")
+    self._gradient_transform = gradient_transform
+    self._transforms = _transform.Pipeline(gradient_transform)
     name = ("TowerOptimizer" if self._wrapped.is_lazy
             else optimizer_or_optimizer_fn.get_name())
     super().__init__(use_locking=False, name=name)
+
+  @staticmethod
+  def clip_by_global_norm(clip_norm: float) -> _transform.GradientTransform:
+    """A `gradient_transform` that clips the gradients' global norm.
+
+    All gradients are scaled by `clip_norm / max(global_norm, clip_norm)`
+    (`tf.clip_by_global_norm`), the norm taken over the summed gradients:
+
+        opt = replicate.TowerOptimizer(
+            tf.compat.v1.train.AdamOptimizer(1e-3),
+            gradient_transform=replicate.TowerOptimizer.clip_by_global_norm(1.0))
+
+    Args:
+      clip_norm: the largest global norm to apply, a positive float.
+
+    Returns:
+      A function from (gradient, variable) pairs to the clipped pairs.
+    """
+    return _transform.clip_by_global_norm(clip_norm)
 
   def __call__(self):
     """Builds the optimizer now, as canned estimators do with callables.
@@ -108,7 +155,7 @@ class TowerOptimizer(_Optimizer):
     """
     optimizer = self._wrapped.get()
     if isinstance(optimizer, _KerasOptimizer):
-      return KerasTowerOptimizer(optimizer)
+      return KerasTowerOptimizer(optimizer, self._gradient_transform)
     return self
 
   @property
@@ -130,11 +177,17 @@ class TowerOptimizer(_Optimizer):
   def apply_gradients(self, grads_and_vars, global_step=None, name=None):
     """Records the tower's gradients; the last tower applies their sum."""
     optimizer = self.optimizer
-    if _gather.replicated() is None:
-      return optimizer.apply_gradients(grads_and_vars, global_step, name)
-    return _gather.gather_and_apply(
-        grads_and_vars,
-        lambda summed: optimizer.apply_gradients(summed, global_step, name))
+
+    def apply(summed):
+      return optimizer.apply_gradients(self._transforms(summed), global_step,
+                                       name)
+
+    replication = _gather.replicated()
+    if replication is None:
+      return apply(self._transforms.prepare(grads_and_vars))
+    grads_and_vars = list(grads_and_vars)
+    _transform.warn_if_clipped(grads_and_vars, replication.tower.index)
+    return _gather.gather_and_apply(grads_and_vars, apply)
 
   def get_slot(self, *args, **kwargs):
     """Forwards to the wrapped optimizer."""

@@ -30,6 +30,7 @@ import tensorflow as tf
 from absl import logging
 
 from replicate._context import Replication
+from replicate._variance import add_between_shard_variance
 
 _Aggregation = tf.VariableAggregation
 
@@ -82,7 +83,7 @@ def combine_state_writes(replication: Replication):
   variables = _model_variables()
   skip = replication.apply_ops | _initializer_ops(variables.values())
   for ops in replication.tower_ops[1:]:
-    _check_no_writes_in_functions(ops, variables)
+    _check_no_writes_in_functions(ops, variables, skip)
   writes = [_tower_writes(ops, variables, skip) for ops in replication.tower_ops]
   sinks = _Sinks()
   for key in sorted({k for tower in writes for k in tower}):
@@ -120,13 +121,17 @@ def _is_initializer(op: tf.Operation) -> bool:
   return any(_source(t).type in _RESTORES for t in op.inputs[1:])
 
 
-def _check_no_writes_in_functions(ops, variables):
+def _check_no_writes_in_functions(ops, variables, skip):
   """Refuses writes inside tf.cond / tf.while_loop bodies (functions).
 
   Their ops are not in the graph to combine, so every tower would write.
   TensorFlow marks a function call's resource inputs that are only read.
+  The summed gradients' apply (in `skip`) runs once, so it may (a
+  loss-scale optimizer applies inside a tf.cond).
   """
   for op in ops:
+    if op.name in skip:
+      continue
     try:
       read_only = set(op.get_attr("_read_only_resource_inputs"))
     except ValueError:
@@ -223,6 +228,10 @@ def _feed_combined(replication, group: List[_Write], aggregation):
           mean and first.kind is _Kind.SCATTER_ADD) else None
       _set_rows(first, *_concatenated_rows(group, weights))
       return
+    if mean:
+      add_between_shard_variance(
+          [w.op for w in group], _weights(replication),
+          lambda values: _weighted_sum(replication, values))
     values = [w.op.inputs[1] for w in group]
     if first.kind is _Kind.VALUE and not mean:
       old = _read(first)

@@ -26,15 +26,17 @@ def _own_collections(replication: Replication, index: int):
   Each tower sees in UPDATE_OPS the ops from before tower 0 and its own, as
   the unwrapped model_fn would. Summaries of towers after the first are
   dropped: TensorBoard shows tower 0's, under the unwrapped model's names.
+  Those of the summed gradients' apply (e.g. a gradient transform's) stay.
   """
   graph = replication.graph
   updates = graph.get_collection_ref(tf.compat.v1.GraphKeys.UPDATE_OPS)
   updates[:] = replication.update_ops_before
   summaries = graph.get_collection_ref(tf.compat.v1.GraphKeys.SUMMARIES)
-  summaries_before = list(summaries)
+  kept = {id(summary) for summary in summaries}
   yield
   if index > 0:
-    summaries[:] = summaries_before
+    summaries[:] = [s for s in summaries if id(s) in kept or
+                    s.op.name in replication.apply_ops]
 
 
 @contextlib.contextmanager

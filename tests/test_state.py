@@ -83,58 +83,94 @@ _SHAPES = (dict(num_towers=2, batch=8, static=True),
            dict(num_towers=4, batch=8, static=True))
 
 
+def _four_d(x):
+  """[B, 5] -> [B, 2, 2, 5]: four values per row and channel (fused kernels)."""
+  return tf.reshape(tf.concat([x, x * x, 0.5 * x, 1.0 - x], 1), [-1, 2, 2, 5])
+
+
 def _batch_norm_model_fn(features, labels, mode, params):
   x = features["x"]
-  if params["layers"] == "v1":
+  layers, fused = params["layers"], params.get("fused", False)
+  if fused:
+    x = _four_d(x)
+  if layers == "v1":
     normalized = tf.compat.v1.layers.batch_normalization(
-        x, momentum=MOMENTUM, training=True, name="bn")
+        x, momentum=MOMENTUM, training=True, fused=fused, name="bn")
     update_ops = tf.compat.v1.get_collection(UPDATE_OPS)
   else:
-    layer = tf.keras.layers.BatchNormalization(momentum=MOMENTUM, name="bn")
+    layer = tf.keras.layers.BatchNormalization(
+        momentum=MOMENTUM, fused=fused, name="bn")
     normalized = layer(x, training=True)
     update_ops = layer.updates
+  if fused:
+    normalized = tf.reduce_mean(normalized, [1, 2])
   loss = _loss(labels, _linear(normalized))
   with tf.control_dependencies(update_ops):
     train_op = _minimize(loss)
   return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
 
 
-def _expected_moving_statistics(num_towers, batch, steps):
-  """One device's moving mean; the variance as the mean of shard variances."""
+def _expected_moving_statistics(num_towers, batch, steps, fused=False):
+  """One device's moving statistics (num_towers=1), or the shards' mean."""
   mean, variance = np.zeros(5), np.ones(5)
   for rows in _batches(batch, steps):
     sizes = _shard_sizes(batch, num_towers)
     shards = np.split(rows, np.cumsum(sizes)[:-1])
-    shard_variance = sum(len(s) / batch * s.var(axis=0) for s in shards if len(s))
-    mean = MOMENTUM * mean + (1 - MOMENTUM) * rows.mean(axis=0)
+    if fused:  # per channel: every row's four values; Bessel-corrected
+      shards = [np.stack([s, s * s, 0.5 * s, 1.0 - s], 1).reshape(-1, 5)
+                for s in shards]
+    values = np.concatenate(shards)
+    shard_variance = sum(len(s) / len(values) * s.var(axis=0, ddof=int(fused))
+                         for s in shards if len(s))
+    mean = MOMENTUM * mean + (1 - MOMENTUM) * values.mean(axis=0)
     variance = MOMENTUM * variance + (1 - MOMENTUM) * shard_variance
   return {"bn/moving_mean": mean, "bn/moving_variance": variance}
 
 
 class BatchNormTest(parameterized.TestCase):
 
-  @parameterized.product(_SHAPES, layers=("v1", "keras"))
-  def test_moving_mean_is_one_devices_variance_the_shards_mean(
-      self, num_towers, batch, static, layers):
+  @parameterized.product(_SHAPES, layers=("v1", "keras"), fused=(False, True))
+  def test_moving_statistics_are_one_devices(
+      self, num_towers, batch, static, layers, fused):
     steps = 3
+    params = {"layers": layers, "fused": fused}
     _, values = harness.train(
         _batch_norm_model_fn, DATA, batch, steps,
-        tower_devices=_towers(num_towers), static=static,
-        params={"layers": layers})
+        tower_devices=_towers(num_towers), static=static, params=params)
     _, plain = harness.train(_batch_norm_model_fn, DATA, batch, steps,
-                             static=static, params={"layers": layers})
-    expected = _expected_moving_statistics(num_towers, batch, steps)
+                             static=static, params=params)
+    expected = _expected_moving_statistics(1, batch, steps, fused)
     for name, value in expected.items():
+      # Float32 statistics of values of order 1..10, summed in another order.
+      np.testing.assert_allclose(plain[name], value, rtol=1e-5, atol=1e-6,
+                                 err_msg=name)
       np.testing.assert_allclose(values[name], value, rtol=1e-5, atol=1e-6,
                                  err_msg=name)
-    np.testing.assert_allclose(values["bn/moving_mean"], plain["bn/moving_mean"],
-                               rtol=1e-5, atol=1e-6)
-    # One device also adds the between-shard variance of the shard means.
-    np.testing.assert_allclose(
-        plain["bn/moving_variance"],
-        _expected_moving_statistics(1, batch, steps)["bn/moving_variance"],
-        rtol=1e-5, atol=1e-6)
+    # Without the variance between the shards' means the result would differ.
+    shard_mean = _expected_moving_statistics(num_towers, batch, steps, fused)
+    self.assertGreater(np.abs(shard_mean["bn/moving_variance"] -
+                              expected["bn/moving_variance"]).max(), 1e-2)
     self.assertEqual(sorted(values), sorted(plain))  # same variables, names
+
+  def test_reduce_variance_with_mean_aggregation_is_one_devices(self):
+
+    def model_fn(features, labels, mode, params):
+      del params  # unused
+      x = features["x"]
+      spread = tf.compat.v1.get_variable(
+          "spread", [5], initializer=tf.compat.v1.zeros_initializer(),
+          trainable=False, aggregation=MEAN)
+      update = spread.assign(0.5 * spread + 0.5 * tf.math.reduce_variance(x, 0))
+      loss = _loss(labels, _linear(x))
+      with tf.control_dependencies([update]):
+        train_op = _minimize(loss)
+      return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+    values, _ = _assert_equal_to_one_device(model_fn, 4, 10, 3, static=False)
+    expected = np.zeros(5)
+    for rows in _batches(10, 3):
+      expected = 0.5 * expected + 0.5 * rows.var(axis=0)
+    np.testing.assert_allclose(values["spread"], expected, rtol=1e-5)
 
 
 def _ema_model_fn(features, labels, mode, params):

@@ -1,0 +1,153 @@
+"""The variance between the towers' shards, for moving variances.
+
+A batch-norm layer in each tower measures its shard's variance; one device
+measures the whole batch's, which also holds the spread of the shards' means
+around the batch mean:
+
+  var(batch) = sum_i f_i * (var_i + (mean_i - mean)^2),  f_i = n_i / n.
+
+Before the towers' moving-variance writes are averaged (MEAN aggregation),
+each tower's variance statistic, where the write consumes it, gets its
+between-shard term, so that the average is one device's variance. The
+statistics recognised are a mean over the batch axis of squared differences
+from the batch mean, as `tf.nn.moments` (Keras and v1 batch norm on non-4-D
+inputs) and `tf.math.reduce_variance` build it, and
+`FusedBatchNorm*`'s (4-D inputs), which is Bessel-corrected:
+
+  var(batch) = (sum_i (n_i - 1) var_i + n_i (mean_i - mean)^2) / (n - 1).
+"""
+
+from typing import List, NamedTuple, Optional, Sequence
+
+import tensorflow as tf
+from absl import logging
+
+# Ops a statistic may pass through on its way to the write, unchanged in
+# value or combined elementwise with the variable's value and a decay.
+_PATH_OPS = frozenset([
+    "Identity", "Squeeze", "Reshape", "ExpandDims", "Cast", "Sub", "Mul",
+    "AddV2", "Add", "RealDiv"])
+_FUSED = ("FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3")
+_MAX_DEPTH = 8
+
+
+class _Statistic(NamedTuple):
+  consumer: tf.Operation     # the op on the write's path that reads it
+  position: int              # which input of the consumer
+  variance: tf.Tensor        # the shard's variance
+  mean: tf.Tensor            # the shard's mean, same shape as variance
+  count: Optional[tf.Tensor]  # values per channel (Bessel-corrected only)
+
+
+def add_between_shard_variance(writes: Sequence[tf.Operation], weights,
+                               weighted_sum) -> bool:
+  """Adds the between-shard term to each tower's variance before a MEAN.
+
+  Args:
+    writes: the towers' writes to one variable, tower 0 first.
+    weights: each tower's share of the batch (floats or scalar tensors).
+    weighted_sum: `values -> sum_i weights[i] * values[i]`, ignoring towers
+      of weight 0.
+
+  Returns:
+    Whether the writes were moving variances and got the term.
+  """
+  statistics = [_find_statistic(write) for write in writes]
+  if any(s is None for s in statistics):
+    return False
+  bessel = statistics[0].count is not None
+  if any((s.count is not None) != bessel for s in statistics):
+    return False
+  batch_mean = weighted_sum([s.mean for s in statistics])
+  if bessel:
+    counts = [tf.cast(s.count, s.variance.dtype) for s in statistics]
+    total = tf.add_n(counts)
+  for index, statistic in enumerate(statistics):
+    variance, mean = statistic.variance, statistic.mean
+    spread = tf.math.squared_difference(mean, batch_mean)
+    if bessel:
+      count = counts[index]
+      # Scale so that sum_i (count_i / total) * corrected is one device's.
+      several = total > 1.0
+      denominator = tf.where(several, total - 1.0, 1.0)
+      share = tf.math.divide_no_nan(count - 1.0, count)
+      corrected = tf.where(
+          several, (variance * share + spread) * (total / denominator),
+          variance)
+    else:
+      corrected = variance + spread
+    _replace_input(statistic, corrected)
+  logging.info("replicate: %s gets the variance between the towers' shards",
+               writes[0].inputs[0].op.name)
+  return True
+
+
+def _replace_input(statistic: _Statistic, corrected: tf.Tensor):
+  old = statistic.consumer.inputs[statistic.position]
+  corrected = tf.reshape(tf.cast(corrected, old.dtype), tf.shape(old))
+  # Ops have no public way to change an input once built.
+  statistic.consumer._update_input(statistic.position, corrected)  # pylint: disable=protected-access
+
+
+def _find_statistic(write: tf.Operation) -> Optional[_Statistic]:
+  """The one batch-variance statistic on the path to the written value."""
+  found: List[_Statistic] = []
+  pending = [(write, 1, 0)]
+  while pending:
+    op, position, depth = pending.pop()
+    tensor = op.inputs[position]
+    statistic = _statistic(op, position, tensor)
+    if statistic is not None:
+      found.append(statistic)
+      continue
+    source = tensor.op
+    if source.type in _PATH_OPS and depth < _MAX_DEPTH:
+      pending.extend((source, i, depth + 1) for i in range(len(source.inputs)))
+  return found[0] if len(found) == 1 else None
+
+
+def _statistic(consumer, position, tensor) -> Optional[_Statistic]:
+  op = tensor.op
+  if op.type in _FUSED and tensor.value_index == 2 and op.get_attr(
+      "is_training"):
+    x, mean = op.inputs[0], op.outputs[1]
+    count = tf.cast(tf.size(x), tf.float64) / tf.cast(tf.size(mean), tf.float64)
+    return _Statistic(consumer, position, tensor, mean, count)
+  if op.type != "Mean":
+    return None
+  difference = _squared_difference(op.inputs[0].op)
+  if difference is None:
+    return None
+  values, mean = difference
+  while mean.op.type in ("StopGradient", "Identity"):
+    mean = mean.op.inputs[0]
+  if mean.op.type != "Mean" or mean.op.inputs[0] is not values:
+    return None
+  axes = _axes(op)
+  if axes is None or 0 not in axes or axes != _axes(mean.op):
+    return None
+  return _Statistic(consumer, position, tensor,
+                    tf.reshape(mean, tf.shape(tensor)), None)
+
+
+def _squared_difference(op: tf.Operation):
+  """(x, m) for SquaredDifference(x, m) or Square(x - m); else None."""
+  if op.type == "SquaredDifference":
+    return op.inputs[0], op.inputs[1]
+  if op.type == "Square" and op.inputs[0].op.type == "Sub":
+    return op.inputs[0].op.inputs[0], op.inputs[0].op.inputs[1]
+  return None
+
+
+def _axes(mean_op: tf.Operation) -> Optional[frozenset]:
+  """The axes a Mean op averages over, made non-negative; None if unknown."""
+  axes = tf.get_static_value(mean_op.inputs[1])
+  rank = mean_op.inputs[0].shape.rank
+  if axes is None:
+    return None
+  axes = [int(a) for a in tf.nest.flatten(axes.tolist())]
+  if any(a < 0 for a in axes):
+    if rank is None:
+      return None
+    axes = [a % rank for a in axes]
+  return frozenset(axes)
