@@ -48,15 +48,17 @@ def scale_loss(loss, loss_reduction: str, fraction, size):
   """Weights one tower's loss by its share of the batch.
 
   A tower without examples contributes zero, even where its own loss is NaN
-  (a mean over nothing), and still has zero rather than no gradients.
+  (a mean over nothing), and still has zero rather than no gradients. When
+  the whole batch is empty, tower 0 holds all of it (`fraction` 1): its
+  loss, NaN included, is then one device's, and so are its gradients.
   """
   if is_sum(loss_reduction):
     return loss
   loss = tf.convert_to_tensor(loss)
-  if isinstance(size, int) and size > 0:
-    return loss * tf.cast(fraction, loss.dtype)
   weighted = loss * tf.cast(fraction, loss.dtype)
-  return tf.where(size > 0, weighted, tf.zeros_like(weighted))
+  if isinstance(size, int) and size > 0:
+    return weighted
+  return tf.where(fraction > 0, weighted, tf.zeros_like(weighted))
 
 
 def sum_losses(losses: Sequence[Any]):

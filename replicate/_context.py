@@ -48,6 +48,8 @@ class Replication:
   hub: Optional[str] = None
   # UPDATE_OPS as they were before tower 0: each tower sees these and its own.
   update_ops_before: List[Any] = dataclasses.field(default_factory=list)
+  # Per tower: the (features, labels) shard of the batch it was given.
+  inputs: List[Any] = dataclasses.field(default_factory=list)
   # Per tower: the ops its model_fn call built.
   tower_ops: List[List[tf.Operation]] = dataclasses.field(default_factory=list)
   # Names of the ops that split the batch, and of every tower's ops.

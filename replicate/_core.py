@@ -55,7 +55,9 @@ def replicate_model_fn(
       its share of the batch. NONE is refused. For a canned estimator's
       model_fn the head's own reduction is used (v1 heads sum by default).
     devices: device names, e.g. ['/device:GPU:0', '/device:GPU:1']; None
-      means every local GPU, or the host CPU when there is none.
+      means every local GPU, or the host CPU when there is none. Names of
+      this process's devices are checked against the local devices (and
+      the CPUs `config.session_config` asks for) when the model_fn runs.
     variable_placement: a `replicate.VariablePlacement` (or its string):
       SHARED keeps every variable on the consolidation device, ROUND_ROBIN
       spreads them over the towers' devices.
@@ -67,7 +69,8 @@ def replicate_model_fn(
     ValueError: the reduction is NONE or unknown, a device name is bad or
       repeated, the placement is unknown, or `TF_CONFIG` is not JSON or
       names a task its cluster does not have. The returned model_fn raises
-      it for devices on another task of the cluster.
+      it for a device that does not exist locally or is on another task of
+      the cluster.
   """
   reduction = _reduction_for(model_fn,
                              _aggregate.validate_loss_reduction(loss_reduction))
@@ -85,6 +88,8 @@ def replicate_model_fn(
                    "one tower, no device pinned")
       return _run_on_one_device(model_fn, features, labels, arguments, None,
                                 reduction)
+    if given:
+      _devices.check_local_devices(given, config)
     if len(tower_devices) == 1:
       return _run_on_one_device(model_fn, features, labels, arguments,
                                 tower_devices[0], reduction)
@@ -221,7 +226,8 @@ def _run_towers(model_fn, features, labels, mode, arguments, devices,
   replication = _context.Replication(
       num_towers=len(devices), loss_reduction=reduction,
       fractions=shards.fractions, sizes=shards.sizes, graph=graph, hub=hub,
-      split_op_names={op.name for op in graph.get_operations()[first_op:]})
+      split_op_names={op.name for op in graph.get_operations()[first_op:]},
+      inputs=list(zip(shards.features, shards.labels)))
   choose = _devices.variable_device_chooser(placement, devices)
   _gather.clear_gather_state(graph)
   specs = []

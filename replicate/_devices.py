@@ -7,7 +7,7 @@ device function each tower builds under.
 
 import enum
 import itertools
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import tensorflow as tf
 from absl import logging
@@ -100,6 +100,81 @@ def resolve_devices(devices: Optional[Sequence[str]]) -> List[str]:
           f"{canonical!r}); list each device once.")
     resolved.append(canonical)
   return resolved
+
+
+def _local_device_counts(config) -> Dict[str, int]:
+  """Device type -> how many devices of that type this process has.
+
+  The logical devices, and for CPU at least as many as the session config
+  of `config` (the Estimator's RunConfig) asks for with `device_count`, the
+  way graph-mode sessions get virtual CPU devices.
+  """
+  counts = {}
+  for device in tf.config.list_logical_devices():
+    spec = tf.DeviceSpec.from_string(device.name)
+    counts[spec.device_type] = max(counts.get(spec.device_type, 0),
+                                   spec.device_index + 1)
+  session_config = getattr(config, "session_config", None)
+  if session_config is not None:
+    cpus = session_config.device_count.get("CPU", 0)
+    counts["CPU"] = max(counts.get("CPU", 0), cpus)
+  return counts
+
+
+def _device_names(counts: Dict[str, int]) -> str:
+  return ", ".join(f"'/device:{kind}:{index}'" for kind in sorted(counts)
+                   for index in range(counts[kind]))
+
+
+def _missing_device_message(device: str, kind: str, counts) -> str:
+  """Why `device` is refused, what exists and how to get more devices."""
+  if kind not in counts:
+    what = f"this machine has no {kind} device"
+  else:
+    what = f"this machine has {counts[kind]} {kind} device(s)"
+  message = (f"Device {device!r} does not exist: {what}; the local devices "
+             f"are {_device_names(counts)}. Pass devices from that list")
+  if kind == "CPU":
+    message += (
+        ", or make more CPU devices: split the CPU with "
+        "tf.config.set_logical_device_configuration before TensorFlow "
+        "initialises, or give the Estimator a session with as many, "
+        "RunConfig(session_config=tf.compat.v1.ConfigProto("
+        "device_count={'CPU': N}))")
+  return message + "."
+
+
+def check_local_devices(devices: Sequence[str], config=None) -> None:
+  """Refuses device names that no local device answers to.
+
+  Only devices of this process are checked: a name with a job, replica or
+  task is left to TensorFlow's runtime. GPU names on a machine without any
+  GPU are accepted with a warning: soft placement runs them on the CPU,
+  which is how multi-GPU code is tested without GPUs.
+
+  Args:
+    devices: canonical device names, as `resolve_devices` returns them.
+    config: the `tf.estimator.RunConfig` the model_fn was given, or None.
+
+  Raises:
+    ValueError: a device's type or index does not exist locally.
+  """
+  counts = _local_device_counts(config)
+  without_gpu = []
+  for device in devices:
+    spec = tf.DeviceSpec.from_string(device)
+    if spec.job is not None or spec.replica is not None or spec.task is not None:
+      continue
+    if spec.device_type == "GPU" and "GPU" not in counts:
+      without_gpu.append(device)
+    elif spec.device_index >= counts.get(spec.device_type, 0):
+      raise ValueError(
+          _missing_device_message(device, spec.device_type, counts))
+  if without_gpu:
+    logging.warning(
+        "replicate: this machine has no GPU; devices %s run where soft "
+        "placement puts them (allow_soft_placement=True), or fail without it",
+        without_gpu)
 
 
 def consolidation_device(devices: Sequence[str]) -> str:

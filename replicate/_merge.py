@@ -3,8 +3,9 @@
 Every field but those below is tower 0's (hooks, scaffold: the unwrapped
 model's names, none duplicated); the loss is the sum of the towers' scaled
 losses, the train_op groups every tower's, predictions and export outputs
-are concatenated along the batch, and each eval metric's variables are
-summed into tower 0's.
+are concatenated along the batch (a scalar, which has no batch dimension,
+is tower 0's where it does not depend on the batch, and refused where it
+does), and each eval metric's variables are summed into tower 0's.
 """
 
 from typing import Any, Dict, List, Sequence
@@ -18,36 +19,81 @@ _ModeKeys = tf.estimator.ModeKeys
 _export = tf.estimator.export
 
 
-def _concat(tensors: Sequence[Any], name: str):
+def _reads_batch(tensor, inputs) -> bool:
+  """Whether `tensor`'s value is computed from the towers' `inputs`."""
+  batch_ops = {t.op for t in tf.nest.flatten(inputs, expand_composites=True)
+               if t is not None}
+  pending, seen = [tensor.op], set()
+  while pending:
+    op = pending.pop()
+    if op in batch_ops:
+      return True
+    if op not in seen:
+      seen.add(op)
+      pending.extend(t.op for t in op.inputs)
+  return False
+
+
+def _tower_zero_scalar(scalar, path: str, inputs):
+  """A scalar has no batch dimension: tower 0's, where the batch is not read.
+
+  Raises:
+    ValueError: the scalar is computed from the tower's shard of the batch.
+  """
+  if _reads_batch(scalar, inputs):
+    raise ValueError(
+        f"{path} is a scalar computed from the tower's share of the batch, "
+        "so no tower holds the whole batch's value and the towers' values "
+        "cannot be combined without knowing whether it is a mean, a sum or "
+        "a maximum; give it a batch dimension (one value per example), "
+        "report it in EVAL as a metric (e.g. tf.compat.v1.metrics.mean), or "
+        "compute it from variables and constants only.")
+  return scalar
+
+
+def _concat(tensors: Sequence[Any], path: str, name: str, inputs):
   if any(t is None for t in tensors):
     return None
   if isinstance(tensors[0], tf.SparseTensor):
     return tf.sparse.concat(axis=0, sp_inputs=list(tensors))
+  if tensors[0].shape.rank == 0:
+    return _tower_zero_scalar(tensors[0], path, inputs)
   return tf.concat(list(tensors), axis=0, name=name)
 
 
-def concat_predictions(predictions: Sequence[Any]):
-  """Concatenates every tower's predictions (a dict or one tensor)."""
+def concat_predictions(predictions: Sequence[Any], inputs):
+  """Concatenates every tower's predictions (a dict or one tensor).
+
+  Args:
+    predictions: each tower's predictions.
+    inputs: each tower's (features, labels): a scalar prediction computed
+      from them is refused, any other scalar is tower 0's.
+  """
   if predictions[0] is None:
     return None
   if isinstance(predictions[0], dict):
-    return {key: _concat([p[key] for p in predictions], f"concat_{key}")
+    return {key: _concat([p[key] for p in predictions],
+                         f"predictions[{key!r}]", f"concat_{key}", inputs)
             for key in predictions[0]}
-  return _concat(predictions, "concat_predictions")
+  return _concat(predictions, "predictions", "concat_predictions", inputs)
 
 
-def _concat_export_output(outputs: Sequence[Any]):
+def _concat_export_output(outputs: Sequence[Any], path: str, inputs):
   first = outputs[0]
   if isinstance(first, _export.ClassificationOutput):
     return _export.ClassificationOutput(
-        scores=_concat([o.scores for o in outputs], "concat_scores"),
-        classes=_concat([o.classes for o in outputs], "concat_classes"))
+        scores=_concat([o.scores for o in outputs], f"{path}.scores",
+                       "concat_scores", inputs),
+        classes=_concat([o.classes for o in outputs], f"{path}.classes",
+                        "concat_classes", inputs))
   if isinstance(first, _export.RegressionOutput):
     return _export.RegressionOutput(
-        value=_concat([o.value for o in outputs], "concat_value"))
+        value=_concat([o.value for o in outputs], f"{path}.value",
+                      "concat_value", inputs))
   if isinstance(first, _export.PredictOutput):
     return _export.PredictOutput(
-        {key: _concat([o.outputs[key] for o in outputs], f"concat_{key}")
+        {key: _concat([o.outputs[key] for o in outputs],
+                      f"{path}.outputs[{key!r}]", f"concat_{key}", inputs)
          for key in first.outputs})
   raise ValueError(
       f"Export output {first!r} of type {type(first).__name__} cannot be "
@@ -55,11 +101,12 @@ def _concat_export_output(outputs: Sequence[Any]):
       "ClassificationOutput.")
 
 
-def concat_export_outputs(export_outputs: Sequence[Dict[str, Any]]):
-  """Concatenates every tower's export outputs, key by key."""
+def concat_export_outputs(export_outputs: Sequence[Dict[str, Any]], inputs):
+  """Concatenates every tower's export outputs, key by key (see above)."""
   if export_outputs[0] is None:
     return None
-  return {key: _concat_export_output([e[key] for e in export_outputs])
+  return {key: _concat_export_output([e[key] for e in export_outputs],
+                                     f"export_outputs[{key!r}]", inputs)
           for key in export_outputs[0]}
 
 
@@ -135,7 +182,8 @@ def _watch_merged_loss(hooks, tower_loss, loss):
 def merge_specs(mode, specs: List[Any], replication: _context.Replication):
   """Builds the one EstimatorSpec the Estimator sees, on the hub device."""
   with tf.device(replication.hub), tf.name_scope("merge_towers"):
-    fields = {"predictions": concat_predictions([s.predictions for s in specs])}
+    fields = {"predictions": concat_predictions([s.predictions for s in specs],
+                                                replication.inputs)}
     if mode != _ModeKeys.PREDICT:
       fields["loss"] = _aggregate.sum_losses([
           _aggregate.scale_loss(s.loss, replication.loss_reduction,
@@ -150,7 +198,7 @@ def merge_specs(mode, specs: List[Any], replication: _context.Replication):
       fields["eval_metric_ops"] = merge_eval_metric_ops(specs, replication)
     if mode == _ModeKeys.PREDICT:
       fields["export_outputs"] = concat_export_outputs(
-          [s.export_outputs for s in specs])
+          [s.export_outputs for s in specs], replication.inputs)
   if mode != _ModeKeys.PREDICT:
     for hooks in (specs[0].training_hooks, specs[0].training_chief_hooks,
                   specs[0].evaluation_hooks):

@@ -2,7 +2,10 @@
 
 Shards are taken along dimension 0, in order, with sizes that differ by at
 most one, so concatenating the towers' outputs gives the input order back.
-Tensors, SparseTensors (split by rows) and any nest of them are supported.
+Tensors, SparseTensors and RaggedTensors (both split by rows) and any nest
+of them are supported. Where static shapes cannot show that every leaf has
+the same batch size, runtime checks on the consolidation device say which
+leaves differ, before anything is split.
 """
 
 from typing import Any, List, NamedTuple, Union
@@ -32,16 +35,26 @@ def _paths(structure, prefix):
 
 
 def _as_tensor(path, value):
-  if value is None or isinstance(value, (tf.Tensor, tf.SparseTensor)):
+  if value is None or isinstance(
+      value, (tf.Tensor, tf.SparseTensor, tf.RaggedTensor)):
     return value
   if isinstance(value, tf.compat.v1.SparseTensorValue):
     return tf.SparseTensor.from_value(value)
+  if isinstance(value, tf.compat.v1.ragged.RaggedTensorValue):
+    return tf.RaggedTensor.from_nested_row_splits(value.flat_values,
+                                                  value.nested_row_splits)
   try:
     return tf.convert_to_tensor(value)
   except (TypeError, ValueError) as e:
     raise ValueError(
         f"`{path}` of type {type(value).__name__} cannot be split across "
-        f"towers ({e}); pass Tensors, SparseTensors or nests of them.") from None
+        f"towers ({e}); pass Tensors, SparseTensors, RaggedTensors or nests "
+        "of them.") from None
+
+
+def _scalar_message(path):
+  return (f"`{path}` is a scalar and has no batch dimension to split across "
+          "towers; give every feature and label a leading batch dimension.")
 
 
 def _static_batch_size(path, tensor):
@@ -51,22 +64,49 @@ def _static_batch_size(path, tensor):
     if known is not None:
       shape = tf.TensorShape(known)
   if shape.rank == 0:
-    raise ValueError(
-        f"`{path}` is a scalar and has no batch dimension to split across "
-        "towers; give every feature and label a leading batch dimension.")
+    raise ValueError(_scalar_message(path))
   if shape.rank is None:
     return None
   return tf.compat.dimension_value(shape[0])
 
 
-def _dynamic_batch_size(tensor):
-  if isinstance(tensor, tf.SparseTensor):
-    return tensor.dense_shape[0]
-  return tf.shape(tensor, out_type=tf.int64)[0]
+def _rank_check(path, leaf):
+  """A runtime check that a leaf of unknown rank is not a scalar."""
+  rank = (tf.size(leaf.dense_shape) if isinstance(leaf, tf.SparseTensor)
+          else tf.rank(leaf))
+  return tf.debugging.Assert(rank > 0, [_scalar_message(path)],
+                             name="check_rank")
+
+
+def _dynamic_batch_size(path, leaf):
+  """The size of dimension 0 as an int64 scalar, once a leaf's rank is known."""
+  checks = [_rank_check(path, leaf)] if leaf.shape.rank is None else []
+  with tf.control_dependencies(checks):
+    if isinstance(leaf, tf.SparseTensor):
+      return tf.identity(leaf.dense_shape[0])
+    if isinstance(leaf, tf.RaggedTensor):
+      return leaf.nrows(out_type=tf.int64)
+    return tf.shape(leaf, out_type=tf.int64)[0]
+
+
+def _size_check(path, size, reference_path, reference):
+  """A runtime check that leaf `path` has the batch size of another leaf."""
+  return tf.debugging.Assert(tf.equal(size, reference), [
+      f"Batch size of `{path}`:", size,
+      f"differs from that of `{reference_path}`:", reference,
+      "; every feature and label must have the same size in dimension 0 to "
+      "be split across towers: batch them together in the input_fn, e.g. "
+      "with one Dataset.batch over (features, labels)."], name="check_batch")
 
 
 def _batch_size(named_leaves):
-  """The batch size (int if static, else int64 scalar) shared by all leaves."""
+  """The batch size shared by all leaves, and the checks that they share it.
+
+  Returns:
+    The size (an int if any leaf knows it statically, else an int64 scalar)
+    and the runtime checks (none when static shapes show that every leaf
+    has that size) that must run before the leaves are split.
+  """
   static = {path: _static_batch_size(path, leaf) for path, leaf in named_leaves}
   known = {path: size for path, size in static.items() if size is not None}
   if len(set(known.values())) > 1:
@@ -75,9 +115,17 @@ def _batch_size(named_leaves):
         f"Features and labels have different batch sizes ({listed}); every "
         "tensor must have the same size in dimension 0 to be split across "
         "towers.")
+  unknown = [(path, leaf) for path, leaf in named_leaves
+             if static[path] is None]
   if known:
-    return next(iter(known.values()))
-  return _dynamic_batch_size(named_leaves[0][1])
+    reference_path, reference = next(iter(known.items()))
+  else:
+    reference_path, leaf = unknown.pop(0)
+    reference = _dynamic_batch_size(reference_path, leaf)
+  checks = [_size_check(path, _dynamic_batch_size(path, leaf),
+                        reference_path, reference)
+            for path, leaf in unknown]
+  return reference, checks
 
 
 def shard_sizes(batch_size: Size, num_shards: int) -> List[Size]:
@@ -114,28 +162,49 @@ def _split_sparse(sparse, sizes):
   return shards
 
 
+def _split_ragged(ragged, sizes):
+  """Row slices; python ints where the sizes are, so shapes stay static."""
+  shards, offset = [], 0
+  for size in sizes:
+    shards.append(ragged[offset:offset + size])
+    offset = offset + size
+  return shards
+
+
 def _split_leaf(leaf, sizes):
   if leaf is None:
     return [None] * len(sizes)
   if isinstance(leaf, tf.SparseTensor):
     return _split_sparse(leaf, sizes)
+  if isinstance(leaf, tf.RaggedTensor):
+    return _split_ragged(leaf, sizes)
   return _split_dense(leaf, sizes)
 
 
 def _fractions(sizes, batch_size):
+  """Each tower's share of the batch; tower 0 holds all of an empty batch.
+
+  So the shares always add up to one, and with an empty batch tower 0's
+  loss (a mean over nothing: NaN, as on one device) is the whole batch's.
+  """
   if isinstance(batch_size, int):
-    return [size / batch_size if batch_size else 0.0 for size in sizes]
+    if not batch_size:
+      return [1.0] + [0.0] * (len(sizes) - 1)
+    return [size / batch_size for size in sizes]
   total = tf.cast(batch_size, tf.float32)
-  return [tf.math.divide_no_nan(tf.cast(size, tf.float32), total)
-          for size in sizes]
+  fractions = [tf.math.divide_no_nan(tf.cast(size, tf.float32), total)
+               for size in sizes]
+  fractions[0] = tf.where(total > 0, fractions[0], 1.0)
+  return fractions
 
 
 def split_batch(features, labels, num_shards: int) -> Shards:
   """Splits `features` and `labels` into `num_shards` row-aligned shards.
 
   Raises:
-    ValueError: a leaf is a scalar or not a tensor, or the leaves disagree on
-      the batch size.
+    ValueError: a leaf is a scalar or not a tensor, or the leaves' static
+      shapes disagree on the batch size (dynamic sizes that disagree fail
+      the runtime checks, naming the leaves and their sizes).
   """
   structure = (features, labels)
   leaves = tf.nest.flatten(structure)
@@ -146,9 +215,10 @@ def split_batch(features, labels, num_shards: int) -> Shards:
     raise ValueError(
         "features and labels hold no tensor to split across towers; pass at "
         "least one feature with a batch dimension.")
-  batch_size = _batch_size(named)
+  batch_size, checks = _batch_size(named)
   sizes = shard_sizes(batch_size, num_shards)
-  split_leaves = [_split_leaf(leaf, sizes) for leaf in leaves]
+  with tf.control_dependencies(checks):
+    split_leaves = [_split_leaf(leaf, sizes) for leaf in leaves]
   towers = [tf.nest.pack_sequence_as(structure, [s[i] for s in split_leaves])
             for i in range(num_shards)]
   return Shards(features=[f for f, _ in towers],

@@ -195,6 +195,128 @@ class InputErrorsTest(parameterized.TestCase):
                   np.zeros(4, np.int64))
 
 
+class MissingDevicesTest(parameterized.TestCase):
+  """Names are checked against this process's devices: CPU:0..3 here."""
+
+  def _build(self, devices, config=None):
+    model_fn = _linear_model_fn(
+        lambda loss: replicate.TowerOptimizer(_sgd()).minimize(loss))
+    with tf.Graph().as_default():
+      tf.compat.v1.train.create_global_step()
+      features, labels = models.data(8)
+      return replicate.replicate_model_fn(model_fn, devices=devices)(
+          {"x": tf.constant(features["x"])}, tf.constant(labels), TRAIN,
+          config=config)
+
+  def test_unknown_device_type_lists_the_local_devices(self):
+    with self.assertRaisesRegex(
+        ValueError, r"Device '/device:CPUU:0' does not exist: this machine "
+        r"has no CPUU device; the local devices are '/device:CPU:0', "
+        r"'/device:CPU:1', '/device:CPU:2', '/device:CPU:3'.*Pass devices "
+        r"from that list"):
+      self._build(["/device:CPUU:0", "/device:CPU:1"])
+
+  def test_missing_cpu_index_says_how_to_get_more(self):
+    with self.assertRaisesRegex(
+        ValueError, r"Device '/device:CPU:7' does not exist: this machine "
+        r"has 4 CPU device\(s\).*set_logical_device_configuration.*"
+        r"device_count=\{'CPU': N\}"):
+      self._build(["/device:CPU:0", "/device:CPU:7"])
+
+  def test_one_missing_device_is_refused_too(self):
+    with self.assertRaisesRegex(ValueError, "'/cpu:7'|'/device:CPU:7'"):
+      self._build(["/cpu:7"])
+
+  def test_session_config_cpus_count(self):
+    config = tf.estimator.RunConfig(session_config=tf.compat.v1.ConfigProto(
+        device_count={"CPU": 8}))
+    spec = self._build(["/device:CPU:0", "/device:CPU:7"], config=config)
+    self.assertIsNotNone(spec.train_op)
+    with self.assertRaisesRegex(ValueError, "has 8 CPU device"):
+      self._build(["/device:CPU:0", "/device:CPU:8"], config=config)
+
+  def test_devices_of_another_job_are_left_to_the_runtime(self):
+    spec = self._build(["/job:worker/task:1/device:CPU:9", "/device:CPU:1"])
+    self.assertIsNotNone(spec.train_op)
+
+  def test_gpu_names_without_any_gpu_warn_once(self):
+    if tf.config.list_logical_devices("GPU"):
+      self.skipTest("this machine has a GPU")
+    with self.assertLogs("absl", "WARNING") as logs:
+      spec = self._build(GPUS)
+    self.assertIsNotNone(spec.train_op)
+    warnings = [r.getMessage() for r in logs.records
+                if r.levelname == "WARNING"]
+    self.assertLen(warnings, 1)
+    self.assertIn("this machine has no GPU; devices ['/device:GPU:0', "
+                  "'/device:GPU:1'] run where soft placement puts them",
+                  warnings[0])
+
+
+class RuntimeInputErrorsTest(parameterized.TestCase):
+  """Batch sizes that only the running graph knows get a clear error."""
+
+  def _run(self, features, labels, feed=None):
+    model_fn = _linear_model_fn(
+        lambda loss: replicate.TowerOptimizer(_sgd()).minimize(loss))
+    with tf.Graph().as_default() as graph:
+      tf.compat.v1.train.create_global_step()
+      features, labels = features(), labels()
+      spec = replicate.replicate_model_fn(model_fn, devices=GPUS)(
+          features, labels, TRAIN)
+      checks = {op.name.split("/")[1] for op in graph.get_operations()
+                if op.name.startswith("split_inputs/check_")}
+      with tf.compat.v1.Session(config=tf.compat.v1.ConfigProto(
+          allow_soft_placement=True)) as session:
+        session.run(tf.compat.v1.global_variables_initializer())
+        return checks, session.run(spec.loss, feed)
+
+  @staticmethod
+  def _dynamic(value, shape):
+    return lambda: tf.compat.v1.placeholder_with_default(value, shape)
+
+  def test_dynamic_batch_sizes_that_differ(self):
+    x = np.zeros((4, 5), np.float32)
+    with self.assertRaisesRegex(
+        tf.errors.InvalidArgumentError, r"Batch size of `labels`:\] \[6\] "
+        r"\[differs from that of `features\[\\?'x\\?'\]`:\] \[4\].*every "
+        r"feature and label must have the same size in dimension 0.*batch "
+        r"them together in the input_fn"):
+      self._run(lambda: {"x": self._dynamic(x, [None, 5])()},
+                self._dynamic(np.zeros(6, np.int64), [None]))
+
+  def test_dynamic_labels_against_a_static_feature(self):
+    x = np.zeros((4, 5), np.float32)
+    with self.assertRaisesRegex(
+        tf.errors.InvalidArgumentError, r"Batch size of `labels`:\] \[3\] "
+        r"\[differs from that of `features\[\\?'x\\?'\]`:\] \[4\]"):
+      self._run(lambda: {"x": tf.constant(x)},
+                self._dynamic(np.zeros(3, np.int64), [None]))
+
+  def test_unknown_rank_feature_fed_a_scalar(self):
+    x = np.zeros((4, 5), np.float32)
+    with self.assertRaisesRegex(
+        tf.errors.InvalidArgumentError,
+        r"`features\[\\?'scale\\?'\]` is a scalar and has no batch "
+        "dimension to split across towers; give every feature and label a "
+        "leading batch dimension"):
+      self._run(lambda: {"x": self._dynamic(x, [None, 5])(),
+                         "scale": self._dynamic(2.0, None)()},
+                lambda: tf.constant(np.zeros(4, np.int64)))
+
+  def test_checks_only_where_static_shapes_cannot_tell(self):
+    x = np.zeros((4, 5), np.float32)
+    labels = np.zeros(4, np.int64)
+    checks, loss = self._run(lambda: {"x": tf.constant(x)},
+                             lambda: tf.constant(labels))
+    self.assertEqual(checks, set())
+    self.assertTrue(np.isfinite(loss))
+    checks, loss = self._run(lambda: {"x": self._dynamic(x, [None, 5])()},
+                             self._dynamic(labels, [None]))
+    self.assertEqual(checks, {"check_batch"})
+    self.assertTrue(np.isfinite(loss))
+
+
 if __name__ == "__main__":
   from absl.testing import absltest
   absltest.main()

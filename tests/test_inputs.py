@@ -1,7 +1,8 @@
-"""Sparse, dict and missing inputs; several optimizers; unused variables.
+"""Sparse, ragged, dict and missing inputs; scalar predictions; several
+optimizers; unused variables.
 
-Each case trains N towers and one device on the same data and weights and
-compares losses and trained variables.
+Each case runs N towers and one device on the same data and weights and
+compares losses, trained variables, metrics and predictions.
 """
 
 from absl.testing import parameterized
@@ -158,6 +159,211 @@ class UnusedBranchTest(parameterized.TestCase):
     actual = harness.train(model_fn, data, 8, 3, tower_devices=harness.devices(
         harness.VIRTUAL_CPUS, 2))
     harness.assert_close_nests(actual, expected)
+
+
+def _ragged_examples(num_examples, seed=2):
+  """Word ids per example (ragged rank 1), character ids per word (rank 2)."""
+  rng = np.random.RandomState(seed)
+  tokens = [list(rng.randint(VOCABULARY, size=rng.randint(1, 5)))
+            for _ in range(num_examples)]
+  chars = [[list(rng.randint(VOCABULARY, size=rng.randint(1, 4)))
+            for _ in range(rng.randint(0, 3))] for _ in range(num_examples)]
+  labels = rng.randint(2, size=num_examples).astype(np.int64)
+  return tokens, chars, labels
+
+
+def _ragged_batch(batch_size, static):
+  """One batch: tf.ragged.constant (static), or Dataset.ragged_batch."""
+  tokens, chars, labels = _ragged_examples(batch_size)
+  features = {"tokens": tf.ragged.constant(tokens, tf.int64),
+              "chars": tf.ragged.constant(chars, tf.int64, ragged_rank=2),
+              "row": tf.range(batch_size, dtype=tf.int64)}
+  if static:
+    return features, tf.constant(labels)
+  dataset = tf.data.Dataset.from_tensor_slices((features, labels))
+  dataset = dataset.repeat().ragged_batch(batch_size)
+  return tf.compat.v1.data.make_one_shot_iterator(dataset).get_next()
+
+
+def _lookup(table, ids):
+  return tf.ragged.map_flat_values(tf.nn.embedding_lookup, table, ids)
+
+
+def ragged_model_fn(features, labels, mode):
+  """Pools ragged word and character embeddings; a scalar temperature."""
+  words = tf.compat.v1.get_variable("words", [VOCABULARY, 3])
+  letters = tf.compat.v1.get_variable("letters", [VOCABULARY, 2])
+  bag = tf.reduce_mean(_lookup(words, features["tokens"]), axis=1)
+  spelled = tf.reduce_sum(
+      _lookup(letters, features["chars"]).merge_dims(1, 2), axis=1)
+  log_temperature = tf.compat.v1.get_variable("log_temperature", [])
+  temperature = tf.exp(log_temperature)
+  logits = tf.compat.v1.layers.dense(
+      tf.concat([bag, spelled], axis=1), 2, name="logits") / temperature
+  predictions = {"row": features["row"], "logits": logits,
+                 "temperature": temperature}
+  if mode == tf.estimator.ModeKeys.PREDICT:
+    return tf.estimator.EstimatorSpec(mode, predictions=predictions,
+                                      export_outputs={
+        "serving_default": tf.estimator.export.PredictOutput(predictions)})
+  loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
+  if mode == tf.estimator.ModeKeys.EVAL:
+    return tf.estimator.EstimatorSpec(
+        mode, loss=loss, predictions=predictions, eval_metric_ops={
+            "accuracy": tf.compat.v1.metrics.accuracy(
+                labels, tf.argmax(logits, 1)),
+            "mean_logit": tf.compat.v1.metrics.mean(logits)})
+  optimizer = replicate.TowerOptimizer(tf.compat.v1.train.AdagradOptimizer(0.5))
+  return tf.estimator.EstimatorSpec(
+      mode, loss=loss, predictions=predictions, train_op=optimizer.minimize(
+          loss, tf.compat.v1.train.get_global_step()))
+
+
+def _run_ragged(tower_devices, batch_size, static, steps=2):
+  """Trains `steps` steps, then evaluates and predicts one batch each."""
+  results = {}
+  for mode in (tf.estimator.ModeKeys.TRAIN, tf.estimator.ModeKeys.EVAL,
+               tf.estimator.ModeKeys.PREDICT):
+    with tf.Graph().as_default():
+      tf.compat.v1.train.create_global_step()
+      features, labels = _ragged_batch(batch_size, static)
+      if mode == tf.estimator.ModeKeys.PREDICT:
+        labels = None
+      spec = harness.wrap(ragged_model_fn, tower_devices)(features, labels,
+                                                          mode)
+      with tf.compat.v1.Session(config=harness.session_config()) as session:
+        if mode == tf.estimator.ModeKeys.TRAIN:
+          results[mode] = harness.run_training(session, spec, steps)
+          results["train_predictions"] = session.run(spec.predictions)
+          continue
+        session.run([tf.compat.v1.global_variables_initializer(),
+                     tf.compat.v1.local_variables_initializer()])
+        harness.set_trainable_weights(session)
+        if mode == tf.estimator.ModeKeys.EVAL:
+          updates = [op for _, op in spec.eval_metric_ops.values()]
+          results[mode] = session.run((spec.loss, spec.predictions, updates))[:2]
+          results["metrics"] = session.run(
+              {k: v for k, (v, _) in spec.eval_metric_ops.items()})
+        else:
+          results[mode] = session.run(
+              (spec.predictions,
+               spec.export_outputs["serving_default"].outputs))
+  return results
+
+
+class RaggedFeaturesTest(parameterized.TestCase):
+
+  @parameterized.parameters((2, 8, True), (4, 7, False))
+  def test_match_one_device(self, num_towers, batch_size, static):
+    expected = _run_ragged(None, batch_size, static)
+    actual = _run_ragged(harness.devices(harness.VIRTUAL_CPUS, num_towers),
+                         batch_size, static)
+    self.assertEqual(sorted(actual), sorted(expected))
+    harness.assert_close_nests(actual, expected, rtol=1e-5, atol=1e-6)
+    losses, values = actual[tf.estimator.ModeKeys.TRAIN]
+    self.assertGreater(losses[0] - losses[-1], 1e-3)  # it trains
+    self.assertEqual(values["global_step"], 2)
+    predictions, outputs = actual[tf.estimator.ModeKeys.PREDICT]
+    np.testing.assert_array_equal(predictions["row"], np.arange(batch_size))
+    self.assertEqual(np.shape(outputs["temperature"]), ())
+    self.assertEqual(actual["metrics"]["accuracy"],
+                     expected["metrics"]["accuracy"])
+
+
+class ScalarPredictionsTest(parameterized.TestCase):
+
+  def _spec(self, mode, scalar_fn):
+    def model_fn(features, labels, mode):
+      logits = tf.compat.v1.layers.dense(features["x"], 2, name="logits")
+      predictions = {"logits": logits, "scalar": scalar_fn(logits)}
+      loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
+      opt = replicate.TowerOptimizer(
+          tf.compat.v1.train.GradientDescentOptimizer(0.1))
+      train_op = opt.minimize(loss) if mode == tf.estimator.ModeKeys.TRAIN else None
+      return tf.estimator.EstimatorSpec(
+          mode, predictions=predictions, train_op=train_op,
+          loss=None if mode == tf.estimator.ModeKeys.PREDICT else loss)
+    x = np.random.RandomState(3).randn(6, 5).astype(np.float32)
+    labels = tf.constant([0, 1, 1, 0, 1, 0], tf.int64)
+    return harness.wrap(model_fn, harness.devices(harness.VIRTUAL_CPUS, 4))(
+        {"x": tf.constant(x)}, labels, mode)
+
+  @parameterized.parameters(tf.estimator.ModeKeys.TRAIN,
+                            tf.estimator.ModeKeys.EVAL,
+                            tf.estimator.ModeKeys.PREDICT)
+  def test_scalar_that_does_not_read_the_batch_is_tower_zeros(self, mode):
+    with tf.Graph().as_default():
+      spec = self._spec(mode, lambda logits: tf.constant(0.25) * 2.0)
+      self.assertEqual(spec.predictions["scalar"].op.name, "mul")  # tower 0's
+      self.assertEqual(spec.predictions["logits"].shape.as_list(), [6, 2])
+      with tf.compat.v1.Session(config=harness.session_config()) as session:
+        self.assertEqual(session.run(spec.predictions["scalar"]), 0.5)
+
+  @parameterized.parameters(tf.estimator.ModeKeys.TRAIN,
+                            tf.estimator.ModeKeys.PREDICT)
+  def test_scalar_computed_from_the_batch_is_refused(self, mode):
+    with tf.Graph().as_default():
+      with self.assertRaisesRegex(
+          ValueError, r"predictions\['scalar'\] is a scalar computed from the "
+          r"tower's share of the batch.*give it a batch dimension"):
+        self._spec(mode, tf.reduce_mean)
+
+
+def mean_loss_model_fn(features, labels, mode):
+  """A tf.reduce_mean loss (NaN over no examples) watched by a NanTensorHook."""
+  logits = tf.compat.v1.layers.dense(features["x"], 2, name="logits")
+  loss = tf.reduce_mean(
+      tf.nn.sparse_softmax_cross_entropy_with_logits(labels, logits))
+  optimizer = replicate.TowerOptimizer(
+      tf.compat.v1.train.GradientDescentOptimizer(0.5))
+  return tf.estimator.EstimatorSpec(
+      mode, loss=loss, train_op=optimizer.minimize(
+          loss, tf.compat.v1.train.get_global_step()),
+      training_hooks=[tf.compat.v1.train.NanTensorHook(loss)])
+
+
+def _run_mean_loss(tower_devices, batch_size, static):
+  """One train step: the loss, the trained weights, what the hook says."""
+  rng = np.random.RandomState(4)
+  x = rng.randn(batch_size, 5).astype(np.float32)
+  labels = rng.randint(2, size=batch_size).astype(np.int64)
+  with tf.Graph().as_default():
+    tf.compat.v1.train.create_global_step()
+    if static:
+      features, labels = {"x": tf.constant(x)}, tf.constant(labels)
+    else:
+      features = {"x": tf.compat.v1.placeholder_with_default(x, [None, 5])}
+      labels = tf.compat.v1.placeholder_with_default(labels, [None])
+    spec = harness.wrap(mean_loss_model_fn, tower_devices, reduction=(
+        tf.compat.v1.losses.Reduction.MEAN))(
+            features, labels, tf.estimator.ModeKeys.TRAIN)
+    with tf.compat.v1.Session(config=harness.session_config()) as session:
+      losses, values = harness.run_training(session, spec, 1)
+    with tf.compat.v1.train.MonitoredSession(
+        session_creator=tf.compat.v1.train.ChiefSessionCreator(
+            config=harness.session_config()),
+        hooks=spec.training_hooks) as session:
+      try:
+        session.run(spec.train_op)
+        hook_says = "finite"
+      except tf.compat.v1.train.NanLossDuringTrainingError:
+        hook_says = "NaN"
+  return losses[0], values, hook_says
+
+
+class EmptyBatchTest(parameterized.TestCase):
+  """B = 0 gives one device's NaN mean; empty towers of a batch add 0."""
+
+  @parameterized.parameters((2, 0, False), (4, 0, False), (4, 0, True),
+                            (4, 3, False), (2, 1, True))
+  def test_match_one_device(self, num_towers, batch_size, static):
+    expected = _run_mean_loss(None, batch_size, static)
+    actual = _run_mean_loss(
+        harness.devices(harness.VIRTUAL_CPUS, num_towers), batch_size, static)
+    harness.assert_close_nests(actual[:2], expected[:2], rtol=1e-5, atol=1e-6)
+    self.assertEqual(actual[2], expected[2])
+    self.assertEqual(np.isnan(actual[0]), batch_size == 0)
+    self.assertEqual(actual[2], "NaN" if batch_size == 0 else "finite")
 
 
 if __name__ == "__main__":
