@@ -9,8 +9,18 @@ def test_public_names_are_exactly_all():
   public = {name for name in dir(replicate) if not name.startswith("_")}
   assert public == set(replicate.__all__) == {
       "TowerOptimizer", "VariablePlacement", "current_tower",
-      "replicate_model_fn"}
+      "replicate_model_fn", "testing"}
   assert isinstance(replicate.__version__, str)
+
+
+def test_testing_module_exports_exactly_all():
+  public = {name for name in vars(replicate.testing)
+            if not name.startswith("_") and
+            getattr(vars(replicate.testing)[name], "__module__", None) ==
+            "replicate.testing"}
+  assert public == set(replicate.testing.__all__) == {
+      "ReplicationMismatch", "Summary", "assert_replicates", "run_config",
+      "session_config", "virtual_cpus"}
 
 
 def test_variable_placement_members_and_strings():
