@@ -35,7 +35,8 @@ _FEATURES = 4
 
 
 def _versions() -> List[str]:
-  lines = [f"replicate {replicate.__version__} ({os.path.dirname(replicate.__file__)})",
+  where = os.path.dirname(replicate.__file__)
+  lines = [f"replicate {replicate.__version__} ({where})",
            f"Python {platform.python_version()}",
            f"TensorFlow {tf.__version__}"]
   for package in ("tensorflow-estimator", "keras", "numpy"):
@@ -52,11 +53,13 @@ def _tower_devices(towers: Optional[int]) -> List[str]:
   Runs before anything initialises TensorFlow's devices, so that the
   virtual CPUs can still be made.
   """
+  if towers is not None and towers < 1:
+    raise ValueError(f"--towers={towers}: pass at least 1.")
   gpus = tf.config.list_physical_devices("GPU")
   if gpus:
     count = len(gpus) if towers is None else min(towers, len(gpus))
     return [f"/device:GPU:{i}" for i in range(count)]
-  return testing.virtual_cpus(_DEFAULT_CPU_TOWERS if towers is None else towers)
+  return testing.virtual_cpus(towers or _DEFAULT_CPU_TOWERS)
 
 
 def _placement_lines(devices: List[str]) -> List[str]:

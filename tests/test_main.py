@@ -30,5 +30,4 @@ def test_self_check_prints_the_machine_and_ends_ok():
 def test_self_check_says_what_is_wrong_and_exits_1(capsys):
   assert self_check.main(["--towers=0"]) == 1
   last = capsys.readouterr().out.splitlines()[-1]
-  assert last == ("FAILED: ValueError: 0 devices: pass a number of devices "
-                  "of at least 1.")
+  assert last == "FAILED: ValueError: --towers=0: pass at least 1."
