@@ -1,5 +1,7 @@
 """The public namespace holds exactly the names DESIGN.md lists."""
 
+import pathlib
+
 import tensorflow as tf
 
 import replicate
@@ -37,3 +39,11 @@ def test_tower_optimizer_flavours():
   assert isinstance(keras, tf.keras.optimizers.legacy.Optimizer)
   lazy = replicate.TowerOptimizer(lambda: tf.keras.optimizers.legacy.Adam())
   assert isinstance(lazy(), tf.keras.optimizers.legacy.Optimizer)
+
+
+def test_readme_lists_every_testing_name():
+  readme = (pathlib.Path(__file__).resolve().parent.parent /
+            "README.md").read_text()
+  for name in replicate.testing.__all__:
+    assert f"`{name}" in readme, name
+  assert 'pytest_plugins = ["replicate.pytest_plugin"]' in readme
