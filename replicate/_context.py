@@ -48,10 +48,24 @@ class Replication:
   hub: Optional[str] = None
   # UPDATE_OPS as they were before tower 0: each tower sees these and its own.
   update_ops_before: List[Any] = dataclasses.field(default_factory=list)
+  # Per tower: the ops its model_fn call built.
+  tower_ops: List[List[tf.Operation]] = dataclasses.field(default_factory=list)
+  # Names of the ops that split the batch, and of every tower's ops.
+  split_op_names: set = dataclasses.field(default_factory=set)
+  tower_op_names: set = dataclasses.field(default_factory=set)
 
   @property
   def is_last_tower(self) -> bool:
     return self.tower.index == self.num_towers - 1
+
+  @contextlib.contextmanager
+  def unshared_creation(self):
+    """Variables created inside belong to no tower (never shared)."""
+    self.unshared = True
+    try:
+      yield
+    finally:
+      self.unshared = False
 
   def fraction(self, index: Optional[int] = None):
     return self.fractions[self.tower.index if index is None else index]
@@ -67,18 +81,17 @@ class Replication:
     optimizer call, so slot variables and update ops get the unreplicated
     model's names, and variables created there are not tower 0's to share.
     """
-    self.unshared = True
     first_op = len(self.graph.get_operations())
     # On the consolidation device, so that e.g. learning-rate tensors are
     # not sent there from the last tower every step; per-variable updates
     # stay with their variables (TensorFlow colocates them).
     try:
-      with tf.compat.v1.variable_scope(scopes.variable_scope), \
+      with self.unshared_creation(), \
+          tf.compat.v1.variable_scope(scopes.variable_scope), \
           absolute_name_scope(self.graph, scopes.name_scope), \
           self.graph.device(self.hub):
         yield
     finally:
-      self.unshared = False
       self.apply_ops.update(
           op.name for op in self.graph.get_operations()[first_op:])
 

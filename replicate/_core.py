@@ -21,6 +21,7 @@ from replicate import _context
 from replicate import _gather
 from replicate import _split
 from replicate import _sharing
+from replicate import _state
 from replicate import _towers
 
 _ModeKeys = tf.estimator.ModeKeys
@@ -209,11 +210,13 @@ def _run_towers(model_fn, features, labels, mode, arguments, devices,
   hub = _devices.consolidation_device(devices)
   logging.info("replicate: %d towers on %s, variables %s, merging on %s",
                len(devices), devices, placement.value, hub)
+  first_op = len(graph.get_operations())
   with tf.device(hub), tf.name_scope("split_inputs"):
     shards = _split.split_batch(features, labels, len(devices))
   replication = _context.Replication(
       num_towers=len(devices), loss_reduction=reduction,
-      fractions=shards.fractions, sizes=shards.sizes, graph=graph, hub=hub)
+      fractions=shards.fractions, sizes=shards.sizes, graph=graph, hub=hub,
+      split_op_names={op.name for op in graph.get_operations()[first_op:]})
   choose = _devices.variable_device_chooser(placement, devices)
   _gather.clear_gather_state(graph)
   specs = []
@@ -228,6 +231,7 @@ def _run_towers(model_fn, features, labels, mode, arguments, devices,
                                             shards.labels[index])))
   finally:
     calls = _gather.clear_gather_state(graph)
+  _state.combine_state_writes(replication)
   if mode == _ModeKeys.TRAIN:
     _check_optimizer_calls(calls, len(devices))
   return _merge.merge_specs(mode, specs, replication)

@@ -19,6 +19,8 @@ from replicate import _context
 class _Call(NamedTuple):
   grads_and_vars: List[Any]
   scopes: _context.Scopes
+  apply: Callable[[List[Any]], Any]   # applies summed gradients, this tower's way
+  done: List[tf.Operation]            # what the call returned, to order after the apply
 
 
 class _GatherState:
@@ -67,21 +69,34 @@ def scaled_loss(loss):
 
 
 def gather_and_apply(grads_and_vars, apply: Callable[[List[Any]], Any]):
-  """Records this tower's gradients; in the last tower applies their sums."""
+  """Records this tower's gradients; in the last tower applies their sums.
+
+  The sums are applied with tower 0's `apply` (its optimizer object, whose
+  slots and hooks are the model's) in tower 0's scopes. What towers before
+  the last return runs after that apply, so whatever a tower orders after
+  its train_op (an EMA of the weights, say) sees the updated variables.
+  """
   replication = replicated()
   grads_and_vars = list(grads_and_vars)
   state = _gather_state(replication.graph)
-  index = state.record(replication.tower.index,
-                       _Call(grads_and_vars, _context.Scopes.current()))
+  call = _Call(grads_and_vars, _context.Scopes.current(), apply, [])
+  index = state.record(replication.tower.index, call)
   if not replication.is_last_tower:
     grads = [g for g, _ in grads_and_vars if g is not None]
     with tf.control_dependencies(tf.nest.flatten(grads, expand_composites=True)):
-      return tf.no_op(name="gather_gradients")
+      call.done.append(tf.no_op(name="gather_gradients"))
+    return call.done[0]
   calls = [_tower_call(state, tower, index, grads_and_vars)
            for tower in range(replication.num_towers)]
   with replication.scopes(calls[0].scopes):
     summed = _aggregate.sum_gradients([c.grads_and_vars for c in calls])
-    return apply(summed)
+    applied = calls[0].apply(summed)
+  applied_op = getattr(applied, "op", applied)
+  for earlier in calls[:-1]:
+    for op in earlier.done:
+      # No public API adds a control input to an op once built.
+      op._add_control_input(applied_op)  # pylint: disable=protected-access
+  return applied
 
 
 def _variable_names(grads_and_vars):

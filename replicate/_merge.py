@@ -1,10 +1,10 @@
 """Merging the towers' EstimatorSpecs into one.
 
-TRAIN takes the last tower's spec (hooks made after the last optimizer call
-live there) with tower 0's train_op grouped in, EVAL and PREDICT the first
-tower's; the loss is the sum of the
-towers' scaled losses, predictions and export outputs are concatenated along
-the batch, and each eval metric's variables are summed into tower 0's.
+Every field but those below is tower 0's (hooks, scaffold: the unwrapped
+model's names, none duplicated); the loss is the sum of the towers' scaled
+losses, the train_op groups every tower's, predictions and export outputs
+are concatenated along the batch, and each eval metric's variables are
+summed into tower 0's.
 """
 
 from typing import Any, Dict, List, Sequence
@@ -113,9 +113,27 @@ def merge_eval_metric_ops(specs, replication: _context.Replication):
           for key in keys[0]}
 
 
+def _watch_merged_loss(hooks, tower_loss, loss):
+  """Tower 0's hooks that watch its loss watch the whole batch's instead.
+
+  A `LoggingTensorHook` or `NanTensorHook` built on the loss in the
+  model_fn then logs, or guards, what it would on one device.
+  """
+  tower_name = getattr(tower_loss, "name", None)
+  is_tower_loss = lambda t: getattr(t, "name", t) == tower_name
+  for hook in hooks or ():
+    # Both hooks keep what they watch in private attributes, read in begin().
+    if isinstance(hook, tf.compat.v1.train.LoggingTensorHook):
+      hook._tensors = {  # pylint: disable=protected-access
+          tag: loss if is_tower_loss(t) else t
+          for tag, t in hook._tensors.items()}  # pylint: disable=protected-access
+    elif isinstance(hook, tf.compat.v1.train.NanTensorHook) and is_tower_loss(
+        hook._loss_tensor):  # pylint: disable=protected-access
+      hook._loss_tensor = loss  # pylint: disable=protected-access
+
+
 def merge_specs(mode, specs: List[Any], replication: _context.Replication):
   """Builds the one EstimatorSpec the Estimator sees, on the hub device."""
-  template = specs[-1] if mode == _ModeKeys.TRAIN else specs[0]
   with tf.device(replication.hub), tf.name_scope("merge_towers"):
     fields = {"predictions": concat_predictions([s.predictions for s in specs])}
     if mode != _ModeKeys.PREDICT:
@@ -124,15 +142,17 @@ def merge_specs(mode, specs: List[Any], replication: _context.Replication):
                                 replication.fraction(i), replication.size(i))
           for i, s in enumerate(specs)])
     if mode == _ModeKeys.TRAIN:
-      # The last tower's train_op applies the summed gradients; tower 0's
-      # runs too, for the update ops a model_fn tied to it (e.g. a canned
-      # head's batch norm): tower 0's writes are the model's state, later
-      # towers' are discarded, so their train_ops need not run.
-      fields["train_op"] = tf.group(specs[-1].train_op, specs[0].train_op,
+      # The last tower's train_op applies the summed gradients; every
+      # tower's runs, with whatever the model_fn tied to it.
+      fields["train_op"] = tf.group(*[s.train_op for s in specs],
                                     name="train_op")
     if mode == _ModeKeys.EVAL:
       fields["eval_metric_ops"] = merge_eval_metric_ops(specs, replication)
     if mode == _ModeKeys.PREDICT:
       fields["export_outputs"] = concat_export_outputs(
           [s.export_outputs for s in specs])
-  return template._replace(**fields)
+  if mode != _ModeKeys.PREDICT:
+    for hooks in (specs[0].training_hooks, specs[0].training_chief_hooks,
+                  specs[0].evaluation_hooks):
+      _watch_merged_loss(hooks, specs[0].loss, fields["loss"])
+  return specs[0]._replace(**fields)

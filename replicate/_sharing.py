@@ -1,16 +1,14 @@
-"""One set of variables for all towers, and one writer of model state.
+"""One set of variables for all towers.
 
 Towers after the first get tower 0's variables back from a variable creator
-(Keras layers ignore variable-scope reuse), find their layers under tower
-0's names (name counters restored per tower), and have their writes to
-shared model variables (batch-norm moving statistics) discarded.
+(Keras layers ignore variable-scope reuse) and find their layers under tower
+0's names (name counters restored per tower).
 """
 
 import collections
 import re
 
 import tensorflow as tf
-from absl import logging
 # Variable-scope name counters have no public accessor.
 from tensorflow.python.ops import variable_scope as variable_scope_lib  # pylint: disable=g-direct-tensorflow-import
 
@@ -115,40 +113,3 @@ def variable_creator(replication: Replication, index: int, name_root: str):
     return variable
 
   return creator
-
-
-_STATE_WRITES = frozenset(
-    ["AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp"])
-
-
-def discard_state_writes(replication: Replication, index: int, ops):
-  """Redirects tower `index`'s writes to shared model variables.
-
-  Only tower 0 changes model state outside the optimizer: a batch-norm
-  layer in tower i > 0 still computes its update, but writes it to a
-  private local variable that is never saved or read. So moving statistics
-  get one update per step, from tower 0's shard, deterministically, however
-  the model_fn ties update ops to its train_op. Reads are left alone.
-  """
-  global_refs = {v.ref() for v in tf.compat.v1.global_variables()}
-  handles = {v.handle.op.name: v for v in replication.created[0].values()
-             if v.ref() in global_refs and hasattr(v, "handle")}
-  for op in ops:
-    if (op.type not in _STATE_WRITES or op.name in replication.apply_ops or
-        op.inputs[0].op.name not in handles):
-      continue
-    variable = handles[op.inputs[0].op.name]
-    replication.unshared = True
-    try:
-      with tf.compat.v1.colocate_with(variable.handle.op, ignore_existing=True), \
-          tf.name_scope("discarded_update"):
-        sink = tf.compat.v1.Variable(
-            lambda v=variable: tf.zeros(v.shape, v.dtype), trainable=False,
-            collections=[tf.compat.v1.GraphKeys.LOCAL_VARIABLES],
-            use_resource=True, name="sink")
-    finally:
-      replication.unshared = False
-    # Operations have no public way to change an input once built.
-    op._update_input(0, sink.handle)  # pylint: disable=protected-access
-    logging.info("replicate: tower %d's write %s to %s is discarded", index,
-                 op.name, variable.op.name)

@@ -64,6 +64,6 @@ def tower_scope(replication: Replication, index: int,
                  replication.num_towers, device)
     first_op = len(graph.get_operations())
     yield replication.tower
-    if index > 0:
-      _sharing.discard_state_writes(replication, index,
-                                    graph.get_operations()[first_op:])
+    ops = graph.get_operations()[first_op:]
+    replication.tower_ops.append(ops)
+    replication.tower_op_names.update(op.name for op in ops)

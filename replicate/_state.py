@@ -1,0 +1,414 @@
+"""Model-state writes: one write per step, combined over the towers.
+
+A model_fn changes model state outside the optimizer: batch-norm moving
+statistics, EMA shadows, counters, the global step. Every tower builds such a
+write; this module turns the towers' writes to one variable into one write
+per step, combined by the variable's declared `tf.VariableAggregation` as
+`tf.distribute` defines it:
+
+- MEAN: the towers' values (assign) or changes (assign_add/sub, scatter
+  add/sub) weighted by their share of the batch;
+- SUM: the towers' changes added up (an assign adds up `value - old`);
+- ONLY_FIRST_REPLICA: tower 0's write;
+- NONE: tower 0's write where every tower writes the same thing (nothing
+  computed from the tower's inputs), else a ValueError asking for an
+  aggregation.
+
+Tower 0's write op carries the combined value; later towers' writes go to a
+throwaway variable (dense) or write no rows (scatter) and run after tower
+0's, so whatever a tower ordered after its write sees the combined state.
+Initializers (`init_from_checkpoint` included) are never touched, and a
+trainable variable written by an optimizer outside `TowerOptimizer` is an
+error.
+"""
+
+import collections
+import enum
+from typing import Dict, List, NamedTuple, Optional, Sequence
+
+import tensorflow as tf
+from absl import logging
+
+from replicate._context import Replication
+
+_Aggregation = tf.VariableAggregation
+
+
+class _Kind(enum.Enum):
+  VALUE = "assign"
+  ADD = "assign_add"
+  SUB = "assign_sub"
+  SCATTER_ADD = "scatter_add"     # rows added (or subtracted): linear
+  SCATTER = "scatter"             # rows replaced or combined otherwise
+  SLICE = "strided_slice_assign"
+
+
+_KINDS = {
+    "AssignVariableOp": _Kind.VALUE, "Assign": _Kind.VALUE,
+    "AssignAddVariableOp": _Kind.ADD, "AssignAdd": _Kind.ADD,
+    "AssignSubVariableOp": _Kind.SUB, "AssignSub": _Kind.SUB,
+    "ResourceStridedSliceAssign": _Kind.SLICE, "StridedSliceAssign": _Kind.SLICE,
+}
+for _name in ("Add", "Sub", "NdAdd", "NdSub"):
+  _KINDS["ResourceScatter" + _name] = _KINDS["Scatter" + _name] = (
+      _Kind.SCATTER_ADD)
+for _name in ("Update", "Mul", "Div", "Min", "Max", "NdUpdate", "NdMin",
+              "NdMax"):
+  _KINDS["ResourceScatter" + _name] = _KINDS["Scatter" + _name] = _Kind.SCATTER
+del _name
+
+# Ops through which a write's variable input is passed on unchanged.
+_FORWARDING = frozenset(["Identity", "RefIdentity"])
+_RESTORES = frozenset(["RestoreV2", "Restore", "RestoreSlice"])
+_TRAINING_OP_PREFIXES = ("Apply", "ResourceApply", "SparseApply",
+                         "ResourceSparseApply")
+
+
+class _Write(NamedTuple):
+  op: tf.Operation
+  kind: _Kind
+  variable: tf.Variable
+
+
+def combine_state_writes(replication: Replication):
+  """Makes the towers' writes to each model variable one write per step.
+
+  Raises:
+    ValueError: an optimizer outside TowerOptimizer updates a variable; the
+      towers write a variable a different number of times or in different
+      ways; a NONE-aggregation variable gets a value computed from the
+      tower's inputs; or the write has no combined form for its aggregation.
+  """
+  variables = _model_variables()
+  skip = replication.apply_ops | _initializer_ops(variables.values())
+  for ops in replication.tower_ops[1:]:
+    _check_no_writes_in_functions(ops, variables)
+  writes = [_tower_writes(ops, variables, skip) for ops in replication.tower_ops]
+  sinks = _Sinks()
+  for key in sorted({k for tower in writes for k in tower}):
+    group = [tower.get(key) for tower in writes]
+    _combine(replication, group, sinks)
+
+
+def _model_variables() -> Dict[str, tf.Variable]:
+  """Global variables by the name of the op their writes take as input."""
+  variables = {}
+  for variable in tf.compat.v1.global_variables():
+    handle = getattr(variable, "handle", None)
+    op = handle.op if isinstance(handle, tf.Tensor) else variable.op
+    variables[op.name] = variable
+  return variables
+
+
+def _initializer_ops(variables) -> set:
+  names = set()
+  for variable in variables:
+    initializer = variable.initializer
+    names.add(getattr(initializer, "op", initializer).name)
+  return names
+
+
+def _source(tensor: tf.Tensor) -> tf.Operation:
+  op = tensor.op
+  while op.type in _FORWARDING and op.inputs:
+    op = op.inputs[0].op
+  return op
+
+
+def _is_initializer(op: tf.Operation) -> bool:
+  """A write of a checkpoint's value (`init_from_checkpoint`)."""
+  return any(_source(t).type in _RESTORES for t in op.inputs[1:])
+
+
+def _check_no_writes_in_functions(ops, variables):
+  """Refuses writes inside tf.cond / tf.while_loop bodies (functions).
+
+  Their ops are not in the graph to combine, so every tower would write.
+  TensorFlow marks a function call's resource inputs that are only read.
+  """
+  for op in ops:
+    try:
+      read_only = set(op.get_attr("_read_only_resource_inputs"))
+    except ValueError:
+      continue
+    for position, tensor in enumerate(op.inputs):
+      variable = variables.get(_source(tensor).name)
+      if (variable is not None and tensor.dtype == tf.resource and
+          position not in read_only):
+        raise ValueError(
+            f"{op.type} op {op.name!r} writes variable {variable.op.name!r} "
+            "inside a tf.cond, tf.while_loop or tf.function, where the "
+            "towers' writes cannot be combined; write it outside (e.g. give "
+            "Keras layers a Python bool `training=mode == "
+            "tf.estimator.ModeKeys.TRAIN`, not a tensor).")
+
+
+def _tower_writes(ops, variables, skip):
+  """(variable name, n) -> the tower's n-th write to that variable."""
+  counts = collections.Counter()
+  writes = {}
+  for op in ops:
+    if op.name in skip or not op.inputs:
+      continue
+    variable = variables.get(_source(op.inputs[0]).name)
+    if variable is None:
+      continue
+    if op.type.startswith(_TRAINING_OP_PREFIXES):
+      raise ValueError(
+          f"{op.type} op {op.name!r} updates variable {variable.op.name!r} "
+          "outside replicate.TowerOptimizer, so every tower would apply its "
+          "own update; wrap the optimizer in replicate.TowerOptimizer (every "
+          "optimizer of the model_fn).")
+    kind = _KINDS.get(op.type)
+    if kind is None or _is_initializer(op):
+      continue
+    name = variable.op.name
+    writes[(name, counts[name])] = _Write(op, kind, variable)
+    counts[name] += 1
+  return writes
+
+
+def _aggregation(variable) -> _Aggregation:
+  value = int(getattr(variable, "aggregation", _Aggregation.NONE).value)
+  return _Aggregation(value)
+
+
+def _combine(replication: Replication, group: List[Optional[_Write]],
+             sinks: "_Sinks"):
+  """One write for one (variable, occurrence) across the towers."""
+  present = [w for w in group if w is not None]
+  first = present[0]
+  name = first.variable.op.name
+  aggregation = _aggregation(first.variable)
+  if len({w.kind for w in present}) > 1:
+    raise ValueError(
+        f"The towers write variable {name!r} in different ways "
+        f"({[w.op.type if w else None for w in group]}); every tower must "
+        "make the same writes.")
+  if aggregation in (_Aggregation.SUM, _Aggregation.MEAN) and (
+      len(present) != len(group)):
+    raise ValueError(
+        f"Variable {name!r} (aggregation {aggregation.name}) is written by "
+        f"towers {[i for i, w in enumerate(group) if w]} only; every tower "
+        "must make the same writes for them to be combined.")
+  if group[0] is None:
+    raise ValueError(
+        f"Variable {name!r} is written by towers "
+        f"{[i for i, w in enumerate(group) if w]} but not by tower 0, whose "
+        "writes are the model's; write it in every tower or in tower 0.")
+  if aggregation in (_Aggregation.SUM, _Aggregation.MEAN):
+    _feed_combined(replication, group, aggregation)
+  elif aggregation == _Aggregation.NONE:
+    _check_same_in_every_tower(replication, group)
+  for write in group[1:]:
+    if write is not None:
+      _follow(write, group[0], sinks)
+  logging.info("replicate: %d writes to %s (%s, aggregation %s) made one",
+               len(present), name, first.kind.value, aggregation.name)
+
+
+def _feed_combined(replication, group: List[_Write], aggregation):
+  """Gives tower 0's write the towers' combined value or rows."""
+  first = group[0]
+  mean = aggregation == _Aggregation.MEAN
+  if first.kind is _Kind.SLICE:
+    raise ValueError(
+        f"Variable {first.variable.op.name!r} (aggregation "
+        f"{aggregation.name}) is written through a slice ({first.op.name}); "
+        "slice writes cannot be combined across towers: write the whole "
+        "variable, or declare aggregation=ONLY_FIRST_REPLICA.")
+  with tf.name_scope("combined_writes"), tf.device(first.variable.device):
+    if first.kind in (_Kind.SCATTER_ADD, _Kind.SCATTER):
+      weights = _weights(replication) if (
+          mean and first.kind is _Kind.SCATTER_ADD) else None
+      _set_rows(first, *_concatenated_rows(group, weights))
+      return
+    values = [w.op.inputs[1] for w in group]
+    if first.kind is _Kind.VALUE and not mean:
+      old = _read(first)
+      values = [v - old for v in values]
+      combined = old + tf.add_n(values)
+    elif mean:
+      combined = _weighted_sum(replication, values)
+    else:
+      combined = tf.add_n(values)
+    # Ops have no public way to change an input once built.
+    first.op._update_input(1, combined)  # pylint: disable=protected-access
+
+
+def _read(write: _Write) -> tf.Tensor:
+  """The variable's value before the combined write."""
+  with tf.control_dependencies([w for w in write.op.inputs[1:]]):
+    if write.variable.dtype._is_ref_dtype:  # pylint: disable=protected-access
+      return tf.identity(write.op.inputs[0])
+    return tf.raw_ops.ReadVariableOp(
+        resource=write.op.inputs[0], dtype=write.op.get_attr("dtype"))
+
+
+def _weights(replication: Replication):
+  """Each tower's share of the batch; tower 0 takes all of an empty batch.
+
+  With an empty batch tower 0's shard is the whole batch, so its value is
+  what one device computes.
+  """
+  sizes, fractions = replication.sizes, replication.fractions
+  if all(isinstance(s, int) for s in sizes):
+    if sum(sizes) == 0:
+      return [1.0] + [0.0] * (len(sizes) - 1)
+    return list(fractions)
+  empty = tf.equal(tf.add_n([tf.cast(s, tf.int64) for s in sizes]), 0)
+  return [tf.where(empty, 1.0 if i == 0 else 0.0, f)
+          for i, f in enumerate(fractions)]
+
+
+def _weighted_sum(replication, values: Sequence[tf.Tensor]) -> tf.Tensor:
+  """Sum of weight * value; a tower with weight 0 adds 0 even if NaN."""
+  terms = []
+  dtype = values[0].dtype
+  compute = dtype if dtype.is_floating else tf.float64
+  for weight, value in zip(_weights(replication), values):
+    if isinstance(weight, float) and weight == 0.0:
+      continue
+    value = tf.cast(value, compute)
+    weighted = value * tf.cast(weight, compute)
+    if not isinstance(weight, float):
+      weighted = tf.where(weight > 0, weighted, tf.zeros_like(weighted))
+    terms.append(weighted)
+  combined = tf.add_n(terms)
+  if not dtype.is_floating:
+    combined = tf.round(combined)
+  return tf.cast(combined, dtype)
+
+
+def _row_layout(write: _Write):
+  """(depth of an Nd scatter's indices or None, shape of one row)."""
+  if "Nd" not in write.op.type:
+    return None, write.variable.shape[1:]
+  depth = tf.compat.dimension_value(write.op.inputs[1].shape[-1])
+  if depth is None:
+    raise ValueError(
+        f"{write.op.name}: scatter_nd indices need a known last dimension to "
+        "be combined across towers.")
+  return depth, write.variable.shape[depth:]
+
+
+def _set_rows(write: _Write, indices: tf.Tensor, updates: tf.Tensor):
+  """Makes a scatter write `updates` at `indices` instead."""
+  depth, row_shape = _row_layout(write)
+  # Inputs change one at a time, and each must stay compatible with the
+  # other's shape: give both a shape with an unknown number of rows.
+  indices = tf.compat.v1.placeholder_with_default(
+      indices, [None] if depth is None else [None, depth])
+  updates = tf.compat.v1.placeholder_with_default(
+      updates, [None] + row_shape.as_list())
+  # Ops have no public way to change an input once built.
+  write.op._update_input(1, indices)  # pylint: disable=protected-access
+  write.op._update_input(2, updates)  # pylint: disable=protected-access
+
+
+def _concatenated_rows(group: List[_Write], weights):
+  """Every tower's scatter indices and updates, in tower order, flattened."""
+  all_indices, all_updates = [], []
+  for index, write in enumerate(group):
+    depth, row_shape = _row_layout(write)
+    indices, updates = write.op.inputs[1], write.op.inputs[2]
+    all_indices.append(tf.reshape(indices, [-1] if depth is None else [-1, depth]))
+    rows = tf.reshape(updates, [-1] + row_shape.as_list())
+    if weights is not None:
+      rows = rows * tf.cast(weights[index], rows.dtype)
+    all_updates.append(rows)
+  return tf.concat(all_indices, 0), tf.concat(all_updates, 0)
+
+
+def _check_same_in_every_tower(replication, group: List[Optional[_Write]]):
+  """NONE: tower 0's write is one device's only if no tower's input shows."""
+  fingerprints = set()
+  for index, write in enumerate(group):
+    if write is None:
+      continue
+    reaches_input, fingerprint = _trace(replication, write.op.inputs[1:])
+    fingerprints.add(fingerprint)
+    if reaches_input or len(fingerprints) > 1:
+      name = write.variable.op.name
+      fix = ("wrap every optimizer in replicate.TowerOptimizer"
+             if write.variable.trainable else
+             "declare how the towers' writes combine when creating it, "
+             "e.g. aggregation=tf.VariableAggregation.MEAN for averages "
+             "(moving statistics, EMA of a loss) or SUM for counts")
+      raise ValueError(
+          f"Tower {index} writes {name!r} ({write.op.type} "
+          f"{write.op.name!r}) with a value computed from its own shard of "
+          f"the batch, and {name!r} declares no aggregation "
+          "(VariableAggregation.NONE), so the towers' writes cannot be made "
+          f"one device's; {fix}.")
+
+
+def _trace(replication, tensors):
+  """Whether `tensors` are computed from the towers' inputs, and their shape.
+
+  The fingerprint (op types and constant values met on the way) tells
+  apart towers that compute differently, e.g. from a static shard size.
+  """
+  inside = replication.tower_op_names
+  pending = [t.op for t in tensors]
+  seen, fingerprint, reaches_input = set(), [], False
+  while pending:
+    op = pending.pop()
+    if op.name in seen:
+      continue
+    seen.add(op.name)
+    if op.name in replication.split_op_names:
+      reaches_input = True
+      continue
+    if op.name not in inside:
+      continue
+    if op.type == "Const":
+      fingerprint.append(op.get_attr("value").SerializeToString())
+    fingerprint.append(op.type)
+    pending.extend(t.op for t in op.inputs)
+  return reaches_input, tuple(fingerprint)
+
+
+def _follow(write: _Write, first: _Write, sinks: "_Sinks"):
+  """Makes a later tower's write run after tower 0's and change nothing."""
+  op = write.op
+  if write.kind in (_Kind.SCATTER_ADD, _Kind.SCATTER):
+    depth, row_shape = _row_layout(write)
+    with tf.name_scope("no_rows"), tf.device(write.variable.device):
+      _set_rows(write, tf.zeros([0] if depth is None else [0, depth],
+                                op.inputs[1].dtype),
+                tf.zeros([0] + row_shape.as_list(), op.inputs[2].dtype))
+  else:
+    op._update_input(0, sinks.get(write))  # pylint: disable=protected-access
+  # A ref write's output is the variable: its readers get the combined one.
+  for output, first_output in zip(op.outputs, first.op.outputs):
+    for consumer in output.consumers():
+      for position, tensor in enumerate(consumer.inputs):
+        if tensor is output:
+          consumer._update_input(position, first_output)  # pylint: disable=protected-access
+  # No public API adds a control input to an op once built.
+  op._add_control_input(first.op)  # pylint: disable=protected-access
+
+
+class _Sinks:
+  """One never-read local variable per model variable, for later towers."""
+
+  def __init__(self):
+    self._sinks = {}
+
+  def get(self, write: _Write) -> tf.Tensor:
+    variable = write.variable
+    key = variable.ref()
+    if key not in self._sinks:
+      self._sinks[key] = self._make(variable, write.op.inputs[0])
+    return self._sinks[key]
+
+  def _make(self, variable, handle: tf.Tensor) -> tf.Tensor:
+    is_ref = handle.dtype._is_ref_dtype  # pylint: disable=protected-access
+    with tf.device(variable.device):
+      sink = tf.compat.v1.Variable(
+          lambda: tf.zeros(variable.shape, variable.dtype.base_dtype),
+          trainable=False, collections=[tf.compat.v1.GraphKeys.LOCAL_VARIABLES],
+          use_resource=not is_ref,
+          name=f"{variable.op.name}/replicate_sink")
+    return sink.op.outputs[0] if is_ref else sink.handle

@@ -1,0 +1,472 @@
+"""Model state written outside the optimizer, hooks and scaffolds.
+
+Every write a model_fn makes outside TowerOptimizer becomes one write per
+step, combined by the variable's declared aggregation (MEAN weighted by
+shard size, SUM, ONLY_FIRST_REPLICA = tower 0's, NONE = tower 0's where the
+towers agree, else an error); ops ordered after a tower's train_op run after
+the summed update; initializers are left alone; hooks are tower 0's.
+"""
+
+import os
+import tempfile
+
+from absl.testing import parameterized
+import numpy as np
+import tensorflow as tf
+
+import replicate
+from tests import harness
+
+MOMENTUM = 0.9
+SUM = tf.VariableAggregation.SUM
+MEAN = tf.VariableAggregation.MEAN
+ONLY_FIRST = tf.VariableAggregation.ONLY_FIRST_REPLICA
+UPDATE_OPS = tf.compat.v1.GraphKeys.UPDATE_OPS
+
+_RNG = np.random.RandomState(3)
+X = (_RNG.randn(40, 5) * [1.0, 2.0, 0.5, 3.0, 1.0] + 0.5).astype(np.float32)
+Y = (np.argmax(X[:, :3], axis=1)).astype(np.int64)
+DATA = ({"x": X}, Y)
+
+
+def _shard_sizes(batch, num_towers):
+  base, extra = divmod(batch, num_towers)
+  return [base + (1 if i < extra else 0) for i in range(num_towers)]
+
+
+def _batches(batch, steps):
+  rows = np.concatenate([X] * (1 + steps * batch // len(X)))
+  return [rows[i * batch:(i + 1) * batch] for i in range(steps)]
+
+
+def _linear(x, name="logits", use_resource=True):
+  kernel = tf.compat.v1.get_variable(
+      f"{name}/kernel", [5, 3], use_resource=use_resource,
+      initializer=tf.compat.v1.glorot_uniform_initializer(seed=3))
+  bias = tf.compat.v1.get_variable(
+      f"{name}/bias", [3], use_resource=use_resource,
+      initializer=tf.compat.v1.zeros_initializer())
+  return tf.matmul(x, kernel) + bias
+
+
+def _loss(labels, logits):
+  return tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
+
+
+def _minimize(loss, global_step=True):
+  optimizer = replicate.TowerOptimizer(
+      tf.compat.v1.train.GradientDescentOptimizer(0.5))
+  return optimizer.minimize(
+      loss, tf.compat.v1.train.get_global_step() if global_step else None)
+
+
+def _towers(num_towers):
+  return harness.devices(harness.VIRTUAL_CPUS, num_towers)
+
+
+def _assert_equal_to_one_device(model_fn, num_towers, batch, steps, static,
+                                params=None, rtol=1e-5, atol=1e-6):
+  expected_losses, expected = harness.train(
+      model_fn, DATA, batch, steps, static=static, params=params)
+  losses, values = harness.train(
+      model_fn, DATA, batch, steps, tower_devices=_towers(num_towers),
+      static=static, params=params)
+  np.testing.assert_allclose(losses, expected_losses, rtol=rtol, atol=atol)
+  harness.assert_close_nests(values, expected, rtol=rtol, atol=atol)
+  return values, expected
+
+
+# Cases: (towers, batch, static); 10 on 4 towers and 7 on 2 are uneven.
+_SHAPES = (dict(num_towers=2, batch=8, static=True),
+           dict(num_towers=4, batch=10, static=False),
+           dict(num_towers=2, batch=7, static=False),
+           dict(num_towers=4, batch=8, static=True))
+
+
+def _batch_norm_model_fn(features, labels, mode, params):
+  x = features["x"]
+  if params["layers"] == "v1":
+    normalized = tf.compat.v1.layers.batch_normalization(
+        x, momentum=MOMENTUM, training=True, name="bn")
+    update_ops = tf.compat.v1.get_collection(UPDATE_OPS)
+  else:
+    layer = tf.keras.layers.BatchNormalization(momentum=MOMENTUM, name="bn")
+    normalized = layer(x, training=True)
+    update_ops = layer.updates
+  loss = _loss(labels, _linear(normalized))
+  with tf.control_dependencies(update_ops):
+    train_op = _minimize(loss)
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+def _expected_moving_statistics(num_towers, batch, steps):
+  """One device's moving mean; the variance as the mean of shard variances."""
+  mean, variance = np.zeros(5), np.ones(5)
+  for rows in _batches(batch, steps):
+    sizes = _shard_sizes(batch, num_towers)
+    shards = np.split(rows, np.cumsum(sizes)[:-1])
+    shard_variance = sum(len(s) / batch * s.var(axis=0) for s in shards if len(s))
+    mean = MOMENTUM * mean + (1 - MOMENTUM) * rows.mean(axis=0)
+    variance = MOMENTUM * variance + (1 - MOMENTUM) * shard_variance
+  return {"bn/moving_mean": mean, "bn/moving_variance": variance}
+
+
+class BatchNormTest(parameterized.TestCase):
+
+  @parameterized.product(_SHAPES, layers=("v1", "keras"))
+  def test_moving_mean_is_one_devices_variance_the_shards_mean(
+      self, num_towers, batch, static, layers):
+    steps = 3
+    _, values = harness.train(
+        _batch_norm_model_fn, DATA, batch, steps,
+        tower_devices=_towers(num_towers), static=static,
+        params={"layers": layers})
+    _, plain = harness.train(_batch_norm_model_fn, DATA, batch, steps,
+                             static=static, params={"layers": layers})
+    expected = _expected_moving_statistics(num_towers, batch, steps)
+    for name, value in expected.items():
+      np.testing.assert_allclose(values[name], value, rtol=1e-5, atol=1e-6,
+                                 err_msg=name)
+    np.testing.assert_allclose(values["bn/moving_mean"], plain["bn/moving_mean"],
+                               rtol=1e-5, atol=1e-6)
+    # One device also adds the between-shard variance of the shard means.
+    np.testing.assert_allclose(
+        plain["bn/moving_variance"],
+        _expected_moving_statistics(1, batch, steps)["bn/moving_variance"],
+        rtol=1e-5, atol=1e-6)
+    self.assertEqual(sorted(values), sorted(plain))  # same variables, names
+
+
+def _ema_model_fn(features, labels, mode, params):
+  """A moving average of the weights, updated after the train_op.
+
+  Resource variables use ExponentialMovingAverage (the usual idiom); ref
+  variables a hand-written average, since TensorFlow 2 cannot initialise an
+  ExponentialMovingAverage of ref variables (one device fails too).
+  """
+  use_resource = params["resource"]
+  logits = _linear(features["x"], use_resource=use_resource)
+  loss = _loss(labels, logits)
+  train_op = _minimize(loss)
+  weights = tf.compat.v1.trainable_variables()
+  with tf.control_dependencies([train_op]):
+    if use_resource:
+      train_op = tf.compat.v1.train.ExponentialMovingAverage(0.5).apply(weights)
+    else:
+      train_op = tf.group(*[_ref_average(w) for w in weights])
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+def _ref_average(weight):
+  shadow = tf.compat.v1.get_variable(
+      f"{weight.op.name}/ExponentialMovingAverage", weight.shape,
+      initializer=tf.compat.v1.zeros_initializer(), trainable=False,
+      use_resource=False)
+  return tf.compat.v1.assign(shadow, 0.5 * shadow + 0.5 * weight)
+
+
+class AfterTrainOpTest(parameterized.TestCase):
+
+  @parameterized.product(_SHAPES, resource=(True, False))
+  def test_ema_shadows_equal_one_device_run_after_run(
+      self, num_towers, batch, static, resource):
+    params = {"resource": resource}
+    values, expected = _assert_equal_to_one_device(
+        _ema_model_fn, num_towers, batch, 4, static, params)
+    shadow = "logits/kernel/ExponentialMovingAverage"
+    self.assertIn(shadow, values)
+    # The shadow moved with the trained weights, not with stale ones.
+    self.assertGreater(np.abs(expected[shadow] - values["logits/kernel"]).max(),
+                       0)
+    again = harness.train(_ema_model_fn, DATA, batch, 4,
+                          tower_devices=_towers(num_towers), static=static,
+                          params=params)[1]
+    for name in values:
+      np.testing.assert_array_equal(again[name], values[name], err_msg=name)
+
+  @parameterized.parameters(2, 4)
+  def test_global_step_incremented_by_hand_advances_once_per_step(
+      self, num_towers):
+    def model_fn(features, labels, mode, params):
+      del params
+      loss = _loss(labels, _linear(features["x"]))
+      train_op = _minimize(loss, global_step=False)
+      with tf.control_dependencies([train_op]):
+        train_op = tf.compat.v1.assign_add(
+            tf.compat.v1.train.get_global_step(), 1)
+      return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+    values, _ = _assert_equal_to_one_device(model_fn, num_towers, 8, 3, True)
+    self.assertEqual(values["global_step"], 3)
+
+  def test_estimator_max_steps_runs_as_many_steps_as_one_device(self):
+    def model_fn(features, labels, mode):
+      seen = tf.compat.v1.get_variable(
+          "examples_seen", [], tf.int64, trainable=False, aggregation=SUM,
+          initializer=tf.compat.v1.zeros_initializer())
+      count = seen.assign_add(tf.shape(features["x"], out_type=tf.int64)[0])
+      loss = _loss(labels, _linear(features["x"]))
+      train_op = _minimize(loss, global_step=False)
+      with tf.control_dependencies([train_op, count]):
+        train_op = tf.compat.v1.assign_add(
+            tf.compat.v1.train.get_global_step(), 1)
+      return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+    input_fn = lambda: tf.data.Dataset.from_tensor_slices(DATA).repeat().batch(
+        8, drop_remainder=True)
+    estimator = tf.estimator.Estimator(
+        replicate.replicate_model_fn(model_fn, devices=_towers(2)),
+        config=harness.estimator_config(tempfile.mkdtemp(), 1))
+    estimator.train(input_fn, max_steps=6)
+    self.assertEqual(estimator.get_variable_value("global_step"), 6)
+    self.assertEqual(estimator.get_variable_value("examples_seen"), 6 * 8)
+
+
+def _counting_model_fn(features, labels, mode, params):
+  """Counters, a class histogram (scatter) and a moving feature mean."""
+  resource = params["resource"]
+  def state(name, shape, dtype, aggregation):
+    return tf.compat.v1.get_variable(
+        name, shape, dtype, initializer=tf.compat.v1.zeros_initializer(),
+        trainable=False, use_resource=resource, aggregation=aggregation)
+  x = features["x"]
+  seen = state("examples_seen", [], tf.int64, SUM)
+  per_class = state("class_counts", [3], tf.float32, SUM)
+  running = state("running_mean", [5], tf.float32, MEAN)
+  steps = state("steps_seen", [], tf.int64, tf.VariableAggregation.NONE)
+  updates = [
+      seen.assign_add(tf.shape(x, out_type=tf.int64)[0]),
+      tf.compat.v1.scatter_add(per_class, labels,
+                               tf.ones_like(labels, tf.float32)),
+      running.assign(0.5 * running + 0.5 * tf.reduce_mean(x, axis=0)),
+      steps.assign_add(1),
+  ]
+  loss = _loss(labels, _linear(x, use_resource=resource))
+  with tf.control_dependencies(updates):
+    train_op = _minimize(loss)
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+class AggregationTest(parameterized.TestCase):
+
+  @parameterized.product(_SHAPES, resource=(True, False))
+  def test_sum_mean_and_none_writes_equal_one_device(
+      self, num_towers, batch, static, resource):
+    steps = 3
+    values, _ = _assert_equal_to_one_device(
+        _counting_model_fn, num_towers, batch, steps, static,
+        {"resource": resource})
+    rows = np.concatenate(_batches(batch, steps))
+    labels = (np.argmax(rows[:, :3], axis=1))
+    self.assertEqual(values["examples_seen"], steps * batch)
+    np.testing.assert_array_equal(values["class_counts"],
+                                  np.bincount(labels, minlength=3))
+    self.assertEqual(values["steps_seen"], steps)
+
+  def test_round_robin_variables_combine_like_shared_ones(self):
+    expected = harness.train(_counting_model_fn, DATA, 10, 2,
+                             params={"resource": True})[1]
+    values = harness.train(
+        _counting_model_fn, DATA, 10, 2, tower_devices=_towers(4),
+        placement=replicate.VariablePlacement.ROUND_ROBIN,
+        params={"resource": True})[1]
+    harness.assert_close_nests(values, expected, rtol=1e-5, atol=1e-6)
+
+  def test_only_first_replica_keeps_tower_zeros_write(self):
+    def model_fn(features, labels, mode):
+      first = tf.compat.v1.get_variable(
+          "first_shard_mean", [5], initializer=tf.compat.v1.zeros_initializer(),
+          trainable=False, aggregation=ONLY_FIRST)
+      write = first.assign(tf.reduce_mean(features["x"], axis=0))
+      loss = _loss(labels, _linear(features["x"]))
+      with tf.control_dependencies([write]):
+        train_op = _minimize(loss)
+      return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+    _, values = harness.train(model_fn, DATA, 8, 1, tower_devices=_towers(4))
+    np.testing.assert_allclose(values["first_shard_mean"],
+                               X[:2].mean(axis=0), rtol=1e-6)
+
+  @parameterized.parameters(True, False)
+  def test_none_aggregation_with_a_shard_dependent_value_is_refused(
+      self, resource):
+    def model_fn(features, labels, mode):
+      seen = tf.compat.v1.get_variable(
+          "examples_seen", [], tf.int64, trainable=False,
+          initializer=tf.compat.v1.zeros_initializer(), use_resource=resource)
+      count = seen.assign_add(tf.shape(features["x"], out_type=tf.int64)[0])
+      loss = _loss(labels, _linear(features["x"]))
+      with tf.control_dependencies([count]):
+        train_op = _minimize(loss)
+      return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+    with self.assertRaisesRegex(
+        ValueError, r"'examples_seen' .* computed from its own shard .* "
+        r"aggregation=tf.VariableAggregation.MEAN .* or SUM for counts"):
+      # Dynamic: with a static batch tf.shape() is folded into a constant
+      # that equal shards share (see README).
+      harness.train(model_fn, DATA, 8, 1, tower_devices=_towers(2),
+                    static=False)
+
+  def test_static_shard_size_written_as_a_constant_is_refused(self):
+    def model_fn(features, labels, mode):
+      seen = tf.compat.v1.get_variable(
+          "examples_seen", [], tf.int64, trainable=False,
+          initializer=tf.compat.v1.zeros_initializer())
+      count = seen.assign_add(features["x"].shape[0])  # a Python int
+      loss = _loss(labels, _linear(features["x"]))
+      with tf.control_dependencies([count]):
+        train_op = _minimize(loss)
+      return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+    with self.assertRaisesRegex(ValueError, "declares no aggregation"):
+      harness.train(model_fn, DATA, 7, 1, tower_devices=_towers(2))
+
+  def test_writes_inside_a_cond_are_refused(self):
+    def model_fn(features, labels, mode):
+      training = tf.compat.v1.placeholder_with_default(True, [])
+      layer = tf.keras.layers.BatchNormalization(name="bn")
+      normalized = layer(features["x"], training=training)
+      loss = _loss(labels, _linear(normalized))
+      with tf.control_dependencies(layer.updates):
+        train_op = _minimize(loss)
+      return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+    with self.assertRaisesRegex(
+        ValueError, r"If op 'tower_1/bn/cond_\d' writes variable "
+        r"'bn/moving_(mean|variance)' inside a tf.cond.*Python bool"):
+      harness.train(model_fn, DATA, 8, 1, tower_devices=_towers(2))
+
+  def test_unwrapped_second_optimizer_is_refused(self):
+    def model_fn(features, labels, mode):
+      logits = _linear(features["x"]) + _linear(features["x"], name="other")
+      loss = _loss(labels, logits)
+      first = [v for v in tf.compat.v1.trainable_variables()
+               if v.op.name.startswith("logits")]
+      second = [v for v in tf.compat.v1.trainable_variables()
+                if v.op.name.startswith("other")]
+      train_op = tf.group(
+          replicate.TowerOptimizer(
+              tf.compat.v1.train.GradientDescentOptimizer(0.1)).minimize(
+                  loss, var_list=first),
+          tf.compat.v1.train.AdagradOptimizer(0.1).minimize(
+              loss, var_list=second))
+      return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+    with self.assertRaisesRegex(
+        ValueError, r"ResourceApplyAdagrad.* updates variable 'other/kernel' "
+        r"outside replicate.TowerOptimizer.*wrap the optimizer"):
+      harness.train(model_fn, DATA, 8, 1, tower_devices=_towers(2))
+
+
+class InitFromCheckpointTest(parameterized.TestCase):
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    cls.checkpoint = os.path.join(tempfile.mkdtemp(), "model")
+    cls.kernel = np.arange(15, dtype=np.float32).reshape(5, 3) / 10.0
+    with tf.Graph().as_default():
+      tf.compat.v1.get_variable("logits/kernel", initializer=cls.kernel)
+      tf.compat.v1.get_variable("logits/bias", initializer=np.ones(
+          3, np.float32))
+      with tf.compat.v1.Session() as session:
+        session.run(tf.compat.v1.global_variables_initializer())
+        tf.compat.v1.train.Saver().save(session, cls.checkpoint)
+
+  def _train(self, tower_devices, steps=2):
+    def model_fn(features, labels, mode):
+      logits = _linear(features["x"])
+      tf.compat.v1.train.init_from_checkpoint(
+          os.path.dirname(self.checkpoint), {"logits/": "logits/"})
+      loss = _loss(labels, logits)
+      return tf.estimator.EstimatorSpec(mode, loss=loss,
+                                        train_op=_minimize(loss))
+    with tf.Graph().as_default():
+      tf.compat.v1.train.create_global_step()
+      features, labels = harness.batches(DATA, 8)
+      spec = harness.wrap(model_fn, tower_devices)(
+          features, labels, harness.TRAIN)
+      kernel = tf.compat.v1.global_variables()[1]
+      with tf.compat.v1.Session(config=harness.session_config()) as session:
+        session.run(tf.compat.v1.global_variables_initializer())
+        initial = session.run(kernel)
+        losses = [session.run([spec.loss, spec.train_op])[0]
+                  for _ in range(steps)]
+        return initial, losses, session.run(kernel)
+
+  @parameterized.parameters(2, 4)
+  def test_towers_start_from_the_checkpoint_and_train_like_one_device(
+      self, num_towers):
+    initial, losses, trained = self._train(_towers(num_towers))
+    np.testing.assert_array_equal(initial, self.kernel)
+    _, expected_losses, expected = self._train(None)
+    np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
+    np.testing.assert_allclose(trained, expected, rtol=1e-5, atol=1e-6)
+
+
+def _hooks_model_fn(created):
+  """Every tower makes a logging hook; tower 0 alone makes a chief hook."""
+  def model_fn(features, labels, mode):
+    loss = _loss(labels, _linear(features["x"]))
+    tower = replicate.current_tower()
+    logging_hook = tf.compat.v1.train.LoggingTensorHook(
+        {"loss": loss, "x": features["x"]}, 1)
+    nan_hook = tf.compat.v1.train.NanTensorHook(loss)
+    hooks = {"logging": logging_hook, "nan": nan_hook,
+             "scaffold": tf.compat.v1.train.Scaffold()}
+    if tower is None or tower.index == 0:
+      hooks["chief"] = tf.compat.v1.train.StepCounterHook()
+    created.append(hooks)
+    return tf.estimator.EstimatorSpec(
+        mode, loss=loss, train_op=_minimize(loss) if mode == harness.TRAIN
+        else None, training_hooks=[logging_hook, nan_hook],
+        training_chief_hooks=[hooks["chief"]] if "chief" in hooks else [],
+        evaluation_hooks=[logging_hook], scaffold=hooks["scaffold"])
+  return model_fn
+
+
+class HooksTest(parameterized.TestCase):
+
+  @parameterized.parameters(harness.TRAIN, harness.EVAL)
+  def test_hooks_and_scaffold_are_tower_zeros(self, mode):
+    created = []
+    with tf.Graph().as_default():
+      tf.compat.v1.train.create_global_step()
+      features, labels = harness.batches(DATA, 8)
+      spec = harness.wrap(_hooks_model_fn(created), _towers(4))(
+          features, labels, mode)
+    self.assertLen(created, 4)
+    hooks = (spec.training_hooks if mode == harness.TRAIN
+             else spec.evaluation_hooks)
+    tower_hooks = [created[0]["logging"]]
+    if mode == harness.TRAIN:
+      tower_hooks.append(created[0]["nan"])
+      self.assertEqual(list(spec.training_chief_hooks), [created[0]["chief"]])
+    self.assertEqual(list(hooks), tower_hooks)
+    self.assertIs(spec.scaffold, created[0]["scaffold"])
+    # Hooks watching tower 0's loss watch the whole batch's; other tensors
+    # are tower 0's, with the unwrapped model's names.
+    logged = created[0]["logging"]._tensors
+    self.assertIs(logged["loss"], spec.loss)
+    self.assertEqual(logged["x"].op.name, "split_inputs/split")
+    if mode == harness.TRAIN:
+      self.assertIs(created[0]["nan"]._loss_tensor, spec.loss)
+
+
+class SummariesTest(parameterized.TestCase):
+
+  def test_only_tower_zeros_summaries_are_kept_with_unwrapped_names(self):
+    def model_fn(features, labels, mode):
+      tf.compat.v1.summary.scalar("x_mean", tf.reduce_mean(features["x"]))
+      loss = _loss(labels, _linear(features["x"]))
+      return tf.estimator.EstimatorSpec(mode, loss=loss,
+                                        train_op=_minimize(loss))
+    for tower_devices in (_towers(4), None):
+      with tf.Graph().as_default() as graph:
+        tf.compat.v1.train.create_global_step()
+        features, labels = harness.batches(DATA, 8)
+        harness.wrap(model_fn, tower_devices)(features, labels, harness.TRAIN)
+        summaries = [t.op.name for t in tf.compat.v1.get_collection(
+            tf.compat.v1.GraphKeys.SUMMARIES)]
+        self.assertEqual(summaries, ["x_mean"])
+        ops = {op.name for op in graph.get_operations()}
+      # The other towers' summary ops exist but nothing collects them.
+      self.assertEqual("tower_1/x_mean" in ops, tower_devices is not None)
+
+
+if __name__ == "__main__":
+  parameterized.absltest.main()
