@@ -44,6 +44,8 @@ _NAMES_LISTED = 5
 # A checkpoint is saved when training starts (step 0) and when it ends.
 _NEVER = 10**9
 _UNTIL_STEPS = object()
+# What tf.compat.v1.layers and Keras name batch normalization's statistics.
+_BATCH_NORM_STATISTICS = ("moving_mean", "moving_variance")
 # What TensorFlow says when a Keras optimizer instance meets a second graph.
 _OPTIMIZER_REUSED = ("Cannot set `iterations`", "must be from the same graph")
 
@@ -213,7 +215,10 @@ def assert_replicates(
 
   The towers are virtual CPU devices of one session (no GPU needed).
   `input_fn` must give the same batches on every call (seed any shuffle),
-  and the model must be deterministic (no dropout while comparing). Values
+  and the model must be deterministic (no dropout while comparing). Batch
+  normalization in training normalises each tower's shard by its own
+  statistics, so its training is close to one device's, not equal: check
+  such a model with `modes=('eval', 'predict')`. Values
   are close when |towers - one device| <= atol + rtol × |one device|:
   towers sum in another order, so float32 results differ in the last bits;
   raise the tolerances for long runs or optimizers such as Adam, which
@@ -398,7 +403,11 @@ def _compare(expected, actual, tolerance, num_towers) -> Dict[str, _Phase]:
           num_towers))
     variables = _compare_values(expected["variables"], actual["variables"],
                                 tolerance, where, "variables")
-    phases["train"] = _Phase(losses.differences + variables.differences,
+    differences = losses.differences + variables.differences
+    if differences and not differences[0].hint and num_towers > 1:
+      differences[0] = differences[0]._replace(
+          hint=_batch_norm_hint(expected["variables"]))
+    phases["train"] = _Phase(differences,
                              max(losses.closest, variables.closest))
   if "metrics" in actual:
     phases["eval"] = _compare_values(expected["metrics"], actual["metrics"],
@@ -428,6 +437,18 @@ def _loss_hint(expected: float, actual: float, num_towers: int) -> str:
             "model_fn seems to average its loss while loss_reduction=SUM; "
             "leave loss_reduction at its default.")
   return ""
+
+
+def _batch_norm_hint(variables: Dict[str, Any]) -> str:
+  """Why a model with batch normalization trains apart on towers."""
+  if not any(name.endswith(_BATCH_NORM_STATISTICS) for name in variables):
+    return ""
+  return (" The model has batch normalization: in training each tower "
+          "normalises its shard by the shard's own mean and variance, so "
+          "losses and weights are close to one device's, not equal (README, "
+          "'Model state across towers'); check eval and predict with "
+          "modes=('eval', 'predict'), which use the moving statistics, and "
+          "training with tolerances fit for the shards' statistics.")
 
 
 _LABELS = {

@@ -162,6 +162,44 @@ def test_tower_dependent_predictions_are_reported():
       "prediction 7." in report
 
 
+def _batch_norm_model_fn(features, labels, mode):
+  training = mode == tf.estimator.ModeKeys.TRAIN
+  h = tf.compat.v1.layers.dense(features["x"], 4)
+  h = tf.compat.v1.layers.batch_normalization(h, training=training)
+  logits = tf.compat.v1.layers.dense(h, 2)
+  if mode == tf.estimator.ModeKeys.PREDICT:
+    return tf.estimator.EstimatorSpec(mode, predictions={"logits": logits})
+  loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
+  if mode == tf.estimator.ModeKeys.EVAL:
+    return tf.estimator.EstimatorSpec(mode, loss=loss)
+  optimizer = replicate.TowerOptimizer(
+      tf.compat.v1.train.GradientDescentOptimizer(0.1))
+  with tf.control_dependencies(
+      tf.compat.v1.get_collection(tf.compat.v1.GraphKeys.UPDATE_OPS)):
+    train_op = optimizer.minimize(loss, tf.compat.v1.train.get_global_step())
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+def test_batch_norm_training_is_explained_and_inference_replicates():
+  input_fn = _input_fn(with_ids=False)
+  with pytest.raises(testing.ReplicationMismatch) as caught:
+    testing.assert_replicates(_batch_norm_model_fn, input_fn, towers=(2,),
+                              steps=1, modes=("train",))
+  # Each tower normalises its shard by the shard's statistics.
+  report = str(caught.value)
+  assert "train: loss at step 1 is " in report
+  assert "batch_normalization/moving_variance" in report
+  assert "The model has batch normalization: in training each tower " \
+      "normalises its shard by the shard's own mean and variance" in report
+  assert "modes=('eval', 'predict')" in report
+  summary = testing.assert_replicates(
+      _batch_norm_model_fn, input_fn, towers=(2,), steps=1,
+      predict_input_fn=_input_fn(8, batch=8, epochs=1, with_ids=False),
+      modes=("eval", "predict"))
+  assert summary.metrics == ["global_step", "loss"]
+  assert summary.predictions == 8
+
+
 def test_tolerances_are_the_callers():
   testing.assert_replicates(_model_fn("first_replica"), _input_fn(),
                             towers=(2,), modes=("train",), atol=1.0)
