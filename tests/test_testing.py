@@ -123,16 +123,18 @@ def test_own_model_fn_with_dict_sparse_and_uneven_batches_replicates():
 
 def test_sum_loss_with_averaging_reduction_is_reported():
   with pytest.raises(testing.ReplicationMismatch) as caught:
-    testing.assert_replicates(_model_fn("sum_loss"), _input_fn(), towers=(2,),
-                              modes=("train",))
+    testing.assert_replicates(_model_fn("sum_loss"), _input_fn(),
+                              towers=(2, 4), modes=("train",))
   report = str(caught.value)
   assert "The model_fn does not replicate" in report
   assert ("2 towers ['/device:CPU:0', '/device:CPU:1'], train: loss at step "
           "1 is ") in report
   assert " on 2 towers, " in report and " on 1 device (|difference| " in report
   assert "> atol 1e-06 + rtol 1e-05 × " in report
-  assert "The towers' loss is 1/2 of one device's" in report
+  assert "The towers' loss is about 1/2 of one device's" in report
   assert "loss_reduction=tf.compat.v1.losses.Reduction.SUM" in report
+  # Batches of 10 on 4 towers (3, 3, 2, 2): 26/100 of one device's loss.
+  assert "The towers' loss is about 1/4 of one device's" in report
   # The same model_fn replicates once loss_reduction says what it does.
   testing.assert_replicates(_model_fn("sum_loss"), _input_fn(), towers=(2,),
                             modes=("train",), loss_reduction=R.SUM)
