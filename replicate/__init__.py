@@ -2,13 +2,15 @@
 
 Wrap a model_fn once with `replicate_model_fn` and its optimizer with
 `TowerOptimizer`; each batch is split across the devices and the result
-equals one device's.
+equals one device's. `replicate.testing` checks that your own model_fn
+does, on virtual CPU devices.
 """
 
 from replicate._core import replicate_model_fn
 from replicate._devices import VariablePlacement
 from replicate._optimizer import TowerOptimizer
 from replicate._context import current_tower
+from replicate import testing
 
 __version__ = "0.1.0"
 
@@ -17,4 +19,5 @@ __all__ = (
     "VariablePlacement",
     "current_tower",
     "replicate_model_fn",
+    "testing",
 )

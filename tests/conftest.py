@@ -20,3 +20,6 @@ tf.config.set_visible_devices([], "GPU")
 tf.config.set_logical_device_configuration(
     tf.config.list_physical_devices("CPU")[0],
     [tf.config.LogicalDeviceConfiguration()] * 4)
+
+# `pytester` runs the pytest plugin's own test in a fresh pytest.
+pytest_plugins = ["pytester"]

@@ -1,5 +1,7 @@
 """The public namespace holds exactly the names DESIGN.md lists."""
 
+import pathlib
+
 import tensorflow as tf
 
 import replicate
@@ -9,8 +11,18 @@ def test_public_names_are_exactly_all():
   public = {name for name in dir(replicate) if not name.startswith("_")}
   assert public == set(replicate.__all__) == {
       "TowerOptimizer", "VariablePlacement", "current_tower",
-      "replicate_model_fn"}
+      "replicate_model_fn", "testing"}
   assert isinstance(replicate.__version__, str)
+
+
+def test_testing_module_exports_exactly_all():
+  public = {name for name in vars(replicate.testing)
+            if not name.startswith("_") and
+            getattr(vars(replicate.testing)[name], "__module__", None) ==
+            "replicate.testing"}
+  assert public == set(replicate.testing.__all__) == {
+      "ReplicationMismatch", "Summary", "assert_replicates", "run_config",
+      "session_config", "virtual_cpus"}
 
 
 def test_variable_placement_members_and_strings():
@@ -27,3 +39,11 @@ def test_tower_optimizer_flavours():
   assert isinstance(keras, tf.keras.optimizers.legacy.Optimizer)
   lazy = replicate.TowerOptimizer(lambda: tf.keras.optimizers.legacy.Adam())
   assert isinstance(lazy(), tf.keras.optimizers.legacy.Optimizer)
+
+
+def test_readme_lists_every_testing_name():
+  readme = (pathlib.Path(__file__).resolve().parent.parent /
+            "README.md").read_text()
+  for name in replicate.testing.__all__:
+    assert f"`{name}" in readme, name
+  assert 'pytest_plugins = ["replicate.pytest_plugin"]' in readme
