@@ -448,8 +448,8 @@ def _batch_norm_hint(variables: Dict[str, Any]) -> str:
     return ""
   return (" The model has batch normalization: in training each tower "
           "normalises its shard by the shard's own mean and variance, so "
-          "losses and weights are close to one device's, not equal (README, "
-          "'Model state across towers'); check eval and predict with "
+          "losses and weights are close to one device's, not equal "
+          "(docs/behaviour.md, 'Model state across towers'); check eval and predict with "
           "modes=('eval', 'predict'), which use the moving statistics, and "
           "training with tolerances fit for the shards' statistics.")
 
