@@ -255,19 +255,12 @@ def _read(write: _Write) -> tf.Tensor:
 
 
 def _weights(replication: Replication):
-  """Each tower's share of the batch; tower 0 takes all of an empty batch.
+  """Each tower's share of the batch (tower 0 holds all of an empty batch).
 
   With an empty batch tower 0's shard is the whole batch, so its value is
   what one device computes.
   """
-  sizes, fractions = replication.sizes, replication.fractions
-  if all(isinstance(s, int) for s in sizes):
-    if sum(sizes) == 0:
-      return [1.0] + [0.0] * (len(sizes) - 1)
-    return list(fractions)
-  empty = tf.equal(tf.add_n([tf.cast(s, tf.int64) for s in sizes]), 0)
-  return [tf.where(empty, 1.0 if i == 0 else 0.0, f)
-          for i, f in enumerate(fractions)]
+  return list(replication.fractions)
 
 
 def _weighted_sum(replication, values: Sequence[tf.Tensor]) -> tf.Tensor:
