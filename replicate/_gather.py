@@ -14,6 +14,7 @@ import tensorflow as tf
 
 from replicate import _aggregate
 from replicate import _context
+from replicate import _transform
 
 
 class _Call(NamedTuple):
@@ -66,6 +67,23 @@ def scaled_loss(loss):
     return loss
   return _aggregate.scale_loss(loss, replication.loss_reduction,
                                replication.fraction(), replication.size())
+
+
+def transform_and_apply(grads_and_vars, transforms: "_transform.Pipeline",
+                        apply_fn: Callable[[Any], Any]):
+  """A TowerOptimizer's apply_gradients: the transforms, then `apply_fn`.
+
+  Outside replication (or on one device) the transforms run on this
+  device's gradients; in a tower the towers' gradients are summed first and
+  the last tower applies them (see `gather_and_apply`).
+  """
+  replication = replicated()
+  if replication is None:
+    return apply_fn(transforms(transforms.prepare(grads_and_vars)))
+  grads_and_vars = list(grads_and_vars)
+  _transform.warn_if_clipped(grads_and_vars, replication.tower.index)
+  return gather_and_apply(grads_and_vars,
+                          lambda summed: apply_fn(transforms(summed)))
 
 
 def gather_and_apply(grads_and_vars, apply: Callable[[List[Any]], Any]):

@@ -82,17 +82,9 @@ class KerasTowerOptimizer(_KerasOptimizer):
   def apply_gradients(self, grads_and_vars, name=None, **kwargs):
     """Records the tower's gradients; the last tower applies their sum."""
     optimizer = self._wrapped_keras
-
-    def apply(summed):
-      return optimizer.apply_gradients(self._transforms(summed), name=name,
-                                       **kwargs)
-
-    replication = _gather.replicated()
-    if replication is None:
-      return apply(self._transforms.prepare(grads_and_vars))
-    grads_and_vars = list(grads_and_vars)
-    _transform.warn_if_clipped(grads_and_vars, replication.tower.index)
-    return _gather.gather_and_apply(grads_and_vars, apply)
+    return _gather.transform_and_apply(
+        grads_and_vars, self._transforms,
+        lambda pairs: optimizer.apply_gradients(pairs, name=name, **kwargs))
 
   def get_slot(self, var, slot_name):
     """Forwards to the wrapped optimizer."""

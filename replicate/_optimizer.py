@@ -177,17 +177,9 @@ class TowerOptimizer(_Optimizer):
   def apply_gradients(self, grads_and_vars, global_step=None, name=None):
     """Records the tower's gradients; the last tower applies their sum."""
     optimizer = self.optimizer
-
-    def apply(summed):
-      return optimizer.apply_gradients(self._transforms(summed), global_step,
-                                       name)
-
-    replication = _gather.replicated()
-    if replication is None:
-      return apply(self._transforms.prepare(grads_and_vars))
-    grads_and_vars = list(grads_and_vars)
-    _transform.warn_if_clipped(grads_and_vars, replication.tower.index)
-    return _gather.gather_and_apply(grads_and_vars, apply)
+    return _gather.transform_and_apply(
+        grads_and_vars, self._transforms,
+        lambda pairs: optimizer.apply_gradients(pairs, global_step, name))
 
   def get_slot(self, *args, **kwargs):
     """Forwards to the wrapped optimizer."""
