@@ -27,7 +27,6 @@ import os
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import tempfile  # pylint: disable=g-import-not-at-top,g-bad-import-order
-import time
 from typing import Dict, List, Optional, Tuple
 
 from absl import app
@@ -40,6 +39,9 @@ import tensorflow as tf
 
 import replicate
 import replicate.testing
+# The progress and throughput hook is the digits examples' (same directory).
+from digits_lib import ProgressHook
+from digits_lib import with_training_hooks
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer(
@@ -129,57 +131,6 @@ def eval_input_fn(features: Features, labels: np.ndarray,
       batch_size)
 
 
-class ProgressHook(tf.estimator.SessionRunHook):
-  """Prints the merged loss every `every` steps; measures examples/sec.
-
-  Timing starts after the first step (graph building and session set-up
-  are left out).
-  """
-
-  def __init__(self, loss: tf.Tensor, every: int, batch_size: int):
-    self._loss = loss
-    self._every = max(1, every)
-    self._batch_size = batch_size
-    self._step = 0
-    self._times: List[float] = []
-
-  def after_create_session(self, session, coord):
-    del coord  # Unused.
-    self._step = int(session.run(tf.compat.v1.train.get_global_step()))
-
-  def before_run(self, run_context):
-    return tf.estimator.SessionRunArgs(self._loss)
-
-  def after_run(self, run_context, run_values):
-    self._times.append(time.perf_counter())
-    self._step += 1
-    if self._step % self._every == 0 or len(self._times) == 1:
-      print(f"step {self._step:5d}  loss {float(run_values.results):.4f}",
-            flush=True)
-
-  @property
-  def examples_per_sec(self) -> float:
-    if len(self._times) < 2 or self._times[-1] <= self._times[0]:
-      return 0.0
-    steps = len(self._times) - 1
-    return steps * self._batch_size / (self._times[-1] - self._times[0])
-
-
-def with_progress(model_fn, every: int, batch_size: int,
-                  hooks: List[ProgressHook]):
-  """Adds a ProgressHook on the merged TRAIN spec's loss (all towers')."""
-
-  def model_fn_with_progress(features, labels, mode, config):
-    spec = model_fn(features, labels, mode, config=config)
-    if mode == tf.estimator.ModeKeys.TRAIN:
-      hooks.append(ProgressHook(spec.loss, every, batch_size))
-      spec = spec._replace(
-          training_hooks=list(spec.training_hooks) + [hooks[-1]])
-    return spec
-
-  return model_fn_with_progress
-
-
 def configure_devices(
     towers: Optional[int]) -> Tuple[Optional[List[str]], tf.estimator.RunConfig]:
   """Tower devices and a RunConfig; without a GPU, virtual CPU devices.
@@ -226,11 +177,17 @@ def main(argv: List[str]) -> None:
           lambda: tf.keras.optimizers.legacy.Adagrad(0.05)),
       config=config)
   hooks: List[ProgressHook] = []
+
+  def make_progress_hook(spec):
+    hooks.append(ProgressHook(spec.loss, FLAGS.log_every, FLAGS.batch_size,
+                              FLAGS.steps))
+    return hooks[-1:]
+
   estimator = tf.estimator.Estimator(
       # Line 2 of 2: wrap the model_fn.
-      with_progress(replicate.replicate_model_fn(canned.model_fn,
-                                                 devices=devices),
-                    FLAGS.log_every, FLAGS.batch_size, hooks),
+      with_training_hooks(
+          replicate.replicate_model_fn(canned.model_fn, devices=devices),
+          make_progress_hook),
       config=config)
 
   estimator.train(lambda: train_input_fn(train_x, train_y, FLAGS.batch_size),
