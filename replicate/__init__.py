@@ -6,6 +6,8 @@ equals one device's. `replicate.testing` checks that your own model_fn
 does, on virtual CPU devices.
 """
 
+from replicate._collectives import batch_concat
+from replicate._collectives import batch_sum
 from replicate._core import replicate_model_fn
 from replicate._devices import VariablePlacement
 from replicate._optimizer import TowerOptimizer
@@ -17,6 +19,8 @@ __version__ = "0.1.0"
 __all__ = (
     "TowerOptimizer",
     "VariablePlacement",
+    "batch_concat",
+    "batch_sum",
     "current_tower",
     "replicate_model_fn",
     "testing",

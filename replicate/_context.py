@@ -46,8 +46,20 @@ class Replication:
   apply_ops: set = dataclasses.field(default_factory=set)
   # Where inputs are split and results merged; None with one tower.
   hub: Optional[str] = None
-  # UPDATE_OPS as they were before tower 0: each tower sees these and its own.
-  update_ops_before: List[Any] = dataclasses.field(default_factory=list)
+  # Each tower's device.
+  devices: List[str] = dataclasses.field(default_factory=list)
+  # Whether batch normalization in training uses the whole batch's statistics.
+  sync_batch_norm: bool = True
+  # Per-tower collections as they were before tower 0 (each tower sees these
+  # and its own additions).
+  collections_before: Dict[str, List[Any]] = dataclasses.field(
+      default_factory=dict)
+  # The combined loss built for each tuple of tower losses (see _loss).
+  combined_losses: Dict[Any, Any] = dataclasses.field(default_factory=dict)
+  # The whole batch's gradients handed to the towers (tensor refs).
+  whole_batch_gradients: set = dataclasses.field(default_factory=set)
+  # How many TowerOptimizer.apply_gradients calls tower 0 made.
+  apply_calls: int = 0
   # Per tower: the (features, labels) shard of the batch it was given.
   inputs: List[Any] = dataclasses.field(default_factory=list)
   # Per tower: the ops its model_fn call built.
@@ -55,10 +67,6 @@ class Replication:
   # Names of the ops that split the batch, and of every tower's ops.
   split_op_names: set = dataclasses.field(default_factory=set)
   tower_op_names: set = dataclasses.field(default_factory=set)
-
-  @property
-  def is_last_tower(self) -> bool:
-    return self.tower.index == self.num_towers - 1
 
   @contextlib.contextmanager
   def unshared_creation(self):
@@ -77,11 +85,11 @@ class Replication:
 
   @contextlib.contextmanager
   def scopes(self, scopes: "Scopes"):
-    """Re-enters `scopes` (recorded in tower 0) to build there, unshared.
+    """Builds in `scopes` on the hub, unshared, recorded as apply ops.
 
-    The last tower applies the summed gradients where tower 0 made the same
-    optimizer call, so slot variables and update ops get the unreplicated
-    model's names, and variables created there are not tower 0's to share.
+    Tower 0 applies the gradients where it made the optimizer call, so slot
+    variables and update ops get the unreplicated model's names, and
+    variables created there are not tower 0's to share.
     """
     first_op = len(self.graph.get_operations())
     # On the consolidation device, so that e.g. learning-rate tensors are
@@ -128,6 +136,12 @@ def current_replication() -> Optional[Replication]:
   return replication
 
 
+def replication_on_thread() -> Optional[Replication]:
+  """The replication this thread builds, whatever graph is the default."""
+  stack = getattr(_local, "stack", None)
+  return stack[-1] if stack else None
+
+
 def current_tower() -> Optional[Tower]:
   """The tower being built, inside a replicated model_fn; None outside one.
 
@@ -141,17 +155,29 @@ def current_tower() -> Optional[Tower]:
   return replication.tower if replication is not None else None
 
 
+_PER_TOWER_COLLECTIONS = (tf.compat.v1.GraphKeys.UPDATE_OPS,
+                          tf.compat.v1.GraphKeys.LOSSES)
+
+
 @contextlib.contextmanager
 def replication_scope(replication: Replication):
-  """Makes `replication` current for the duration of the model_fn calls."""
+  """Makes `replication` current on this thread; records the root scopes."""
   if current_replication() is not None:
     raise ValueError(
         "replicate_model_fn was called inside another replicated model_fn; "
         "wrap a model_fn once, not a model_fn that is already replicated.")
   replication.root_name_scope = replication.graph.get_name_scope()
   replication.root_variable_scope = tf.compat.v1.get_variable_scope()
-  replication.update_ops_before = replication.graph.get_collection(
-      tf.compat.v1.GraphKeys.UPDATE_OPS)
+  replication.collections_before = {
+      key: replication.graph.get_collection(key)
+      for key in _PER_TOWER_COLLECTIONS}
+  with on_tower_thread(replication):
+    yield replication
+
+
+@contextlib.contextmanager
+def on_tower_thread(replication: Replication):
+  """Makes `replication` current on this thread (a tower's)."""
   stack = _local.__dict__.setdefault("stack", [])
   stack.append(replication)
   try:

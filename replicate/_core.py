@@ -19,9 +19,8 @@ from replicate import _cluster
 from replicate import _devices
 from replicate import _merge
 from replicate import _context
-from replicate import _gather
+from replicate import _batch_norm
 from replicate import _split
-from replicate import _sharing
 from replicate import _state
 from replicate import _towers
 
@@ -34,6 +33,7 @@ def replicate_model_fn(
     loss_reduction: str = tf.compat.v1.losses.Reduction.SUM_BY_NONZERO_WEIGHTS,
     devices: Optional[Sequence[str]] = None,
     variable_placement=_devices.VariablePlacement.SHARED,
+    sync_batch_norm: bool = True,
 ) -> Callable[..., tf.estimator.EstimatorSpec]:
   """Wraps an Estimator model_fn to run one tower per device.
 
@@ -61,6 +61,11 @@ def replicate_model_fn(
     variable_placement: a `replicate.VariablePlacement` (or its string):
       SHARED keeps every variable on the consolidation device, ROUND_ROBIN
       spreads them over the towers' devices.
+    sync_batch_norm: whether batch normalization in training (Keras
+      `BatchNormalization`, `tf.compat.v1.layers.batch_normalization`, the
+      canned DNN estimators' `batch_norm=True`) normalises with the whole
+      batch's statistics, as on one device (default), or with each tower's
+      shard's (False: fewer meeting points, not one device's result).
 
   Returns:
     A model_fn `(features, labels, mode, params=None, config=None)`.
@@ -94,7 +99,7 @@ def replicate_model_fn(
       return _run_on_one_device(model_fn, features, labels, arguments,
                                 tower_devices[0], reduction)
     return _run_towers(model_fn, features, labels, mode, arguments,
-                       tower_devices, reduction, placement)
+                       tower_devices, reduction, placement, sync_batch_norm)
 
   replicated_model_fn.__name__ = f"replicated_{getattr(model_fn, '__name__', 'model_fn')}"
   replicated_model_fn.__doc__ = model_fn.__doc__
@@ -214,8 +219,8 @@ def _run_on_one_device(model_fn, features, labels, arguments, device,
 
 
 def _run_towers(model_fn, features, labels, mode, arguments, devices,
-                reduction, placement):
-  """Several devices: split, build every tower, check, merge."""
+                reduction, placement, sync_batch_norm):
+  """Several devices: split, build every tower in lockstep, check, merge."""
   graph = tf.compat.v1.get_default_graph()
   hub = _devices.consolidation_device(devices)
   logging.info("replicate: %d towers on %s, variables %s, merging on %s",
@@ -226,39 +231,30 @@ def _run_towers(model_fn, features, labels, mode, arguments, devices,
   replication = _context.Replication(
       num_towers=len(devices), loss_reduction=reduction,
       fractions=shards.fractions, sizes=shards.sizes, graph=graph, hub=hub,
+      devices=list(devices),
+      sync_batch_norm=sync_batch_norm and mode == _ModeKeys.TRAIN,
       split_op_names={op.name for op in graph.get_operations()[first_op:]},
       inputs=list(zip(shards.features, shards.labels)))
   choose = _devices.variable_device_chooser(placement, devices)
-  _gather.clear_gather_state(graph)
-  specs = []
-  try:
-    with _context.replication_scope(replication):
-      name_counters = _sharing.NameCounters()
-      for index, device in enumerate(devices):
-        device_function = _devices.tower_device_function(device, choose)
-        with _towers.tower_scope(replication, index, device_function,
-                                 device, name_counters):
-          specs.append(model_fn(**arguments(shards.features[index],
-                                            shards.labels[index])))
-  finally:
-    calls = _gather.clear_gather_state(graph)
+  device_functions = [_devices.tower_device_function(device, choose)
+                      for device in devices]
+  with _context.replication_scope(replication), \
+      _batch_norm.synchronized(replication):
+    specs = _towers.build_towers(
+        replication,
+        lambda i: model_fn(**arguments(shards.features[i], shards.labels[i])),
+        device_functions)
   _state.combine_state_writes(replication)
   if mode == _ModeKeys.TRAIN:
-    _check_optimizer_calls(calls, len(devices))
+    _check_optimizer_calls(replication)
   return _merge.merge_specs(mode, specs, replication)
 
 
-def _check_optimizer_calls(calls, num_towers):
-  """Every tower must have made the same TowerOptimizer calls."""
-  counts = [len(calls[i]) if i < len(calls) else 0 for i in range(num_towers)]
-  if not any(counts):
+def _check_optimizer_calls(replication):
+  """With several towers the update must come from TowerOptimizer."""
+  if not replication.apply_calls:
     raise ValueError(
-        f"The model_fn was replicated over {num_towers} towers but never "
-        "called TowerOptimizer.apply_gradients; wrap the optimizer in "
-        "replicate.TowerOptimizer so that the towers' gradients are summed "
-        "and applied once.")
-  if len(set(counts)) > 1:
-    raise ValueError(
-        f"The towers made different numbers of TowerOptimizer calls "
-        f"({counts}, per tower); every tower must make the same optimizer "
-        "calls in the same order.")
+        f"The model_fn was replicated over {replication.num_towers} towers "
+        "but never called TowerOptimizer.apply_gradients; wrap the optimizer "
+        "in replicate.TowerOptimizer so that the whole batch's gradients are "
+        "applied once.")

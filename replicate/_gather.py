@@ -1,56 +1,28 @@
-"""Gathering the towers' gradients and applying their sum once, per graph.
+"""TowerOptimizer calls across towers: one device's gradients, one update.
 
-Every TowerOptimizer call records the tower's gradients in the graph's
-gathering state; the last tower's matching call sums each variable's
-gradients over the towers and applies them where tower 0 made the call.
-State belongs to a graph (Estimator builds a new one per mode) and is
-cleared by each replicated model_fn call.
+`compute_gradients` (and Keras' `get_gradients` / `minimize`) is a meeting
+point of the towers (see `_lockstep`): once every tower has built its loss,
+the towers' losses are combined into the whole batch's loss (`_loss`) and
+differentiated once, each gradient op on its forward op's device, and every
+tower gets that one device's gradient. Code between `compute_gradients` and
+`apply_gradients` (clipping, multipliers, summaries) then computes what it
+would on one device. `apply_gradients` is a meeting point too: tower 0's
+gradients are applied once, where tower 0 made the call, and every tower
+gets that update op as its own.
 """
 
-import weakref
-from typing import Any, Callable, List, NamedTuple
+from typing import Any, Callable, List, Sequence
 
 import tensorflow as tf
 
 from replicate import _aggregate
 from replicate import _context
+from replicate import _lockstep
+from replicate import _loss
 from replicate import _transform
 
-
-class _Call(NamedTuple):
-  grads_and_vars: List[Any]
-  scopes: _context.Scopes
-  apply: Callable[[List[Any]], Any]   # applies summed gradients, this tower's way
-  done: List[tf.Operation]            # what the call returned, to order after the apply
-
-
-class _GatherState:
-  """Gradients recorded in one graph: per tower, one entry per call."""
-
-  def __init__(self):
-    self.calls: List[List[_Call]] = []
-
-  def record(self, tower_index: int, call: _Call) -> int:
-    while len(self.calls) <= tower_index:
-      self.calls.append([])
-    self.calls[tower_index].append(call)
-    return len(self.calls[tower_index]) - 1
-
-
-_STATES: "weakref.WeakKeyDictionary[tf.Graph, _GatherState]" = (
-    weakref.WeakKeyDictionary())
-
-
-def _gather_state(graph: tf.Graph) -> _GatherState:
-  if graph not in _STATES:
-    _STATES[graph] = _GatherState()
-  return _STATES[graph]
-
-
-def clear_gather_state(graph: tf.Graph) -> List[List[Any]]:
-  """Forgets the graph's recorded gradients; returns the calls, per tower."""
-  state = _STATES.pop(graph, None)
-  return state.calls if state is not None else []
+_COMPUTE = "TowerOptimizer.compute_gradients"
+_APPLY = "TowerOptimizer.apply_gradients"
 
 
 def replicated():
@@ -61,12 +33,91 @@ def replicated():
   return replication
 
 
-def scaled_loss(loss):
+def whole_batch_gradients(loss, compute: Callable[[Any, bool], Any],
+                          variables=None):
+  """`compute(loss)` on one device; in a tower, on the whole batch's loss.
+
+  Args:
+    loss: the tower's loss, as the model_fn passed it.
+    compute: `compute(loss, replicated)` returns gradients (as the
+      optimizer returns them); in towers, tower 0's runs once, on the
+      combined loss of every tower, with `replicated` True (colocate the
+      gradient ops with their forward ops).
+    variables: the variables the call differentiates for, if it names
+      them: every tower must name the same.
+
+  Returns:
+    What `compute` returned, the same for every tower.
+
+  Raises:
+    ValueError: the towers name different variables.
+  """
   replication = replicated()
   if replication is None:
-    return loss
-  return _aggregate.scale_loss(loss, replication.loss_reduction,
-                               replication.fraction(), replication.size())
+    return compute(loss, False)
+
+  def combine(calls):
+    names = [n for _, n in calls]
+    for tower, tower_names in enumerate(names[1:], start=1):
+      if tower_names != names[0]:
+        raise ValueError(
+            f"TowerOptimizer call of tower {tower} updates variables "
+            f"{tower_names} but tower 0's updates {names[0]}; every tower "
+            "must make the same optimizer calls on the same variables in "
+            "the same order.")
+    combined = _loss.combine(replication, [l for l, _ in calls])
+    result = compute(combined, True)
+    replication.whole_batch_gradients.update(
+        t.ref() for t in tf.nest.flatten(result, expand_composites=True)
+        if isinstance(t, tf.Tensor))
+    return [result] * len(calls)
+
+  names = None if variables is None else [
+      v.op.name for v in tf.nest.flatten(variables)]
+  return _lockstep.meet(_COMPUTE, (loss, names), combine)
+
+
+def one_device_slices(grads_and_vars):
+  """Sparse gradients with the rows one device's would have.
+
+  A lookup that takes unique ids (`embedding_lookup_sparse`, feature
+  columns) gives one device one row per id of the whole batch; each tower
+  looks up its shard's ids, so the whole batch's gradient has a row per
+  tower for ids several shards share. Those are summed into one, in order
+  of first appearance, as one device's `unique` orders them. Lookups of
+  ids as given keep every row, as on one device.
+  """
+  return [(_transform.merge_duplicate_rows(grad)
+           if isinstance(grad, tf.IndexedSlices) and _looks_up_unique_ids(
+               variable) else grad, variable)
+          for grad, variable in grads_and_vars]
+
+
+def _looks_up_unique_ids(variable) -> bool:
+  handle = getattr(variable, "handle", None)
+  handle = handle if isinstance(handle, tf.Tensor) else variable.op.outputs[0]
+  gathers = [op for op in _readers(handle)
+             if op.type in ("ResourceGather", "Gather", "GatherV2")]
+  return bool(gathers) and all(
+      _source_type(op.inputs[1]) == "Unique" for op in gathers)
+
+
+def _readers(tensor):
+  """The ops reading `tensor`, through Identity ops (a ref variable's read)."""
+  readers, pending = [], list(tensor.consumers())
+  while pending:
+    op = pending.pop()
+    if op.type == "Identity":
+      pending.extend(op.outputs[0].consumers())
+    else:
+      readers.append(op)
+  return readers
+
+
+def _source_type(tensor) -> str:
+  while tensor.op.type in ("Identity", "Cast") and tensor.op.inputs:
+    tensor = tensor.op.inputs[0]
+  return tensor.op.type
 
 
 def transform_and_apply(grads_and_vars, transforms: "_transform.Pipeline",
@@ -74,66 +125,84 @@ def transform_and_apply(grads_and_vars, transforms: "_transform.Pipeline",
   """A TowerOptimizer's apply_gradients: the transforms, then `apply_fn`.
 
   Outside replication (or on one device) the transforms run on this
-  device's gradients; in a tower the towers' gradients are summed first and
-  the last tower applies them (see `gather_and_apply`).
+  device's gradients. In a tower, the towers meet: tower 0 applies the
+  whole batch's gradients once, in its own scopes, and every tower returns
+  that update.
   """
   replication = replicated()
   if replication is None:
     return apply_fn(transforms(transforms.prepare(grads_and_vars)))
   grads_and_vars = list(grads_and_vars)
-  _transform.warn_if_clipped(grads_and_vars, replication.tower.index)
-  return gather_and_apply(grads_and_vars,
-                          lambda summed: apply_fn(transforms(summed)))
+  state = {}
 
+  def combine(towers_grads_and_vars):
+    _check_same_variables(towers_grads_and_vars)
+    pairs = _whole_batch_pairs(replication, towers_grads_and_vars)
+    state["pairs"] = pairs
+    return [state] * len(towers_grads_and_vars)
 
-def gather_and_apply(grads_and_vars, apply: Callable[[List[Any]], Any]):
-  """Records this tower's gradients; in the last tower applies their sums.
-
-  The sums are applied with tower 0's `apply` (its optimizer object, whose
-  slots and hooks are the model's) in tower 0's scopes. What towers before
-  the last return runs after that apply, so whatever a tower orders after
-  its train_op (an EMA of the weights, say) sees the updated variables.
-  """
-  replication = replicated()
-  grads_and_vars = list(grads_and_vars)
-  state = _gather_state(replication.graph)
-  call = _Call(grads_and_vars, _context.Scopes.current(), apply, [])
-  index = state.record(replication.tower.index, call)
-  if not replication.is_last_tower:
-    grads = [g for g, _ in grads_and_vars if g is not None]
-    with tf.control_dependencies(tf.nest.flatten(grads, expand_composites=True)):
-      call.done.append(tf.no_op(name="gather_gradients"))
-    return call.done[0]
-  calls = [_tower_call(state, tower, index, grads_and_vars)
-           for tower in range(replication.num_towers)]
-  with replication.scopes(calls[0].scopes):
-    summed = _aggregate.sum_gradients([c.grads_and_vars for c in calls])
-    applied = calls[0].apply(summed)
-  applied_op = getattr(applied, "op", applied)
-  for earlier in calls[:-1]:
-    for op in earlier.done:
-      # No public API adds a control input to an op once built.
-      op._add_control_input(applied_op)  # pylint: disable=protected-access
-  return applied
+  shared = _lockstep.meet(_APPLY, grads_and_vars, combine)
+  if replication.tower.index == 0:
+    with replication.scopes(_context.Scopes.current()):
+      shared["applied"] = apply_fn(
+          transforms(transforms.prepare(shared["pairs"])))
+    replication.apply_calls += 1
+  return shared["applied"]
 
 
 def _variable_names(grads_and_vars):
   return [v.op.name for _, v in grads_and_vars]
 
 
-def _tower_call(state: _GatherState, tower: int, index: int, last_grads_and_vars):
-  """Tower `tower`'s `index`-th call, checked against the last tower's."""
-  calls = state.calls[tower] if tower < len(state.calls) else []
-  if index >= len(calls):
-    raise ValueError(
-        f"Tower {tower} made {len(calls)} TowerOptimizer.apply_gradients "
-        f"calls but the last tower made at least {index + 1}; every tower must "
-        "make the same optimizer calls in the same order.")
-  call = calls[index]
-  if _variable_names(call.grads_and_vars) != _variable_names(last_grads_and_vars):
-    raise ValueError(
-        f"Optimizer call {index} of tower {tower} updates variables "
-        f"{_variable_names(call.grads_and_vars)} but the last tower's updates "
-        f"{_variable_names(last_grads_and_vars)}; every tower must make the "
-        "same optimizer calls on the same variables in the same order.")
-  return call
+def _check_same_variables(towers_grads_and_vars: Sequence[List[Any]]):
+  first = _variable_names(towers_grads_and_vars[0])
+  for tower, pairs in enumerate(towers_grads_and_vars[1:], start=1):
+    if _variable_names(pairs) != first:
+      raise ValueError(
+          f"TowerOptimizer.apply_gradients of tower {tower} updates variables "
+          f"{_variable_names(pairs)} but tower 0's updates {first}; every "
+          "tower must make the same optimizer calls on the same variables in "
+          "the same order.")
+
+
+def _whole_batch_pairs(replication, towers_grads_and_vars):
+  """Per variable: tower 0's gradient if it is the whole batch's, else the sum.
+
+  A gradient that `compute_gradients` returned, or that the model_fn
+  computed from one (clipped, scaled), is already the whole batch's, and
+  the same in every tower. One the model_fn computed itself (e.g. with
+  `tf.gradients` of its loss) is its tower's share, so the towers' are
+  summed, as with Reduction.SUM.
+  """
+  derived = _derived_from(replication.whole_batch_gradients,
+                          [g for g, _ in towers_grads_and_vars[0]])
+  pairs = []
+  for index, (grad, variable) in enumerate(towers_grads_and_vars[0]):
+    if grad is None or _is_derived(grad, derived):
+      pairs.append((grad, variable))
+      continue
+    grads = [tower[index][0] for tower in towers_grads_and_vars]
+    pairs.extend(_aggregate.sum_gradients([[(g, variable)] for g in grads]))
+  return pairs
+
+
+def _is_derived(grad, derived) -> bool:
+  values = grad.values if isinstance(grad, tf.IndexedSlices) else grad
+  return values.op in derived
+
+
+def _derived_from(sources, targets) -> set:
+  """The ops between `sources` (tensor refs) and `targets`, sources included."""
+  target_ops = {(g.values if isinstance(g, tf.IndexedSlices) else g).op
+                for g in targets if g is not None}
+  derived = set()
+  pending = [ref.deref().op for ref in sources]
+  while pending:
+    op = pending.pop()
+    if op in derived:
+      continue
+    derived.add(op)
+    if op in target_ops:
+      continue
+    pending.extend(c for out in op.outputs for c in out.consumers())
+  return derived

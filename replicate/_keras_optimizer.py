@@ -26,6 +26,23 @@ def _innermost(optimizer: _KerasOptimizer) -> _KerasOptimizer:
   return optimizer
 
 
+def _colocated_gradients(optimizer, loss, variables, grad_loss=None):
+  """d loss / d variables, each gradient op on its forward op's device.
+
+  A loss-scale optimizer's scaling is kept: the loss is scaled before and
+  the gradients unscaled after, as its own `get_gradients` does.
+  """
+  variables = list(variables)
+  scales = hasattr(optimizer, "get_scaled_loss")
+  if scales:
+    loss = optimizer.get_scaled_loss(loss)
+  grads = tf.compat.v1.gradients(loss, variables, grad_ys=grad_loss,
+                                 colocate_gradients_with_ops=True)
+  if scales:
+    grads = optimizer.get_unscaled_gradients(grads)
+  return [g for g, _ in _gather.one_device_slices(zip(grads, variables))]
+
+
 class KerasTowerOptimizer(_KerasOptimizer):
   """TowerOptimizer for a Keras legacy optimizer (see TowerOptimizer).
 
@@ -65,19 +82,49 @@ class KerasTowerOptimizer(_KerasOptimizer):
       self._wrapped_keras.iterations = variable
 
   def get_gradients(self, loss, params):
-    """Gradients of the tower's loss, weighted by its share of the batch."""
-    return self._wrapped_keras.get_gradients(_gather.scaled_loss(loss), params)
+    """One device's gradients of the whole batch's loss, in every tower."""
+    optimizer = self._wrapped_keras
+    params = tf.nest.flatten(params)
+
+    def compute(whole_loss, replicated):
+      if not replicated:
+        return optimizer.get_gradients(whole_loss, params)
+      grads = _colocated_gradients(optimizer, whole_loss, params)
+      for grad, param in zip(grads, params):
+        if grad is None:
+          raise ValueError(
+              f"Variable {param} has `None` for gradient. Please make sure "
+              "that all of your ops have a gradient defined (i.e. are "
+              "differentiable).")
+      return grads
+
+    return _gather.whole_batch_gradients(loss, compute, params)
 
   def get_updates(self, loss, params):
-    """The update op: this tower's gradients, summed and applied once."""
+    """The update op: the whole batch's gradients, applied once."""
     grads = self.get_gradients(loss, params)
-    return [self.apply_gradients(zip(grads, params))]
+    return [self.apply_gradients(zip(grads, tf.nest.flatten(params)))]
 
   def minimize(self, loss, var_list, grad_loss=None, name=None, tape=None):
-    """Keras' minimize on the scaled loss, then the gathered apply."""
-    grads_and_vars = self._wrapped_keras._compute_gradients(  # pylint: disable=protected-access
-        _gather.scaled_loss(loss), var_list=var_list, grad_loss=grad_loss, tape=tape)
-    return self.apply_gradients(grads_and_vars, name=name)
+    """Keras' minimize: the whole batch's gradients, applied once.
+
+    Both of Keras' forms work: a tensor `loss` (its `tape` is not needed:
+    the graph has the whole batch's loss) and callables for `loss` and
+    `var_list`.
+    """
+    if _gather.replicated() is None:
+      grads_and_vars = self._wrapped_keras._compute_gradients(  # pylint: disable=protected-access
+          loss, var_list=var_list, grad_loss=grad_loss, tape=tape)
+      return self.apply_gradients(grads_and_vars, name=name)
+    if callable(loss):
+      loss = loss()
+    if callable(var_list):
+      var_list = var_list()
+    var_list = tf.nest.flatten(var_list)
+    grads = _gather.whole_batch_gradients(
+        loss, lambda whole_loss, _: _colocated_gradients(
+            self._wrapped_keras, whole_loss, var_list, grad_loss), var_list)
+    return self.apply_gradients(zip(grads, var_list), name=name)
 
   def apply_gradients(self, grads_and_vars, name=None, **kwargs):
     """Records the tower's gradients; the last tower applies their sum."""

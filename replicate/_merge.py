@@ -1,8 +1,9 @@
 """Merging the towers' EstimatorSpecs into one.
 
 Every field but those below is tower 0's (hooks, scaffold: the unwrapped
-model's names, none duplicated); the loss is the sum of the towers' scaled
-losses, the train_op groups every tower's, predictions and export outputs
+model's names, none duplicated; hooks fetch the whole batch's loss and
+predictions); the loss is the whole batch's (`_loss`), the train_op groups
+every tower's, predictions and export outputs
 are concatenated along the batch (a scalar, which has no batch dimension,
 is tower 0's where it does not depend on the batch, and refused where it
 does), and each eval metric's variables are summed into tower 0's.
@@ -12,8 +13,9 @@ from typing import Any, Dict, List, Sequence
 
 import tensorflow as tf
 
-from replicate import _aggregate
 from replicate import _context
+from replicate import _hooks
+from replicate import _loss
 
 _ModeKeys = tf.estimator.ModeKeys
 _export = tf.estimator.export
@@ -160,37 +162,15 @@ def merge_eval_metric_ops(specs, replication: _context.Replication):
           for key in keys[0]}
 
 
-def _watch_merged_loss(hooks, tower_loss, loss):
-  """Tower 0's hooks that watch its loss watch the whole batch's instead.
-
-  A `LoggingTensorHook` or `NanTensorHook` built on the loss in the
-  model_fn then logs, or guards, what it would on one device.
-  """
-  tower_name = getattr(tower_loss, "name", None)
-  is_tower_loss = lambda t: getattr(t, "name", t) == tower_name
-  for hook in hooks or ():
-    # Both hooks keep what they watch in private attributes, read in begin().
-    if isinstance(hook, tf.compat.v1.train.LoggingTensorHook):
-      hook._tensors = {  # pylint: disable=protected-access
-          tag: loss if is_tower_loss(t) else t
-          for tag, t in hook._tensors.items()}  # pylint: disable=protected-access
-    elif isinstance(hook, tf.compat.v1.train.NanTensorHook) and is_tower_loss(
-        hook._loss_tensor):  # pylint: disable=protected-access
-      hook._loss_tensor = loss  # pylint: disable=protected-access
-
-
 def merge_specs(mode, specs: List[Any], replication: _context.Replication):
   """Builds the one EstimatorSpec the Estimator sees, on the hub device."""
   with tf.device(replication.hub), tf.name_scope("merge_towers"):
     fields = {"predictions": concat_predictions([s.predictions for s in specs],
                                                 replication.inputs)}
     if mode != _ModeKeys.PREDICT:
-      fields["loss"] = _aggregate.sum_losses([
-          _aggregate.scale_loss(s.loss, replication.loss_reduction,
-                                replication.fraction(i), replication.size(i))
-          for i, s in enumerate(specs)])
+      fields["loss"] = _loss.combine(replication, [s.loss for s in specs])
     if mode == _ModeKeys.TRAIN:
-      # The last tower's train_op applies the summed gradients; every
+      # Tower 0's train_op applies the whole batch's gradients; every
       # tower's runs, with whatever the model_fn tied to it.
       fields["train_op"] = tf.group(*[s.train_op for s in specs],
                                     name="train_op")
@@ -199,8 +179,8 @@ def merge_specs(mode, specs: List[Any], replication: _context.Replication):
     if mode == _ModeKeys.PREDICT:
       fields["export_outputs"] = concat_export_outputs(
           [s.export_outputs for s in specs], replication.inputs)
-  if mode != _ModeKeys.PREDICT:
-    for hooks in (specs[0].training_hooks, specs[0].training_chief_hooks,
-                  specs[0].evaluation_hooks):
-      _watch_merged_loss(hooks, specs[0].loss, fields["loss"])
+  swaps = _hooks.whole_batch_swaps(specs[0], fields)
+  for name in ("training_hooks", "training_chief_hooks", "evaluation_hooks",
+               "prediction_hooks"):
+    fields[name] = _hooks.wrap_hooks(getattr(specs[0], name), swaps)
   return specs[0]._replace(**fields)

@@ -18,6 +18,7 @@ from replicate import _transform
 from replicate._keras_optimizer import KerasTowerOptimizer
 
 _Optimizer = tf.compat.v1.train.Optimizer
+_GATE_OP = tf.compat.v1.train.Optimizer.GATE_OP
 _KerasOptimizer = tf.keras.optimizers.legacy.Optimizer
 
 
@@ -170,9 +171,29 @@ class TowerOptimizer(_Optimizer):
           "wrapper.")
     return optimizer
 
-  def compute_gradients(self, loss, *args, **kwargs):
-    """Gradients of the tower's loss, weighted by its share of the batch."""
-    return self.optimizer.compute_gradients(_gather.scaled_loss(loss), *args, **kwargs)
+  def compute_gradients(self, loss, var_list=None, gate_gradients=_GATE_OP,
+                        aggregation_method=None,
+                        colocate_gradients_with_ops=False, grad_loss=None):
+    """One device's gradients of the whole batch's loss, in every tower.
+
+    In a replicated tower the towers' losses are combined into the whole
+    batch's and differentiated once, each gradient op on its forward op's
+    device; outside, the wrapped optimizer's `compute_gradients`.
+    """
+    optimizer = self.optimizer
+
+    def compute(whole_loss, replicated):
+      grads_and_vars = optimizer.compute_gradients(
+          whole_loss, var_list=var_list, gate_gradients=gate_gradients,
+          aggregation_method=aggregation_method,
+          colocate_gradients_with_ops=(replicated or
+                                       colocate_gradients_with_ops),
+          grad_loss=grad_loss)
+      if replicated:
+        return _gather.one_device_slices(grads_and_vars)
+      return grads_and_vars
+
+    return _gather.whole_batch_gradients(loss, compute, var_list)
 
   def apply_gradients(self, grads_and_vars, global_step=None, name=None):
     """Records the tower's gradients; the last tower applies their sum."""

@@ -6,6 +6,7 @@ Towers after the first get tower 0's variables back from a variable creator
 """
 
 import collections
+import copy
 import re
 
 import tensorflow as tf
@@ -30,12 +31,25 @@ class NameCounters:
     except ImportError:  # Keras moved or is absent: no counters to restore.
       backend = None
     self._keras = backend
-    if backend is not None:
-      self._uids = dict(backend.get_default_graph_uid_map())
-      self._observed = set(backend.OBSERVED_NAMES)
+    self.save()
+
+  def save(self):
+    """Takes the counters as they are now (on this thread)."""
+    if self._keras is not None:
+      self._uids = dict(self._keras.get_default_graph_uid_map())
+      self._observed = set(self._keras.OBSERVED_NAMES)
     self._scope_counts = dict(_variable_scope_counts())
 
+  def copy(self) -> "NameCounters":
+    other = copy.copy(self)
+    if self._keras is not None:
+      other._uids = dict(self._uids)
+      other._observed = set(self._observed)
+    other._scope_counts = dict(self._scope_counts)
+    return other
+
   def restore(self):
+    """Puts the saved counters back (on this thread)."""
     if self._keras is not None:
       uids = self._keras.get_default_graph_uid_map()
       uids.clear()
@@ -98,7 +112,9 @@ def variable_creator(replication: Replication, index: int, name_root: str):
     key = (relative, counts[relative])
     if index > 0:
       original = replication.created[0].get(key)
-      if global_refs is None:
+      if original is not None and (global_refs is None or
+                                   original.ref() not in global_refs):
+        # Tower 0 may have made more variables since (towers take turns).
         global_refs = {v.ref() for v in tf.compat.v1.global_variables()}
       if original is not None and original.ref() in global_refs:
         return original

@@ -47,8 +47,6 @@ _UNTIL_STEPS = object()
 # A summed loss on uneven shards (sizes n_i of n) is weighted to
 # Σ n_i² / n² of one device's, not exactly 1/N: 0.26 for 3, 3, 2, 2.
 _LOSS_RATIO_SLACK = 0.25
-# What tf.compat.v1.layers and Keras name batch normalization's statistics.
-_BATCH_NORM_STATISTICS = ("moving_mean", "moving_variance")
 # What TensorFlow says when a Keras optimizer instance meets a second graph.
 _OPTIMIZER_REUSED = ("Cannot set `iterations`", "must be from the same graph")
 
@@ -408,8 +406,7 @@ def _compare(expected, actual, tolerance, num_towers) -> Dict[str, _Phase]:
                                 tolerance, where, "variables")
     differences = losses.differences + variables.differences
     if differences and not differences[0].hint and num_towers > 1:
-      differences[0] = differences[0]._replace(
-          hint=_batch_norm_hint(expected["variables"]))
+      differences[0] = differences[0]._replace(hint=_whole_batch_hint())
     phases["train"] = _Phase(differences,
                              max(losses.closest, variables.closest))
   if "metrics" in actual:
@@ -442,16 +439,15 @@ def _loss_hint(expected: float, actual: float, num_towers: int) -> str:
   return ""
 
 
-def _batch_norm_hint(variables: Dict[str, Any]) -> str:
-  """Why a model with batch normalization trains apart on towers."""
-  if not any(name.endswith(_BATCH_NORM_STATISTICS) for name in variables):
-    return ""
-  return (" The model has batch normalization: in training each tower "
-          "normalises its shard by the shard's own mean and variance, so "
-          "losses and weights are close to one device's, not equal "
-          "(docs/behaviour.md, 'Model state across towers'); check eval and predict with "
-          "modes=('eval', 'predict'), which use the moving statistics, and "
-          "training with tolerances fit for the shards' statistics.")
+def _whole_batch_hint() -> str:
+  """The likely cause when towers train apart and the loss is not off by N."""
+  return (" If the model_fn computes a value of the whole batch from its "
+          "shard (a hand-written masked mean "
+          "reduce_sum(loss * mask) / reduce_sum(mask), batch statistics, "
+          "in-batch negatives), each tower computes its own shard's: use "
+          "replicate.batch_sum or replicate.batch_concat for it (with "
+          "loss_reduction=tf.compat.v1.losses.Reduction.SUM when the loss "
+          "already divides by a whole-batch count).")
 
 
 _LABELS = {

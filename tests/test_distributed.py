@@ -87,10 +87,10 @@ def test_towers_on_a_worker_with_variables_on_a_parameter_server():
   matmuls = _devices_of(graph, "MatMul")
   assert matmuls["hidden/MatMul"] == "/job:worker/task:0/device:CPU:0"
   assert matmuls["tower_2/hidden/MatMul"] == "/job:worker/task:0/device:CPU:2"
-  # Summed on the worker: one gradient per variable crosses to the ps.
-  sums = _devices_of(graph, "AddN")
-  assert {d for n, d in sums.items() if n.startswith("gradient_sum/")} == {
-      "/job:worker/task:0/device:CPU:0"}
+  # Each tower's backward pass runs on its own device of the worker.
+  backward = _devices_of(graph, "MatMul")
+  assert backward["gradients/tower_2/hidden/MatMul_grad/MatMul_1"] == (
+      "/job:worker/task:0/device:CPU:2")
   applies = _devices_of(graph, "ResourceApplyMomentum")
   assert set(applies.values()) == {"/job:ps/task:0/device:CPU:0"}
 

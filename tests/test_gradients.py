@@ -246,22 +246,14 @@ def _clip_in_model_fn():
   return Clipping()
 
 
-def test_clipping_in_the_model_fn_warns(caplog):
+@pytest.mark.parametrize("num_towers", [2, 4])
+def test_clipping_in_the_model_fn_equals_one_device(num_towers):
+  """compute_gradients hands every tower the whole batch's gradients."""
   model_fn = _custom_model_fn(_clip_in_model_fn)
-  with caplog.at_level(logging.WARNING, logger="absl"):
-    _train(model_fn, _data(1), _towers(2), params={})
-  warnings = [r.getMessage() for r in caplog.records
-              if "clips each tower's share" in r.getMessage()]
-  assert len(warnings) == 1, warnings
-  assert "clip_by_global_norm" in warnings[0]
-
-
-def test_no_clipping_warning_for_gradient_transform(caplog):
-  with caplog.at_level(logging.WARNING, logger="absl"):
-    _custom_run("adagrad", "global_norm", 2)
-    _keras_clip_run("gradient_transform", False, 2)
-  assert not [r for r in caplog.records
-              if "clips each tower's share" in r.getMessage()]
+  expected_losses, expected = _train(model_fn, _data(1), params={})
+  losses, actual = _train(model_fn, _data(1), _towers(num_towers), params={})
+  np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
+  _assert_same_steps(actual, expected)
 
 
 def _log_norm(grads_and_vars):

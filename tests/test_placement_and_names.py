@@ -42,8 +42,9 @@ class PlacementTest(parameterized.TestCase):
       prefix = f"tower_{index}/" if index else ""
       matmul = graph.get_operation_by_name(prefix + "hidden/MatMul")
       self.assertEqual(matmul.device, GPUS[index])
+      # One backward pass for the whole batch; each tower's part on its device.
       gradient = graph.get_operation_by_name(
-          f"{prefix}gradients/{prefix}hidden/MatMul_grad/MatMul")
+          f"gradients/{prefix}hidden/MatMul_grad/MatMul")
       self.assertEqual(gradient.device, GPUS[index])
 
   def test_summed_gradients_are_applied_on_the_consolidation_device(self):

@@ -473,14 +473,9 @@ class HooksTest(parameterized.TestCase):
       tower_hooks.append(created[0]["nan"])
       self.assertEqual(list(spec.training_chief_hooks), [created[0]["chief"]])
     self.assertEqual(list(hooks), tower_hooks)
+    self.assertIsInstance(hooks[0], tf.compat.v1.train.LoggingTensorHook)
     self.assertIs(spec.scaffold, created[0]["scaffold"])
-    # Hooks watching tower 0's loss watch the whole batch's; other tensors
-    # are tower 0's, with the unwrapped model's names.
-    logged = created[0]["logging"]._tensors
-    self.assertIs(logged["loss"], spec.loss)
-    self.assertEqual(logged["x"].op.name, "split_inputs/split")
-    if mode == harness.TRAIN:
-      self.assertIs(created[0]["nan"]._loss_tensor, spec.loss)
+    # What the hooks fetch (the whole batch's loss) is in test_whole_batch.
 
 
 class SummariesTest(parameterized.TestCase):

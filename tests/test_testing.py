@@ -182,27 +182,45 @@ def _batch_norm_model_fn(features, labels, mode):
   return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
 
 
-def test_batch_norm_training_is_explained_and_inference_replicates():
-  input_fn = _input_fn(with_ids=False)
-  with pytest.raises(testing.ReplicationMismatch) as caught:
-    testing.assert_replicates(_batch_norm_model_fn, input_fn, towers=(2,),
-                              steps=1, modes=("train",))
-  # Each tower normalises its shard by the shard's statistics.
-  report = str(caught.value)
-  assert "train: loss at step 1 is " in report
-  # The moving statistics themselves are one device's (the towers' writes
-  # are combined); the shard-normalised outputs move the weights apart.
-  assert "batch_normalization/gamma" in report
-  assert "moving_mean" not in report and "moving_variance" not in report
-  assert "The model has batch normalization: in training each tower " \
-      "normalises its shard by the shard's own mean and variance" in report
-  assert "modes=('eval', 'predict')" in report
+def test_batch_norm_replicates_in_every_mode():
   summary = testing.assert_replicates(
-      _batch_norm_model_fn, input_fn, towers=(2,), steps=1,
-      predict_input_fn=_input_fn(8, batch=8, epochs=1, with_ids=False),
-      modes=("eval", "predict"))
+      _batch_norm_model_fn, _input_fn(with_ids=False), towers=(2,), steps=2,
+      predict_input_fn=_input_fn(8, batch=8, epochs=1, with_ids=False))
   assert summary.metrics == ["global_step", "loss"]
   assert summary.predictions == 8
+
+
+def _masked_mean_model_fn(features, labels, mode, params):
+  """A hand-written masked mean; params['batch_sum'] divides by the batch's."""
+  logits = tf.compat.v1.layers.dense(features["x"], 2)
+  if mode == tf.estimator.ModeKeys.PREDICT:
+    return tf.estimator.EstimatorSpec(mode, predictions={"logits": logits})
+  mask = tf.cast(features["x"][:, 0] > 0.3, tf.float32)
+  xent = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels,
+                                                         logits=logits)
+  count = tf.reduce_sum(mask)
+  if params["batch_sum"]:
+    count = replicate.batch_sum(count)
+  loss = tf.reduce_sum(xent * mask) / tf.maximum(count, 1.0)
+  optimizer = replicate.TowerOptimizer(
+      tf.compat.v1.train.GradientDescentOptimizer(0.5))
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=optimizer.minimize(
+      loss, tf.compat.v1.train.get_global_step()))
+
+
+def test_a_whole_batch_value_computed_per_tower_is_explained():
+  input_fn = _input_fn(with_ids=False)
+  with pytest.raises(testing.ReplicationMismatch) as caught:
+    testing.assert_replicates(_masked_mean_model_fn, input_fn, towers=(2,),
+                              steps=2, modes=("train",),
+                              params={"batch_sum": False})
+  report = str(caught.value)
+  assert "train: loss at step 1 is " in report
+  assert "each tower computes its own shard's: use replicate.batch_sum" in report
+  testing.assert_replicates(
+      _masked_mean_model_fn, input_fn, towers=(2, 4), steps=2,
+      modes=("train",), params={"batch_sum": True},
+      loss_reduction=tf.compat.v1.losses.Reduction.SUM)
 
 
 def test_tolerances_are_the_callers():

@@ -1,0 +1,137 @@
+"""Whole-batch values inside a tower: `batch_sum` and `batch_concat`.
+
+A tower holds only its shard of the batch; a model that needs a value of
+the whole batch (a masked mean's count of valid tokens, in-batch negatives,
+batch statistics) asks for it here. Each call is a meeting point of the
+towers (see `_lockstep`): the towers' values are added or concatenated once
+on the consolidation device and every tower gets the result, so gradients
+flow back to every tower that contributed.
+"""
+
+from typing import Any, List
+
+import tensorflow as tf
+
+from replicate import _context
+from replicate import _lockstep
+
+
+def _tower_replication(what: str):
+  """The replication of this tower thread, None outside one or with 1 tower.
+
+  Raises:
+    ValueError: called inside a tf.cond / tf.while_loop / tf.function body
+      of a tower, where other towers' values cannot be reached.
+  """
+  replication = _context.current_replication()
+  if replication is None:
+    if _context.replication_on_thread() is not None:
+      raise ValueError(
+          f"replicate.{what} was called inside a tf.cond, tf.while_loop or "
+          "tf.function of a tower, where the other towers' values cannot be "
+          f"reached; call it outside (e.g. give Keras layers a Python bool "
+          "`training=`).")
+    return None
+  if replication.num_towers == 1 or replication.tower is None:
+    return None
+  return replication
+
+
+def _flat(structure) -> List[Any]:
+  return tf.nest.flatten(structure, expand_composites=False)
+
+
+def batch_sum(x):
+  """The sum over every tower of the tower-local `x`, in every tower.
+
+  A per-tower partial sum (e.g. `tf.reduce_sum(mask)`) becomes the whole
+  batch's, so a model can divide by the whole batch's count of valid
+  tokens, or normalise by the whole batch's statistics, exactly as on one
+  device:
+
+      loss = tf.reduce_sum(xent * mask) / replicate.batch_sum(
+          tf.reduce_sum(mask))
+
+  Differentiable: each tower's `x` gets the gradient of the sum. Outside
+  `replicate_model_fn`, and with one tower, it returns `x` unchanged.
+  Use it with `loss_reduction=tf.compat.v1.losses.Reduction.SUM` when the
+  loss already divides by a whole-batch count.
+
+  Args:
+    x: a Tensor, or a nest of Tensors, of the same shape in every tower.
+
+  Returns:
+    The sum over the towers, with the structure of `x`.
+
+  Raises:
+    ValueError: called inside a tf.cond / tf.while_loop body of a tower.
+  """
+  replication = _tower_replication("batch_sum")
+  if replication is None:
+    return x
+
+  def combine(values):
+    with tf.device(replication.hub), tf.name_scope("batch_sum"):
+      summed = [tf.add_n(list(parts)) for parts in zip(*values)]
+    return [tf.nest.pack_sequence_as(x, summed)] * len(values)
+
+  return _lockstep.meet(
+      "replicate.batch_sum",
+      [tf.convert_to_tensor(t) for t in _flat(x)], combine)
+
+
+def _concat(parts):
+  if isinstance(parts[0], tf.SparseTensor):
+    return tf.sparse.concat(axis=0, sp_inputs=list(parts))
+  return tf.concat(list(parts), axis=0)
+
+
+def _as_concatenable(path_value):
+  if isinstance(path_value, (tf.SparseTensor, tf.RaggedTensor)):
+    return path_value
+  value = tf.convert_to_tensor(path_value)
+  if value.shape.rank == 0:
+    raise ValueError(
+        f"replicate.batch_concat got a scalar ({value.name}), which has no "
+        "batch dimension to concatenate; pass per-example values, or use "
+        "replicate.batch_sum for partial sums.")
+  return value
+
+
+def batch_concat(x):
+  """Every tower's `x`, concatenated along axis 0 in batch order.
+
+  What one device sees of a per-example value: e.g. the whole batch's
+  embeddings for a contrastive loss with in-batch negatives,
+
+      all_embeddings = replicate.batch_concat(embeddings)
+      logits = tf.matmul(embeddings, all_embeddings, transpose_b=True)
+
+  (this tower's rows are then rows `offset .. offset + n` of the result;
+  `replicate.batch_concat(tf.range(n))` style bookkeeping, or labels
+  concatenated the same way, say which). Differentiable: each tower gets
+  the gradient of its own rows. Outside `replicate_model_fn`, and with one
+  tower, it returns `x` unchanged.
+
+  Args:
+    x: a Tensor, SparseTensor or RaggedTensor with a batch dimension, or a
+      nest of them.
+
+  Returns:
+    The concatenation over the towers, with the structure of `x`.
+
+  Raises:
+    ValueError: `x` has a scalar, or the call is inside a tf.cond /
+      tf.while_loop body of a tower.
+  """
+  replication = _tower_replication("batch_concat")
+  if replication is None:
+    return x
+
+  def combine(values):
+    with tf.device(replication.hub), tf.name_scope("batch_concat"):
+      joined = [_concat(parts) for parts in zip(*values)]
+    return [tf.nest.pack_sequence_as(x, joined)] * len(values)
+
+  return _lockstep.meet("replicate.batch_concat",
+                        [_as_concatenable(t) for t in _flat(x)], combine)
