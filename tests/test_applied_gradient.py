@@ -168,3 +168,29 @@ class UnfusedBatchNormTest(parameterized.TestCase):
     for name, value in moving.items():
       np.testing.assert_allclose(after[name], value, rtol=1e-5, atol=1e-6,
                                  err_msg=name)
+
+  def test_statistic_changed_before_the_models_reader_is_left_with_a_warning(
+      self):
+    def model_fn(features, labels, mode, params):
+      del params
+      x = features["x"]
+      doubled = 2.0 * tf.nn.moments(x, [0])[1]  # read by the model too
+      moving = tf.compat.v1.get_variable(
+          "moving_doubled", [5], trainable=False, aggregation=test_state.MEAN,
+          initializer=tf.compat.v1.ones_initializer())
+      update = moving.assign(0.5 * moving + 0.5 * doubled)
+      loss = test_state._loss(labels, test_state._linear(x / doubled))  # pylint: disable=protected-access
+      with tf.control_dependencies([update]):
+        train_op = test_state._minimize(loss)  # pylint: disable=protected-access
+      return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+    with self.assertLogs("absl", "WARNING") as logs:
+      _, applied, true, _, after = _one_step(model_fn, {}, 2, 8, True)
+    self.assertIn("moving_doubled is not given the variance between the "
+                  "towers' shards", "\n".join(logs.output))
+    for name, gradient in true.items():
+      np.testing.assert_allclose(applied[name], gradient, rtol=1e-5,
+                                 atol=1e-6, err_msg=name)
+    shards = np.split(test_state.X[:8], 2)
+    np.testing.assert_allclose(
+        after["moving_doubled"],
+        0.5 + 0.5 * np.mean([2.0 * s.var(0) for s in shards], 0), rtol=1e-5)
