@@ -57,7 +57,9 @@ def replicate_model_fn(
     devices: device names, e.g. ['/device:GPU:0', '/device:GPU:1']; None
       means every local GPU, or the host CPU when there is none. Names of
       this process's devices are checked against the local devices (and
-      the CPUs `config.session_config` asks for) when the model_fn runs.
+      the CPUs `config.session_config` asks for) when the model_fn runs;
+      called without `config`, CPUs only the caller's session can make are
+      accepted with a warning.
     variable_placement: a `replicate.VariablePlacement` (or its string):
       SHARED keeps every variable on the consolidation device, ROUND_ROBIN
       spreads them over the towers' devices.
