@@ -57,7 +57,9 @@ def replicate_model_fn(
     devices: device names, e.g. ['/device:GPU:0', '/device:GPU:1']; None
       means every local GPU, or the host CPU when there is none. Names of
       this process's devices are checked against the local devices (and
-      the CPUs `config.session_config` asks for) when the model_fn runs.
+      the CPUs `config.session_config` asks for) when the model_fn runs;
+      called without `config`, CPUs only the caller's session can make are
+      accepted with a warning.
     variable_placement: a `replicate.VariablePlacement` (or its string):
       SHARED keeps every variable on the consolidation device, ROUND_ROBIN
       spreads them over the towers' devices.
@@ -88,9 +90,9 @@ def replicate_model_fn(
     tower_devices = given or _devices.resolve_devices(None)
     _cluster.check_devices(tower_devices, config)
     arguments = _Arguments(accepted, labels is not None, mode, params, config)
-    if mode == _ModeKeys.PREDICT and _fed_by_placeholders(features):
-      logging.info("replicate: serving graph (features fed by placeholders): "
-                   "one tower, no device pinned")
+    if _fed_by_placeholders(features):
+      logging.info("replicate: %s graph fed by placeholders (an export): one "
+                   "tower, no device pinned", mode)
       return _run_on_one_device(model_fn, features, labels, arguments, None,
                                 reduction)
     if given:
@@ -182,10 +184,12 @@ def _accepted_arguments(model_fn):
 def _fed_by_placeholders(features, max_ops: int = 10000) -> bool:
   """Whether the features are fed through placeholders.
 
-  That is how `export_saved_model` (and any serving graph) gets its inputs.
-  Such a graph is the unwrapped model_fn's, with no device pinned, so that
-  the SavedModel is the plain model's and serves on any machine, a CPU-only
-  one included.
+  That is how `export_saved_model` (and any serving graph) gets its inputs,
+  and `experimental_export_all_saved_models` its TRAIN and EVAL graphs' too.
+  Such a graph, in every mode, is the unwrapped model_fn's, with no device
+  pinned, so that the SavedModel is the plain model's and loads on any
+  machine, a CPU-only one included. (`placeholder_with_default` is not a
+  feed the export makes: such graphs are replicated.)
   """
   pending = [t.op for t in tf.nest.flatten(features, expand_composites=True)
              if isinstance(t, tf.Tensor)]

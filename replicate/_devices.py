@@ -145,29 +145,38 @@ def _missing_device_message(device: str, kind: str, counts) -> str:
 
 
 def check_local_devices(devices: Sequence[str], config=None) -> None:
-  """Refuses device names that no local device answers to.
+  """Refuses device names that provably no local device answers to.
 
   Only devices of this process are checked: a name with a job, replica or
   task is left to TensorFlow's runtime. GPU names on a machine without any
   GPU are accepted with a warning: soft placement runs them on the CPU,
-  which is how multi-GPU code is tested without GPUs.
+  which is how multi-GPU code is tested without GPUs. A CPU index beyond
+  the local CPUs is refused only where the session's CPUs are known (an
+  explicit logical split, or `config`, whose session makes as many as its
+  `device_count` asks); without `config` the caller makes its own session,
+  e.g. `Session(config=ConfigProto(device_count={'CPU': 4}))` as tf.contrib's
+  tests did, so such names are accepted with a warning.
 
   Args:
     devices: canonical device names, as `resolve_devices` returns them.
     config: the `tf.estimator.RunConfig` the model_fn was given, or None.
 
   Raises:
-    ValueError: a device's type or index does not exist locally.
+    ValueError: a device's type or index provably does not exist locally.
   """
   counts = _local_device_counts(config)
-  without_gpu = []
+  without_gpu, unknown_cpus = [], []
   for device in devices:
     spec = tf.DeviceSpec.from_string(device)
     if spec.job is not None or spec.replica is not None or spec.task is not None:
       continue
     if spec.device_type == "GPU" and "GPU" not in counts:
       without_gpu.append(device)
-    elif spec.device_index >= counts.get(spec.device_type, 0):
+    elif spec.device_index < counts.get(spec.device_type, 0):
+      continue
+    elif spec.device_type == "CPU" and _session_cpus_unknown(config, counts):
+      unknown_cpus.append(device)
+    else:
       raise ValueError(
           _missing_device_message(device, spec.device_type, counts))
   if without_gpu:
@@ -175,6 +184,22 @@ def check_local_devices(devices: Sequence[str], config=None) -> None:
         "replicate: this machine has no GPU; devices %s run where soft "
         "placement puts them (allow_soft_placement=True), or fail without it",
         without_gpu)
+  if unknown_cpus:
+    logging.warning(
+        "replicate: the model_fn got no config, so this process has %d CPU "
+        "device(s) as far as is known; devices %s must be made by the session "
+        "that runs the graph (ConfigProto(device_count={'CPU': N})), or it "
+        "fails to place them", counts.get("CPU", 0), unknown_cpus)
+
+
+def _session_cpus_unknown(config, counts: Dict[str, int]) -> bool:
+  """Whether the session that runs the graph may have more CPUs than known.
+
+  With a RunConfig the Estimator's session has what its `device_count` asks
+  (or one); an explicit logical split of the CPU (more than one logical CPU)
+  is taken as the number meant. Otherwise the caller's own session decides.
+  """
+  return config is None and counts.get("CPU", 0) <= 1
 
 
 def consolidation_device(devices: Sequence[str]) -> str:

@@ -24,6 +24,7 @@ error.
 
 import collections
 import enum
+import re
 from typing import Dict, List, NamedTuple, Optional, Sequence
 
 import tensorflow as tf
@@ -63,6 +64,9 @@ _FORWARDING = frozenset(["Identity", "RefIdentity"])
 _RESTORES = frozenset(["RestoreV2", "Restore", "RestoreSlice"])
 _TRAINING_OP_PREFIXES = ("Apply", "ResourceApply", "SparseApply",
                          "ResourceSparseApply")
+# The names `tf.shape` / `tf.size` give the constant they fold a static
+# shape into.
+_FOLDED_SHAPE_NAME = re.compile(r"^(Shape|Size)(?:_\d+)?$")
 
 
 class _Write(NamedTuple):
@@ -328,7 +332,8 @@ def _check_same_in_every_tower(replication, group: List[Optional[_Write]]):
   for index, write in enumerate(group):
     if write is None:
       continue
-    reaches_input, fingerprint = _trace(replication, write.op.inputs[1:])
+    reaches_input, fingerprint = _trace(replication, write.op.inputs[1:],
+                                        replication.sizes[index])
     fingerprints.add(fingerprint)
     if reaches_input or len(fingerprints) > 1:
       name = write.variable.op.name
@@ -345,11 +350,13 @@ def _check_same_in_every_tower(replication, group: List[Optional[_Write]]):
           f"one device's; {fix}.")
 
 
-def _trace(replication, tensors):
+def _trace(replication, tensors, shard_size=None):
   """Whether `tensors` are computed from the towers' inputs, and their shape.
 
   The fingerprint (op types and constant values met on the way) tells
   apart towers that compute differently, e.g. from a static shard size.
+  `shard_size` (the tower's examples, an int where the batch is static)
+  tells a shard's folded shape from a true constant.
   """
   inside = replication.tower_op_names
   pending = [t.op for t in tensors]
@@ -359,7 +366,8 @@ def _trace(replication, tensors):
     if op.name in seen:
       continue
     seen.add(op.name)
-    if op.name in replication.split_op_names:
+    if op.name in replication.split_op_names or _is_folded_shard_shape(
+        op, shard_size):
       reaches_input = True
       continue
     if op.name not in inside:
@@ -369,6 +377,25 @@ def _trace(replication, tensors):
     fingerprint.append(op.type)
     pending.extend(t.op for t in op.inputs)
   return reaches_input, tuple(fingerprint)
+
+
+def _is_folded_shard_shape(op: tf.Operation, shard_size) -> bool:
+  """Whether `op` is `tf.shape`/`tf.size` of a shard, folded to a constant.
+
+  With a static shape `tf.shape(x)` and `tf.size(x)` build a Const (named
+  `Shape`/`Size` by default) with no edge to `x`: a shard's size would pass
+  for a constant that is the same in every tower. Taken as one: a `Shape`
+  whose first dimension is the shard's size, a `Size` that it divides.
+  """
+  if op.type != "Const" or not isinstance(shard_size, int) or shard_size < 1:
+    return False
+  kind = _FOLDED_SHAPE_NAME.match(op.name.rsplit("/", 1)[-1])
+  if kind is None:
+    return False
+  value = tf.make_ndarray(op.get_attr("value"))
+  if kind.group(1) == "Shape":
+    return value.ndim == 1 and value.size > 0 and int(value[0]) == shard_size
+  return value.ndim == 0 and int(value) > 0 and int(value) % shard_size == 0
 
 
 def _follow(write: _Write, first: _Write, sinks: "_Sinks"):

@@ -22,17 +22,19 @@ from typing import List, NamedTuple, Optional, Sequence
 import tensorflow as tf
 from absl import logging
 
-# Ops a statistic may pass through on its way to the write, unchanged in
-# value or combined elementwise with the variable's value and a decay.
-_PATH_OPS = frozenset([
-    "Identity", "Squeeze", "Reshape", "ExpandDims", "Cast", "Sub", "Mul",
-    "AddV2", "Add", "RealDiv"])
+# Ops that pass a statistic on unchanged in value (shape and dtype aside).
+_VALUE_PRESERVING = frozenset([
+    "Identity", "Squeeze", "Reshape", "ExpandDims", "Cast"])
+# Ops a statistic may pass through on its way to the write: those, or an
+# elementwise combination with the variable's value and a decay.
+_PATH_OPS = _VALUE_PRESERVING | frozenset(["Sub", "Mul", "AddV2", "Add",
+                                           "RealDiv"])
 _FUSED = ("FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3")
 _MAX_DEPTH = 8
 
 
 class _Statistic(NamedTuple):
-  consumer: tf.Operation     # the op on the write's path that reads it
+  consumer: tf.Operation     # the op on the write's path to rewire
   position: int              # which input of the consumer
   variance: tf.Tensor        # the shard's variance
   mean: tf.Tensor            # the shard's mean, same shape as variance
@@ -90,20 +92,61 @@ def _replace_input(statistic: _Statistic, corrected: tf.Tensor):
 
 
 def _find_statistic(write: tf.Operation) -> Optional[_Statistic]:
-  """The one batch-variance statistic on the path to the written value."""
-  found: List[_Statistic] = []
-  pending = [(write, 1, 0)]
+  """The one batch-variance statistic on the path to the written value.
+
+  Its `consumer` and `position` are where the write's path may be rewired
+  without changing any tensor read elsewhere (see `_rewire_point`).
+  """
+  found = []
+  pending = [(write, 1, 0, ())]
   while pending:
-    op, position, depth = pending.pop()
+    op, position, depth, path = pending.pop()
+    path += ((op, position),)
     tensor = op.inputs[position]
     statistic = _statistic(op, position, tensor)
     if statistic is not None:
-      found.append(statistic)
+      found.append((statistic, path))
       continue
     source = tensor.op
     if source.type in _PATH_OPS and depth < _MAX_DEPTH:
-      pending.extend((source, i, depth + 1) for i in range(len(source.inputs)))
-  return found[0] if len(found) == 1 else None
+      pending.extend((source, i, depth + 1, path)
+                     for i in range(len(source.inputs)))
+  if len(found) != 1:
+    return None
+  statistic, path = found[0]
+  point = _rewire_point(path)
+  if point is None:
+    logging.warning(
+        "replicate: %s is not given the variance between the towers' shards: "
+        "its statistic is read by the model on the way to the write, and "
+        "not only through value-preserving ops; the moving variance is the "
+        "shards' mean variance", write.inputs[0].op.name)
+    return None
+  return statistic._replace(consumer=point[0], position=point[1])
+
+
+def _rewire_point(path):
+  """Where a corrected statistic may enter the write's path, or None.
+
+  `path` is the edges (op, input position) from the write back to the op
+  reading the statistic. The statistic's tensor, or one on its way, may be
+  read elsewhere too (unfused batch norm normalises with the very tensor
+  the moving-variance update reads); those readers, the normalisation and
+  its gradients, must keep the value they were built with. So the edge is
+  the one nearest the write whose tensor has readers off the path: the
+  tensors after it feed the write only. The ops between the statistic and
+  that edge must pass the value on unchanged, so that the corrected value
+  reshaped and cast stands for their output.
+  """
+  on_path = {op for op, _ in path}
+  point = len(path) - 1
+  for index, (op, position) in enumerate(path):
+    if any(c not in on_path for c in op.inputs[position].consumers()):
+      point = index
+      break
+  if all(op.type in _VALUE_PRESERVING for op, _ in path[point + 1:]):
+    return path[point]
+  return None
 
 
 def _statistic(consumer, position, tensor) -> Optional[_Statistic]:

@@ -21,6 +21,7 @@ MOMENTUM = 0.9
 SUM = tf.VariableAggregation.SUM
 MEAN = tf.VariableAggregation.MEAN
 ONLY_FIRST = tf.VariableAggregation.ONLY_FIRST_REPLICA
+NONE = tf.VariableAggregation.NONE
 UPDATE_OPS = tf.compat.v1.GraphKeys.UPDATE_OPS
 
 _RNG = np.random.RandomState(3)
@@ -281,6 +282,30 @@ def _counting_model_fn(features, labels, mode, params):
   return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
 
 
+def _shard_size_counter_model_fn(features, labels, mode, params):
+  """Counts rows with tf.shape()[0] or tf.size() (5 values a row).
+
+  `steps_seen` counts steps with a true constant, left NONE: accepted.
+  """
+  x = features["x"]
+  aggregation = params["aggregation"] or NONE
+  seen, steps = (tf.compat.v1.get_variable(
+      name, [], tf.float32, trainable=False, aggregation=aggregation,
+      initializer=tf.compat.v1.zeros_initializer())
+                 for name, aggregation in (("examples_seen", aggregation),
+                                           ("steps_seen", NONE)))
+  if params["size"] == "shape":
+    rows = tf.cast(tf.shape(x)[0], tf.float32)
+  else:
+    rows = tf.cast(tf.size(x), tf.float32) / 5.0
+  updates = [tf.compat.v1.assign_add(seen, rows),
+             tf.compat.v1.assign_add(steps, 1.0)]
+  loss = _loss(labels, _linear(x))
+  with tf.control_dependencies(updates):
+    train_op = _minimize(loss)
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
 class AggregationTest(parameterized.TestCase):
 
   @parameterized.product(_SHAPES, resource=(True, False))
@@ -335,10 +360,32 @@ class AggregationTest(parameterized.TestCase):
     with self.assertRaisesRegex(
         ValueError, r"'examples_seen' .* computed from its own shard .* "
         r"aggregation=tf.VariableAggregation.MEAN .* or SUM for counts"):
-      # Dynamic: with a static batch tf.shape() is folded into a constant
-      # that equal shards share (see README).
       harness.train(model_fn, DATA, 8, 1, tower_devices=_towers(2),
                     static=False)
+
+  @parameterized.product(num_towers=(2, 4), static=(True, False),
+                         size=("shape", "size"))
+  def test_none_counter_fed_the_shard_size_is_refused(
+      self, num_towers, static, size):
+    # With a static batch tf.shape()/tf.size() fold into a constant that
+    # equal shards share; it is still the shard's size (one device: 32).
+    with self.assertRaisesRegex(
+        ValueError, r"Tower 0 writes 'examples_seen' .* computed from its "
+        r"own shard .* declares no aggregation .* or SUM for counts"):
+      harness.train(_shard_size_counter_model_fn, DATA, 8, 1,
+                    tower_devices=_towers(num_towers), static=static,
+                    params={"size": size, "aggregation": None})
+
+  @parameterized.parameters(*_SHAPES)
+  def test_counter_fed_the_shard_size_declared_sum_is_one_devices(
+      self, num_towers, batch, static):
+    steps = 2
+    for size in ("shape", "size"):
+      values, _ = _assert_equal_to_one_device(
+          _shard_size_counter_model_fn, num_towers, batch, steps, static,
+          {"size": size, "aggregation": SUM})
+      self.assertEqual(values["examples_seen"], steps * batch)
+      self.assertEqual(values["steps_seen"], steps)
 
   def test_static_shard_size_written_as_a_constant_is_refused(self):
     def model_fn(features, labels, mode):
