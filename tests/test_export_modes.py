@@ -107,6 +107,10 @@ def test_signature_outputs_equal_the_plain_exports(loaded, mode):
   replicated, plain = loaded[f"replicated/{mode}"], loaded[f"plain/{mode}"]
   assert sorted(replicated["outputs"]) == sorted(plain["outputs"])
   for key, expected in plain["outputs"].items():
+    if key.endswith("/value"):
+      # A metric's value read in the run that updates it is unordered with
+      # the update, in the plain export too: 0 or the updated value.
+      continue
     actual = replicated["outputs"][key]
     assert actual["shape"] == expected["shape"], key
     np.testing.assert_allclose(actual["value"], expected["value"], rtol=1e-5,
