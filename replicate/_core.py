@@ -242,6 +242,7 @@ def _run_towers(model_fn, features, labels, mode, arguments, devices,
                                             shards.labels[index])))
   finally:
     calls = _gather.clear_gather_state(graph)
+  _merge.check_same_metrics(specs)
   _state.combine_state_writes(replication)
   if mode == _ModeKeys.TRAIN:
     _check_optimizer_calls(calls, len(devices))

@@ -115,14 +115,29 @@ def concat_export_outputs(export_outputs: Sequence[Dict[str, Any]], inputs):
 def _after_every_tower(updates: Sequence[Any]):
   """Tower 0's update op, made to wait for every tower's.
 
-  A tensor stays a tensor (the metric's value after the update, as the
-  unwrapped model_fn returns it); an op becomes a group.
+  An op becomes a group; anything else (a tensor, or the variable an
+  assign returns) a tensor of the metric's value after the update, as the
+  unwrapped model_fn's update op gives it.
   """
   first, others = updates[0], updates[1:]
-  if isinstance(first, tf.Tensor):
-    with tf.control_dependencies(others):
-      return tf.identity(first)
-  return tf.group(first, *others)
+  if isinstance(first, tf.Operation):
+    return tf.group(first, *others)
+  with tf.control_dependencies(others):
+    return tf.identity(first)
+
+
+def check_same_metrics(specs):
+  """Every tower must return the same eval_metric_ops keys.
+
+  Checked before the towers' state writes are combined, whose error about
+  a metric variable only one tower writes would hide this cause.
+  """
+  keys = [sorted(spec.eval_metric_ops or {}) for spec in specs]
+  for index, tower_keys in enumerate(keys[1:], start=1):
+    if tower_keys != keys[0]:
+      raise ValueError(
+          f"Tower {index} returned eval_metric_ops {tower_keys} but tower 0 "
+          f"returned {keys[0]}; every tower must return the same metrics.")
 
 
 def merge_eval_metric_ops(specs):
@@ -132,17 +147,12 @@ def merge_eval_metric_ops(specs):
   write per step by each variable's aggregation (`_state`), so tower 0's
   values are the whole batch's.
   """
-  keys = [sorted(spec.eval_metric_ops or {}) for spec in specs]
-  for index, tower_keys in enumerate(keys[1:], start=1):
-    if tower_keys != keys[0]:
-      raise ValueError(
-          f"Tower {index} returned eval_metric_ops {tower_keys} but tower 0 "
-          f"returned {keys[0]}; every tower must return the same metrics.")
-  if not keys[0]:
+  check_same_metrics(specs)
+  if not specs[0].eval_metric_ops:
     return specs[0].eval_metric_ops
-  return {key: (specs[0].eval_metric_ops[key][0], _after_every_tower(
+  return {key: (value, _after_every_tower(
       [spec.eval_metric_ops[key][1] for spec in specs]))
-          for key in keys[0]}
+          for key, (value, _) in specs[0].eval_metric_ops.items()}
 
 
 def _watch_merged_loss(hooks, tower_loss, loss):

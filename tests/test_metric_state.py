@@ -68,6 +68,15 @@ def _get_local_min(score, labels):
       smallest, tf.minimum(tf.reduce_min(score), smallest))
 
 
+def _global_max(score, labels):
+  """A running maximum in model state (a global variable), NONE."""
+  del labels
+  largest = tf.compat.v1.get_variable(
+      "global_largest", initializer=tf.constant(-1e9), trainable=False)
+  return tf.identity(largest), tf.compat.v1.assign(
+      largest, tf.maximum(largest, tf.reduce_max(score)))
+
+
 def _local_mean(score, labels):
   """A mean from variables only in LOCAL_VARIABLES, declared SUM."""
   del labels
@@ -103,11 +112,19 @@ def _undeclared_sum(score, labels):
   return tf.identity(total), total.assign_add(tf.reduce_sum(score))
 
 
+def _last_max(score, labels):
+  """A maximum of the shard only (not of the old value): no one-device answer."""
+  del labels
+  last = _local("last_largest", 0.0, (LOCAL, METRIC))
+  return tf.identity(last), tf.compat.v1.assign(
+      last, tf.maximum(0.0, tf.reduce_max(score)))
+
+
 METRICS = {f.__name__.lstrip("_"): f for f in (
-    _streaming_max, _ref_max, _get_local_min, _local_mean, _class_max,
-    _accuracy, _keras_mean, _undeclared_sum)}
-HAND_MADE = ("streaming_max", "ref_max", "get_local_min", "local_mean",
-             "class_max")
+    _streaming_max, _ref_max, _get_local_min, _global_max, _local_mean,
+    _class_max, _accuracy, _keras_mean, _undeclared_sum, _last_max)}
+HAND_MADE = ("streaming_max", "ref_max", "get_local_min", "global_max",
+             "local_mean", "class_max")
 # Only LOCAL_VARIABLES, no METRIC_VARIABLES at all.
 LOCAL_ONLY = ("get_local_min", "local_mean")
 MIXED = ("streaming_max", "accuracy", "keras_mean")
@@ -122,7 +139,10 @@ def metric_model_fn(features, labels, mode, params):
 
 
 def evaluate(metrics, static, num_towers=None):
-  """The metrics' values after the whole eval set (4 batches)."""
+  """The metrics' values after the whole eval set (4 batches).
+
+  Also what the update ops return in the last step (None for an op).
+  """
   devices = num_towers and harness.devices(harness.VIRTUAL_CPUS, num_towers)
   with tf.Graph().as_default():
     tf.compat.v1.train.create_global_step()
@@ -135,8 +155,9 @@ def evaluate(metrics, static, num_towers=None):
                    tf.compat.v1.local_variables_initializer()])
       harness.set_trainable_weights(session)
       for _ in range(STEPS):
-        session.run(updates)
-      return session.run({k: v for k, (v, _) in spec.eval_metric_ops.items()})
+        updated = session.run(updates)
+      values = session.run({k: v for k, (v, _) in spec.eval_metric_ops.items()})
+  return values, updated
 
 
 one_device = functools.lru_cache(maxsize=None)(evaluate)
@@ -144,15 +165,27 @@ one_device = functools.lru_cache(maxsize=None)(evaluate)
 
 class HandMadeMetricsTest(parameterized.TestCase):
 
-  @parameterized.product(num_towers=(2, 4), static=(True, False),
-                         metrics=(HAND_MADE, LOCAL_ONLY, MIXED))
-  def test_one_devices_values(self, num_towers, static, metrics):
+  @parameterized.named_parameters(
+      (f"{name}_{num_towers}_towers_{'static' if static else 'dynamic'}",
+       metrics, num_towers, static)
+      for name, metrics in (("hand_made", HAND_MADE),
+                            ("local_only", LOCAL_ONLY), ("mixed", MIXED))
+      for num_towers in (2, 4) for static in (True, False))
+  def test_one_devices_values(self, metrics, num_towers, static):
     expected = one_device(metrics, static)
     actual = evaluate(metrics, static, num_towers)
-    # Sums of ≤ 40 float32 values of order 1: a few ulps of the total.
+    # Maxima are exact; the means add ≤ 40 float32 values of order 1 in
+    # another order: a few ulps of the total.
     harness.assert_close_nests(actual, expected, rtol=1e-5, atol=1e-6)
-    self.assertLess(expected.get("get_local_min", -1.0), 0.0)
+    values = expected[0]
+    # The state moved from its initial value (±1e9, 0) on one device.
+    self.assertLess(values.get("get_local_min", -1.0), 0.0)
+    self.assertGreater(values.get("streaming_max", 1.0), 0.5)
 
-  def test_undeclared_sum_names_variable_and_aggregation(self):
-    with self.assertRaisesRegex(ValueError, "undeclared_total.*SUM"):
-      evaluate(("streaming_max", "undeclared_sum"), False, 2)
+  @parameterized.parameters(
+      ("undeclared_sum", r"'undeclared_total'.*aggregation=tf\.Variable"
+                         r"Aggregation\.MEAN.* SUM for counts and totals"),
+      ("last_max", r"'last_largest'.*aggregation.*tf\.maximum"))
+  def test_state_with_no_one_device_answer_is_an_error(self, metric, message):
+    with self.assertRaisesRegex(ValueError, message):
+      evaluate(("streaming_max", metric), False, 2)
