@@ -11,9 +11,10 @@ variable into one write per step, combined by the variable's declared
   add/sub) weighted by their share of the batch;
 - SUM: the towers' changes added up (an assign adds up `value - old`);
 - ONLY_FIRST_REPLICA: tower 0's write;
-- NONE: a running maximum or minimum (an assign of `tf.maximum` or
-  `tf.minimum` of the old value, a scatter_max or scatter_min) takes the
-  maximum or minimum over the towers; any other write is tower 0's where
+- NONE: a running maximum or minimum (an assign of `tf.maximum` of the
+  old value and a `tf.reduce_max` over the batch, or `tf.minimum` and
+  `tf.reduce_min`; a scatter_max or scatter_min) takes the maximum or
+  minimum over the towers; any other write is tower 0's where
   every tower writes the same thing (nothing computed from the tower's
   inputs), else a ValueError asking for an aggregation.
 
@@ -30,6 +31,7 @@ import enum
 import functools
 from typing import Dict, List, NamedTuple, Optional, Sequence
 
+import numpy as np
 import tensorflow as tf
 from absl import logging
 
@@ -69,9 +71,12 @@ _TRAINING_OP_PREFIXES = ("Apply", "ResourceApply", "SparseApply",
                          "ResourceSparseApply")
 # Ops that read a resource variable's value from its handle.
 _READS = frozenset(["ReadVariableOp"])
-# Elementwise extrema, and the scatters that write one, by the reduction over
-# towers that gives one device's result.
+# Elementwise extrema by the reduction over towers that gives one device's
+# result, the batch reduction each must take for that, the ops that keep
+# its order on the way, and the scatters that write an extremum.
 _EXTREMA = {"Maximum": tf.maximum, "Minimum": tf.minimum}
+_BATCH_EXTREMA = {"Maximum": "Max", "Minimum": "Min"}
+_MONOTONE = frozenset(["Identity", "Cast"])
 _SCATTER_EXTREMA = frozenset(
     f"{prefix}Scatter{nd}{kind}" for prefix in ("", "Resource")
     for nd in ("", "Nd") for kind in ("Max", "Min"))
@@ -271,19 +276,37 @@ def _feed_combined(replication, group: List[_Write], aggregation):
 def _extremum_of_old_value(write: _Write) -> Optional[str]:
   """'Maximum' or 'Minimum' where the write keeps a running one, else None.
 
-  That is an assign of `tf.maximum` (`tf.minimum`) of the variable's own
-  value and anything, or a scatter_max (scatter_min) of rows.
+  That is an assign of `tf.maximum` of the variable's own value and a
+  `tf.reduce_max` over the batch axis (`tf.minimum`, `tf.reduce_min`), or a
+  scatter_max (scatter_min) of rows. The maximum of anything else over the
+  shards (e.g. of their means) is not the batch's.
   """
   if write.op.type in _SCATTER_EXTREMA:
     return "Maximum" if write.op.type.endswith("Max") else "Minimum"
   if write.kind is not _Kind.VALUE:
     return None
   value = _source(write.op.inputs[1])
+  if value.type not in _EXTREMA:
+    return None
   variable = _source(write.op.inputs[0]).name
-  if value.type in _EXTREMA and any(
-      _read_source(t).name == variable for t in value.inputs):
+  others = [t for t in value.inputs if _read_source(t).name != variable]
+  if len(others) == 1 and _reduces_batch(others[0].op,
+                                         _BATCH_EXTREMA[value.type]):
     return value.type
   return None
+
+
+def _reduces_batch(op: tf.Operation, reduction: str) -> bool:
+  """Whether `op` is a `reduction` (e.g. 'Max') over axis 0, the batch's."""
+  while op.type in _MONOTONE and op.inputs:
+    op = op.inputs[0].op
+  if op.type != reduction:
+    return False
+  axes = tf.get_static_value(op.inputs[1])
+  rank = op.inputs[0].shape.rank
+  return axes is not None and any(
+      axis == 0 or (rank is not None and axis == -rank)
+      for axis in np.reshape(axes, [-1]))
 
 
 def _read_source(tensor: tf.Tensor) -> tf.Operation:
@@ -409,8 +432,9 @@ def _check_same_in_every_tower(replication, group: List[Optional[_Write]]):
              "declare how the towers' writes combine when creating it, "
              "e.g. aggregation=tf.VariableAggregation.MEAN for averages "
              "(moving statistics, EMA of a loss) or SUM for counts and "
-             "totals (metric state), or keep a running maximum (minimum) "
-             "as an assign of tf.maximum (tf.minimum) of its old value")
+             "totals (metric state); a running maximum (minimum) needs "
+             "none when written as tf.maximum(old value, tf.reduce_max(x)) "
+             "(tf.minimum, tf.reduce_min)")
       raise ValueError(
           f"Tower {index} writes {name!r} ({write.op.type} "
           f"{write.op.name!r}) with a value computed from its own shard of "
