@@ -193,10 +193,13 @@ class HandMadeMetricsTest(parameterized.TestCase):
     self.assertGreater(values.get("streaming_max", 1.0), 0.5)
 
   @parameterized.named_parameters(
-      ("undeclared_sum", "undeclared_sum", r"'undeclared_total'.*aggregation=tf\.Variable"
-                         r"Aggregation\.MEAN.* SUM for counts and totals"),
-      ("last_max", "last_max", r"'last_largest'.*aggregation.*tf\.maximum"),
-      ("max_of_means", "max_of_means", r"'largest_mean'.*aggregation.*tf\.reduce_max"))
+      ("undeclared_sum", "undeclared_sum",
+       r"'undeclared_total'.*aggregation=tf\.VariableAggregation\.MEAN"
+       r".* SUM for counts and totals"),
+      ("last_max", "last_max",
+       r"'last_largest'.*aggregation.*tf\.maximum"),
+      ("max_of_means", "max_of_means",
+       r"'largest_mean'.*aggregation.*tf\.reduce_max"))
   def test_state_with_no_one_device_answer_is_an_error(self, metric, message):
     with self.assertRaisesRegex(ValueError, message):
       evaluate(("streaming_max", metric), False, 2)
