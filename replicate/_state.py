@@ -310,7 +310,7 @@ def _reduces_batch(op: tf.Operation, reduction: str) -> bool:
 
 
 def _read_source(tensor: tf.Tensor) -> tf.Operation:
-  """The variable op a read (ReadVariableOp, ref snapshot) reads, else its op."""
+  """The variable a read (ReadVariableOp, ref snapshot) reads, or its op."""
   op = _source(tensor)
   if op.type in _READS:
     op = _source(op.inputs[0])

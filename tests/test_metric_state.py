@@ -113,7 +113,7 @@ def _undeclared_sum(score, labels):
 
 
 def _last_max(score, labels):
-  """A maximum of the shard only (not of the old value): no one-device answer."""
+  """The shard's maximum, not of the old value: no one-device answer."""
   del labels
   last = _local("last_largest", 0.0, (LOCAL, METRIC))
   return tf.identity(last), tf.compat.v1.assign(
