@@ -248,6 +248,7 @@ def _run_towers(model_fn, features, labels, mode, arguments, devices,
         replication,
         lambda i: model_fn(**arguments(shards.features[i], shards.labels[i])),
         device_functions)
+  _merge.check_same_metrics(specs)
   _state.combine_state_writes(replication)
   if mode == _ModeKeys.TRAIN:
     _check_optimizer_calls(replication)

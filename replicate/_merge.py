@@ -6,7 +6,9 @@ predictions); the loss is the whole batch's (`_loss`), the train_op groups
 every tower's, predictions and export outputs
 are concatenated along the batch (a scalar, which has no batch dimension,
 is tower 0's where it does not depend on the batch, and refused where it
-does), and each eval metric's variables are summed into tower 0's.
+does), and each eval metric is tower 0's value, its update op running
+every tower's (the towers' writes to the shared metric variables are
+combined in `_state`).
 """
 
 from typing import Any, Dict, List, Sequence
@@ -112,54 +114,47 @@ def concat_export_outputs(export_outputs: Sequence[Dict[str, Any]], inputs):
           for key in export_outputs[0]}
 
 
-def _metric_variables_by_tower(replication: _context.Replication):
-  """Per tower: creation key -> metric variable."""
-  metric_refs = {v.ref() for v in tf.compat.v1.get_collection(
-      tf.compat.v1.GraphKeys.METRIC_VARIABLES)}
-  return [{key: var for key, var in created.items() if var.ref() in metric_refs}
-          for created in replication.created]
+def _after_every_tower(updates: Sequence[Any]):
+  """Tower 0's update op, made to wait for every tower's.
 
-
-def _reduce_metric_variables(replication: _context.Replication, after):
-  """One op that adds towers 1..N-1's metric variables into tower 0's.
-
-  Runs after `after` (every tower's update ops) and zeroes the added
-  variables, so tower 0's metric values cover the whole batch.
+  An op becomes a group; anything else (a tensor, or the variable an
+  assign returns) a tensor of the metric's value after the update, as the
+  unwrapped model_fn's update op gives it.
   """
-  per_tower = _metric_variables_by_tower(replication)
-  adds, added = [], []
-  with tf.control_dependencies(after), tf.name_scope("metric_sum"):
-    for key, target in per_tower[0].items():
-      others = []
-      for index, variables in enumerate(per_tower[1:], start=1):
-        if key not in variables:
-          raise ValueError(
-              f"Eval metric variable {target.op.name!r} of tower 0 has no "
-              f"counterpart in tower {index}; every tower must return the "
-              "same eval_metric_ops built the same way.")
-        others.append(variables[key])
-      adds.append(target.assign_add(
-          tf.add_n([v.read_value() for v in others]), read_value=False))
-      added.extend(others)
-  with tf.control_dependencies(adds):
-    zeroes = [v.assign(tf.zeros_like(v), read_value=False) for v in added]
-  return tf.group(*adds, *zeroes, name="reduce_metric_variables")
+  first, others = updates[0], updates[1:]
+  if isinstance(first, tf.Operation):
+    return tf.group(first, *others)
+  with tf.control_dependencies(others):
+    return tf.identity(first)
 
 
-def merge_eval_metric_ops(specs, replication: _context.Replication):
-  """Tower 0's metric values, updated by every tower's update ops."""
+def check_same_metrics(specs):
+  """Every tower must return the same eval_metric_ops keys.
+
+  Checked before the towers' state writes are combined, whose error about
+  a metric variable only one tower writes would hide this cause.
+  """
   keys = [sorted(spec.eval_metric_ops or {}) for spec in specs]
   for index, tower_keys in enumerate(keys[1:], start=1):
     if tower_keys != keys[0]:
       raise ValueError(
           f"Tower {index} returned eval_metric_ops {tower_keys} but tower 0 "
           f"returned {keys[0]}; every tower must return the same metrics.")
-  if not keys[0]:
+
+
+def merge_eval_metric_ops(specs):
+  """Tower 0's metric values; each update op runs every tower's.
+
+  The towers share the metric variables and their writes are made one
+  write per step by each variable's aggregation (`_state`), so tower 0's
+  values are the whole batch's.
+  """
+  check_same_metrics(specs)
+  if not specs[0].eval_metric_ops:
     return specs[0].eval_metric_ops
-  updates = [spec.eval_metric_ops[key][1] for spec in specs for key in keys[0]]
-  reduce_op = _reduce_metric_variables(replication, updates)
-  return {key: (specs[0].eval_metric_ops[key][0], reduce_op)
-          for key in keys[0]}
+  return {key: (value, _after_every_tower(
+      [spec.eval_metric_ops[key][1] for spec in specs]))
+          for key, (value, _) in specs[0].eval_metric_ops.items()}
 
 
 def merge_specs(mode, specs: List[Any], replication: _context.Replication):
@@ -175,7 +170,7 @@ def merge_specs(mode, specs: List[Any], replication: _context.Replication):
       fields["train_op"] = tf.group(*[s.train_op for s in specs],
                                     name="train_op")
     if mode == _ModeKeys.EVAL:
-      fields["eval_metric_ops"] = merge_eval_metric_ops(specs, replication)
+      fields["eval_metric_ops"] = merge_eval_metric_ops(specs)
     if mode == _ModeKeys.PREDICT:
       fields["export_outputs"] = concat_export_outputs(
           [s.export_outputs for s in specs], replication.inputs)

@@ -93,15 +93,15 @@ def variable_creator(replication: Replication, index: int, name_root: str):
   Variables are matched by the name they are asked for (relative to the
   tower's root scope) and how many times that name was asked for before,
   so TensorFlow's own uniquifying of names cannot pair the wrong ones.
-  Only checkpointed (global) variables are shared: metric and other local
-  variables stay per tower.
+  Local (metric) variables are shared too, like those `get_local_variable`
+  gets back by variable-scope reuse, so that every tower's writes reach one
+  variable and are combined by its aggregation (`_state`). A checkpointed
+  variable tower 0 did not create is an error; a local one is the tower's.
   """
   counts = collections.Counter()
   created = replication.created[index]
-  global_refs = None
 
   def creator(next_creator, **kwargs):
-    nonlocal global_refs
     if replication.unshared:
       return next_creator(**kwargs)
     scope = tf.compat.v1.get_default_graph().get_name_scope()
@@ -112,11 +112,7 @@ def variable_creator(replication: Replication, index: int, name_root: str):
     key = (relative, counts[relative])
     if index > 0:
       original = replication.created[0].get(key)
-      if original is not None and (global_refs is None or
-                                   original.ref() not in global_refs):
-        # Tower 0 may have made more variables since (towers take turns).
-        global_refs = {v.ref() for v in tf.compat.v1.global_variables()}
-      if original is not None and original.ref() in global_refs:
+      if original is not None:
         return original
       if _is_model_state(kwargs):
         raise ValueError(

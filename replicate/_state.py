@@ -1,18 +1,22 @@
 """Model-state writes: one write per step, combined over the towers.
 
 A model_fn changes model state outside the optimizer: batch-norm moving
-statistics, EMA shadows, counters, the global step. Every tower builds such a
-write; this module turns the towers' writes to one variable into one write
-per step, combined by the variable's declared `tf.VariableAggregation` as
-`tf.distribute` defines it:
+statistics, EMA shadows, counters, the global step, and the local variables
+that hold eval metrics' state (TensorFlow's, Keras' or hand-made). Every
+tower builds such a write; this module turns the towers' writes to one
+variable into one write per step, combined by the variable's declared
+`tf.VariableAggregation` as `tf.distribute` defines it:
 
 - MEAN: the towers' values (assign) or changes (assign_add/sub, scatter
   add/sub) weighted by their share of the batch;
 - SUM: the towers' changes added up (an assign adds up `value - old`);
 - ONLY_FIRST_REPLICA: tower 0's write;
-- NONE: tower 0's write where every tower writes the same thing (nothing
-  computed from the tower's inputs), else a ValueError asking for an
-  aggregation.
+- NONE: a running maximum or minimum (an assign of `tf.maximum` of the
+  old value and a `tf.reduce_max` over the batch, or `tf.minimum` and
+  `tf.reduce_min`; a scatter_max or scatter_min) takes the maximum or
+  minimum over the towers; any other write is tower 0's where
+  every tower writes the same thing (nothing computed from the tower's
+  inputs), else a ValueError asking for an aggregation.
 
 Tower 0's write op carries the combined value; later towers' writes go to a
 throwaway variable (dense) or write no rows (scatter) and run after tower
@@ -24,9 +28,11 @@ error.
 
 import collections
 import enum
+import functools
 import re
 from typing import Dict, List, NamedTuple, Optional, Sequence
 
+import numpy as np
 import tensorflow as tf
 from absl import logging
 
@@ -67,6 +73,17 @@ _TRAINING_OP_PREFIXES = ("Apply", "ResourceApply", "SparseApply",
 # The names `tf.shape` / `tf.size` give the constant they fold a static
 # shape into.
 _FOLDED_SHAPE_NAME = re.compile(r"^(Shape|Size)(?:_\d+)?$")
+# Ops that read a resource variable's value from its handle.
+_READS = frozenset(["ReadVariableOp"])
+# Elementwise extrema by the reduction over towers that gives one device's
+# result, the batch reduction each must take for that, the ops that keep
+# its order on the way, and the scatters that write an extremum.
+_EXTREMA = {"Maximum": tf.maximum, "Minimum": tf.minimum}
+_BATCH_EXTREMA = {"Maximum": "Max", "Minimum": "Min"}
+_MONOTONE = frozenset(["Identity", "Cast"])
+_SCATTER_EXTREMA = frozenset(
+    f"{prefix}Scatter{nd}{kind}" for prefix in ("", "Resource")
+    for nd in ("", "Nd") for kind in ("Max", "Min"))
 
 
 class _Write(NamedTuple):
@@ -84,7 +101,7 @@ def combine_state_writes(replication: Replication):
       ways; a NONE-aggregation variable gets a value computed from the
       tower's inputs; or the write has no combined form for its aggregation.
   """
-  variables = _model_variables()
+  variables = _state_variables(replication)
   skip = replication.apply_ops | _initializer_ops(variables.values())
   for ops in replication.tower_ops[1:]:
     _check_no_writes_in_functions(ops, variables, skip)
@@ -95,10 +112,17 @@ def combine_state_writes(replication: Replication):
     _combine(replication, group, sinks)
 
 
-def _model_variables() -> Dict[str, tf.Variable]:
-  """Global variables by the name of the op their writes take as input."""
+def _state_variables(replication: Replication) -> Dict[str, tf.Variable]:
+  """Model and metric variables by the name of the op writes take as input.
+
+  Global and local variables, and those tower 0 created in no collection
+  (a Keras metric's, until an EstimatorSpec adds them to LOCAL_VARIABLES):
+  every tower writes the same one, since towers share them (`_sharing`).
+  """
   variables = {}
-  for variable in tf.compat.v1.global_variables():
+  created = replication.created[0].values() if replication.created else ()
+  for variable in (*tf.compat.v1.global_variables(),
+                   *tf.compat.v1.local_variables(), *created):
     handle = getattr(variable, "handle", None)
     op = handle.op if isinstance(handle, tf.Tensor) else variable.op
     variables[op.name] = variable
@@ -194,7 +218,9 @@ def _combine(replication: Replication, group: List[Optional[_Write]],
         f"The towers write variable {name!r} in different ways "
         f"({[w.op.type if w else None for w in group]}); every tower must "
         "make the same writes.")
-  if aggregation in (_Aggregation.SUM, _Aggregation.MEAN) and (
+  extremum = (_running_extremum(present) if aggregation == _Aggregation.NONE
+              else None)
+  if (aggregation in (_Aggregation.SUM, _Aggregation.MEAN) or extremum) and (
       len(present) != len(group)):
     raise ValueError(
         f"Variable {name!r} (aggregation {aggregation.name}) is written by "
@@ -207,6 +233,8 @@ def _combine(replication: Replication, group: List[Optional[_Write]],
         "writes are the model's; write it in every tower or in tower 0.")
   if aggregation in (_Aggregation.SUM, _Aggregation.MEAN):
     _feed_combined(replication, group, aggregation)
+  elif extremum:
+    _feed_extremum(group, extremum)
   elif aggregation == _Aggregation.NONE:
     _check_same_in_every_tower(replication, group)
   for write in group[1:]:
@@ -245,6 +273,73 @@ def _feed_combined(replication, group: List[_Write], aggregation):
       combined = _weighted_sum(replication, values)
     else:
       combined = tf.add_n(values)
+    # Ops have no public way to change an input once built.
+    first.op._update_input(1, combined)  # pylint: disable=protected-access
+
+
+def _extremum_of_old_value(write: _Write) -> Optional[str]:
+  """'Maximum' or 'Minimum' where the write keeps a running one, else None.
+
+  That is an assign of `tf.maximum` of the variable's own value and a
+  `tf.reduce_max` over the batch axis (`tf.minimum`, `tf.reduce_min`), or a
+  scatter_max (scatter_min) of rows. The maximum of anything else over the
+  shards (e.g. of their means) is not the batch's.
+  """
+  if write.op.type in _SCATTER_EXTREMA:
+    return "Maximum" if write.op.type.endswith("Max") else "Minimum"
+  if write.kind is not _Kind.VALUE:
+    return None
+  value = _source(write.op.inputs[1])
+  if value.type not in _EXTREMA:
+    return None
+  variable = _source(write.op.inputs[0]).name
+  others = [t for t in value.inputs if _read_source(t).name != variable]
+  if len(others) == 1 and _reduces_batch(others[0].op,
+                                         _BATCH_EXTREMA[value.type]):
+    return value.type
+  return None
+
+
+def _reduces_batch(op: tf.Operation, reduction: str) -> bool:
+  """Whether `op` is a `reduction` (e.g. 'Max') over axis 0, the batch's."""
+  while op.type in _MONOTONE and op.inputs:
+    op = op.inputs[0].op
+  if op.type != reduction:
+    return False
+  axes = tf.get_static_value(op.inputs[1])
+  rank = op.inputs[0].shape.rank
+  return axes is not None and any(
+      axis == 0 or (rank is not None and axis == -rank)
+      for axis in np.reshape(axes, [-1]))
+
+
+def _read_source(tensor: tf.Tensor) -> tf.Operation:
+  """The variable a read (ReadVariableOp, ref snapshot) reads, or its op."""
+  op = _source(tensor)
+  if op.type in _READS:
+    op = _source(op.inputs[0])
+  return op
+
+
+def _running_extremum(writes: Sequence[_Write]) -> Optional[str]:
+  """The extremum every tower's write keeps (see above), else None."""
+  kinds = {_extremum_of_old_value(w) for w in writes}
+  return kinds.pop() if len(kinds) == 1 else None
+
+
+def _feed_extremum(group: List[_Write], extremum: str):
+  """Gives tower 0's write the maximum (minimum) over the towers.
+
+  Each tower's value is the maximum of the old value and its shard's, so
+  their maximum is the old value's and the whole batch's: one device's.
+  """
+  first = group[0]
+  with tf.name_scope("combined_writes"), tf.device(first.variable.device):
+    if first.kind is _Kind.SCATTER:
+      _set_rows(first, *_concatenated_rows(group, None))
+      return
+    combined = functools.reduce(_EXTREMA[extremum],
+                                [w.op.inputs[1] for w in group])
     # Ops have no public way to change an input once built.
     first.op._update_input(1, combined)  # pylint: disable=protected-access
 
@@ -341,7 +436,10 @@ def _check_same_in_every_tower(replication, group: List[Optional[_Write]]):
              if write.variable.trainable else
              "declare how the towers' writes combine when creating it, "
              "e.g. aggregation=tf.VariableAggregation.MEAN for averages "
-             "(moving statistics, EMA of a loss) or SUM for counts")
+             "(moving statistics, EMA of a loss) or SUM for counts and "
+             "totals (metric state); a running maximum (minimum) needs "
+             "none when written as tf.maximum(old value, tf.reduce_max(x)) "
+             "(tf.minimum, tf.reduce_min)")
       raise ValueError(
           f"Tower {index} writes {name!r} ({write.op.type} "
           f"{write.op.name!r}) with a value computed from its own shard of "
