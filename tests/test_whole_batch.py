@@ -1,0 +1,393 @@
+"""Whole-batch values across towers give one device's result (issue 16).
+
+Masked and weighted losses, `batch_sum` / `batch_concat` (normalisation,
+in-batch negatives), batch normalization in training, clipping between
+`compute_gradients` and `apply_gradients`, Keras `minimize` in both forms,
+and hooks: N towers against the unwrapped model_fn on one device, same
+data and initial weights, every step's loss and every trained variable.
+
+Tolerances: rtol 1e-5 with atol 1e-6. The towers add the same float32
+terms in another order (sums over a batch of 7-10 rows, a few layers, 3
+steps): a few roundings of 2**-24 relative each, far below 1e-5; atol
+covers values that cross zero. A wrong whole-batch value (a tower's shard
+statistics, a share-weighted mean of masked means) is off by 1e-2 or more.
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import replicate
+from tests import harness
+
+TRAIN, EVAL, PREDICT = harness.TRAIN, harness.EVAL, harness.PREDICT
+Reduction = tf.compat.v1.losses.Reduction
+STEPS = 3
+# (towers, batch, static): even and uneven splits, static and dynamic batches.
+SHAPES = [(2, 8, True), (4, 10, False), (2, 7, False), (4, 8, True)]
+SHAPE_IDS = [f"{n}towers-batch{b}-{'static' if s else 'dynamic'}"
+             for n, b, s in SHAPES]
+
+
+def _data(batch, num_batches=STEPS, image=False):
+  """Rows, labels, a mask far from proportional to the shards, row positions.
+
+  In every batch the first half of the rows and the last row are valid, so
+  middle shards have no valid row at all and the last only one.
+  """
+  n = batch * num_batches
+  rng = np.random.RandomState(batch)
+  x = rng.randn(n, 4, 4, 1) if image else rng.randn(n, 5)
+  position = np.arange(n) % batch
+  mask = ((position < batch // 2) | (position == batch - 1)).astype(np.float32)
+  features = {"x": x.astype(np.float32), "mask": mask,
+              "row": position.astype(np.int64)}
+  return features, rng.randint(0, 3, n).astype(np.int64)
+
+
+def _train(model_fn, batch, steps=STEPS, towers=None, static=True,
+           reduction=Reduction.SUM_BY_NONZERO_WEIGHTS, params=None,
+           image=False, **replicate_kwargs):
+  """Losses of every step and every global variable after them."""
+  with tf.Graph().as_default():
+    tf.compat.v1.train.create_global_step()
+    features, labels = harness.batches(_data(batch, steps, image), batch,
+                                       static)
+    wrapped = model_fn if towers is None else replicate.replicate_model_fn(
+        model_fn, loss_reduction=reduction, devices=_towers(towers),
+        **replicate_kwargs)
+    spec = wrapped(features, labels, TRAIN, params or {})
+    with tf.compat.v1.Session(config=harness.session_config()) as session:
+      return harness.run_training(session, spec, steps)
+
+
+def _towers(n):
+  return harness.devices(harness.VIRTUAL_CPUS, n)
+
+
+def _assert_one_devices(model_fn, towers, batch, static, **kwargs):
+  expected_losses, expected = _train(model_fn, batch, static=static, **kwargs)
+  losses, actual = _train(model_fn, batch, towers=towers, static=static,
+                          **kwargs)
+  np.testing.assert_allclose(losses, expected_losses, rtol=1e-5, atol=1e-6)
+  assert sorted(actual) == sorted(expected)
+  for name in expected:
+    np.testing.assert_allclose(actual[name], expected[name], rtol=1e-5,
+                               atol=1e-6, err_msg=name)
+  return expected_losses, losses
+
+
+def _minimize(loss):
+  optimizer = replicate.TowerOptimizer(
+      tf.compat.v1.train.GradientDescentOptimizer(0.5))
+  with tf.control_dependencies(
+      tf.compat.v1.get_collection(tf.compat.v1.GraphKeys.UPDATE_OPS)):
+    return optimizer.minimize(loss, tf.compat.v1.train.get_global_step())
+
+
+def _spec(mode, loss, predictions=None):
+  return tf.estimator.EstimatorSpec(
+      mode, loss=loss, predictions=predictions,
+      train_op=_minimize(loss) if mode == TRAIN else None)
+
+
+# Masked and weighted losses.
+
+def _masked_model_fn(features, labels, mode, params):
+  logits = tf.compat.v1.layers.dense(features["x"], 3, name="logits")
+  mask = features["mask"]
+  kind = params["loss"]
+  if kind == "batch_sum":
+    xent = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels,
+                                                           logits=logits)
+    loss = tf.reduce_sum(xent * mask) / replicate.batch_sum(
+        tf.reduce_sum(mask))
+  else:
+    reduction = {"nonzero": Reduction.SUM_BY_NONZERO_WEIGHTS,
+                 "mean": Reduction.MEAN}[kind]
+    loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(
+        labels, logits, weights=mask * 2.0, reduction=reduction)
+    if params.get("regularized"):
+      loss = loss + 0.01 * tf.nn.l2_loss(
+          tf.compat.v1.trainable_variables()[0])
+  return _spec(mode, loss)
+
+
+@pytest.mark.parametrize("towers,batch,static", SHAPES, ids=SHAPE_IDS)
+@pytest.mark.parametrize("kind", ["nonzero", "mean", "nonzero+l2",
+                                  "batch_sum"])
+def test_masked_losses_are_one_devices(kind, towers, batch, static):
+  reduction = Reduction.SUM if kind == "batch_sum" else (
+      Reduction.SUM_BY_NONZERO_WEIGHTS)
+  params = {"loss": kind.split("+")[0], "regularized": "+l2" in kind}
+  _assert_one_devices(_masked_model_fn, towers, batch, static,
+                      reduction=reduction, params=params)
+
+
+def _masked_eval_loss(towers):
+  with tf.Graph().as_default():
+    tf.compat.v1.train.create_global_step()
+    features, labels = harness.batches(_data(10), 10, static=False)
+    wrapped = _masked_model_fn if towers is None else (
+        replicate.replicate_model_fn(_masked_model_fn, devices=_towers(towers)))
+    spec = wrapped(features, labels, EVAL, {"loss": "nonzero"})
+    with tf.compat.v1.Session(config=harness.session_config()) as session:
+      session.run(tf.compat.v1.global_variables_initializer())
+      harness.set_trainable_weights(session)
+      return [session.run(spec.loss) for _ in range(STEPS)]
+
+
+def test_evaluate_reports_one_devices_weighted_loss():
+  expected = _masked_eval_loss(None)
+  for towers in (2, 4):
+    np.testing.assert_allclose(_masked_eval_loss(towers), expected,
+                               rtol=1e-5)
+
+
+# batch_sum and batch_concat in the model.
+
+def _contrastive_model_fn(features, labels, mode, params):
+  """In-batch negatives: every row scored against every row of the batch."""
+  del labels, params
+  embeddings = tf.compat.v1.layers.dense(features["x"], 4, name="embed")
+  everyone = replicate.batch_concat(embeddings)
+  logits = tf.matmul(embeddings, everyone, transpose_b=True)
+  loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(features["row"],
+                                                          logits)
+  return _spec(mode, loss)
+
+
+def _normalised_model_fn(features, labels, mode, params):
+  """A hand-made batch normalisation from whole-batch sums."""
+  del params
+  h = tf.compat.v1.layers.dense(features["x"], 4, name="hidden")
+  count = replicate.batch_sum(tf.cast(tf.shape(h)[0], tf.float32))
+  mean = replicate.batch_sum(tf.reduce_sum(h, 0)) / count
+  variance = replicate.batch_sum(
+      tf.reduce_sum(tf.square(h - mean), 0)) / count
+  h = (h - mean) * tf.math.rsqrt(variance + 1e-3)
+  logits = tf.compat.v1.layers.dense(h, 3, name="logits")
+  return _spec(mode, tf.compat.v1.losses.sparse_softmax_cross_entropy(
+      labels, logits))
+
+
+@pytest.mark.parametrize("towers,batch,static", SHAPES, ids=SHAPE_IDS)
+@pytest.mark.parametrize("model_fn", [_contrastive_model_fn,
+                                      _normalised_model_fn],
+                         ids=["contrastive", "normalised"])
+def test_batch_sum_and_concat_models_are_one_devices(model_fn, towers, batch,
+                                                     static):
+  _assert_one_devices(model_fn, towers, batch, static)
+
+
+# Batch normalization in training.
+
+def _batch_norm_model_fn(features, labels, mode, params):
+  training = mode == TRAIN
+  x = features["x"]
+  if params["input"] == "conv":
+    x = tf.compat.v1.layers.conv2d(x, 3, 2, name="conv")
+  else:
+    x = tf.compat.v1.layers.dense(x, 4, name="hidden")
+  if params["layer"] == "v1":
+    x = tf.compat.v1.layers.batch_normalization(
+        x, training=training, fused=params["fused"], name="bn")
+  else:
+    x = tf.keras.layers.BatchNormalization(
+        fused=params["fused"], name="bn")(x, training=training)
+  logits = tf.compat.v1.layers.dense(tf.compat.v1.layers.flatten(x), 3,
+                                     name="logits")
+  return _spec(mode, tf.compat.v1.losses.sparse_softmax_cross_entropy(
+      labels, logits))
+
+
+BATCH_NORMS = [
+    {"layer": "keras", "input": "dense", "fused": None},
+    {"layer": "keras", "input": "dense", "fused": False},
+    {"layer": "v1", "input": "dense", "fused": None},
+    {"layer": "keras", "input": "conv", "fused": None},   # fused kernel
+    {"layer": "keras", "input": "conv", "fused": False},
+    {"layer": "v1", "input": "conv", "fused": True},
+]
+
+
+@pytest.mark.parametrize("towers,batch,static", SHAPES, ids=SHAPE_IDS)
+@pytest.mark.parametrize(
+    "params", BATCH_NORMS,
+    ids=[f"{p['layer']}-{p['input']}-fused{p['fused']}" for p in BATCH_NORMS])
+def test_batch_norm_training_is_one_devices(params, towers, batch, static):
+  _assert_one_devices(_batch_norm_model_fn, towers, batch, static,
+                      params=params, image=params["input"] == "conv")
+
+
+def test_unsynchronised_batch_norm_uses_each_towers_statistics():
+  params = BATCH_NORMS[0]
+  expected_losses, _ = _train(_batch_norm_model_fn, 8, params=params)
+  losses, _ = _train(_batch_norm_model_fn, 8, towers=2, params=params,
+                     sync_batch_norm=False)
+  # The first step's loss already normalises by the shards' statistics.
+  assert abs(losses[0] - expected_losses[0]) > 1e-3
+
+
+# Keras optimizers in a custom model_fn.
+
+def _keras_model_fn(features, labels, mode, params):
+  dense = tf.keras.layers.Dense(3, name="logits")
+  loss_fn = lambda: tf.compat.v1.losses.sparse_softmax_cross_entropy(
+      labels, dense(features["x"]))
+  optimizer = replicate.TowerOptimizer(
+      tf.keras.optimizers.legacy.Adam(1e-2))
+  form = params["form"]
+  if form == "callables":
+    train_op = optimizer.minimize(loss_fn, lambda: dense.trainable_weights)
+    loss = tf.compat.v1.get_collection(tf.compat.v1.GraphKeys.LOSSES)[-1]
+  else:
+    with tf.GradientTape() as tape:
+      loss = loss_fn()
+    variables = dense.trainable_weights
+    if form == "no_gradient":
+      variables = [tf.compat.v1.get_variable("unused", [2])]
+    train_op = optimizer.minimize(loss, variables, tape=tape)
+  step = tf.compat.v1.train.get_global_step()
+  with tf.control_dependencies([train_op]):
+    train_op = step.assign_add(1)
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+@pytest.mark.parametrize("towers,batch,static", SHAPES[:2], ids=SHAPE_IDS[:2])
+@pytest.mark.parametrize("form", ["tape", "callables"])
+def test_keras_minimize_is_one_devices(form, towers, batch, static):
+  expected_losses, _ = _assert_one_devices(_keras_model_fn, towers, batch,
+                                           static, params={"form": form})
+  assert expected_losses[0] != expected_losses[-1]  # it trained
+
+
+@pytest.mark.parametrize("towers", [None, 2])
+def test_keras_minimize_without_gradients_is_an_error(towers):
+  with pytest.raises(ValueError, match="No gradients provided for any "
+                     "variable"):
+    _train(_keras_model_fn, 8, towers=towers, params={"form": "no_gradient"})
+
+
+# Hooks fetch the whole batch's loss and predictions.
+
+class _Recorder(tf.compat.v1.train.SessionRunHook):
+  """Records what it fetches: a custom hook, no special case."""
+
+  def __init__(self, fetches):
+    self._fetches = fetches
+    self.seen = []
+
+  def before_run(self, run_context):
+    return tf.compat.v1.train.SessionRunArgs(self._fetches)
+
+  def after_run(self, run_context, run_values):
+    self.seen.append(run_values.results)
+
+
+def _hooked_model_fn(features, labels, mode, params):
+  del params
+  logits = tf.compat.v1.layers.dense(features["x"], 3, name="logits")
+  predictions = {"logits": logits}
+  if mode == PREDICT:
+    hook = _Recorder({"logits": logits})
+    return tf.estimator.EstimatorSpec(mode, predictions=predictions,
+                                      prediction_hooks=[hook])
+  loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
+  hook = _Recorder({"loss": loss, "loss_name": loss.name})
+  return tf.estimator.EstimatorSpec(
+      mode, loss=loss, train_op=_minimize(loss), training_hooks=[hook])
+
+
+def _hooked_run(mode, towers):
+  with tf.Graph().as_default():
+    tf.compat.v1.train.create_global_step()
+    features, labels = harness.batches(_data(10), 10, static=False)
+    wrapped = _hooked_model_fn if towers is None else (
+        replicate.replicate_model_fn(_hooked_model_fn, devices=_towers(towers)))
+    spec = wrapped(features, labels if mode == TRAIN else None, mode, {})
+    hooks = spec.training_hooks if mode == TRAIN else spec.prediction_hooks
+    fetch = spec.train_op if mode == TRAIN else spec.predictions
+    init = tf.compat.v1.train.Scaffold(init_fn=lambda _, s: (
+        harness.set_trainable_weights(s)))
+    with tf.compat.v1.train.SingularMonitoredSession(
+        hooks=hooks, scaffold=init,
+        config=harness.session_config()) as session:
+      for _ in range(2):
+        session.run(fetch)
+  assert len(hooks) == 1 and isinstance(hooks[0], _Recorder)
+  return hooks[0].seen
+
+
+@pytest.mark.parametrize("mode", [TRAIN, PREDICT])
+def test_custom_hooks_see_the_whole_batch(mode):
+  expected = _hooked_run(mode, None)
+  for towers in (2, 4):
+    harness.assert_close_nests(_hooked_run(mode, towers), expected,
+                               rtol=1e-5, atol=1e-6)
+
+
+# The public functions themselves.
+
+def test_outside_replication_and_with_one_tower_they_return_x():
+  with tf.Graph().as_default():
+    x = tf.constant([[1.0], [2.0]])
+    assert replicate.batch_sum(x) is x
+    assert replicate.batch_concat(x) is x
+
+    def model_fn(features, labels, mode):
+      del labels
+      assert replicate.batch_sum(features) is features
+      assert replicate.batch_concat(features) is features
+      return tf.estimator.EstimatorSpec(mode, predictions=features)
+
+    before = len(tf.compat.v1.get_default_graph().get_operations())
+    replicate.replicate_model_fn(model_fn, devices=_towers(1))(x, None,
+                                                                PREDICT)
+    assert len(tf.compat.v1.get_default_graph().get_operations()) == before
+
+
+def _collected(values_fn, towers=2):
+  """What every tower's `values_fn(features)` returned, run once."""
+  seen = []
+
+  def model_fn(features, labels, mode):
+    del labels
+    seen.append(values_fn(features))
+    return tf.estimator.EstimatorSpec(mode, predictions=features["x"])
+
+  with tf.Graph().as_default():
+    x = tf.reshape(tf.range(8, dtype=tf.float32), [4, 2])
+    features = {"x": x, "ids": tf.sparse.from_dense(tf.cast(x, tf.int64))}
+    replicate.replicate_model_fn(model_fn, devices=_towers(towers))(
+        features, None, PREDICT)
+    with tf.compat.v1.Session(config=harness.session_config()) as session:
+      return session.run(seen)
+
+
+def test_nests_sums_and_sparse_concatenation():
+  towers = _collected(lambda f: {
+      "sum": replicate.batch_sum((tf.reduce_sum(f["x"]),
+                                  tf.shape(f["x"])[0])),
+      "concat": replicate.batch_concat([f["x"] * 2, f["ids"]])})
+  for tower in towers:
+    assert tower["sum"] == (28.0, 4)
+    np.testing.assert_array_equal(tower["concat"][0],
+                                  np.arange(8).reshape(4, 2) * 2)
+    np.testing.assert_array_equal(
+        tf.compat.v1.SparseTensorValue(*tower["concat"][1]).dense_shape, [4, 2])
+    np.testing.assert_array_equal(tower["concat"][1].values, np.arange(1, 8))
+
+
+def test_concatenating_a_scalar_is_an_error():
+  with pytest.raises(ValueError, match="got a scalar .* use "
+                     "replicate.batch_sum for partial sums"):
+    _collected(lambda f: replicate.batch_concat(tf.reduce_sum(f["x"])))
+
+
+def test_inside_a_cond_is_an_error():
+  with pytest.raises(ValueError, match="batch_sum was called inside a "
+                     "tf.cond, tf.while_loop or tf.function of a tower"):
+    _collected(lambda f: tf.cond(
+        tf.reduce_sum(f["x"]) > 0, lambda: replicate.batch_sum(f["x"]),
+        lambda: f["x"]))
