@@ -1,9 +1,9 @@
-"""Loss scaling and gradient summing across towers.
+"""Loss reductions, a tower's share of the loss, and gradient sums.
 
-With an averaging loss reduction each tower's loss is weighted by its share
-of the batch, so that the sum over towers of the weighted losses, and of
-their gradients, equals the single-device loss and gradients on the whole
-batch. With SUM the towers' losses are simply added.
+`scale_loss` weights one tower's averaging loss by its share of the batch
+(what `_loss` does for a loss it cannot see the denominator of);
+`sum_gradients` adds gradients the towers computed themselves (not through
+`TowerOptimizer.compute_gradients`), as Reduction.SUM asks.
 """
 
 from typing import Any, List, Sequence, Tuple
@@ -59,11 +59,6 @@ def scale_loss(loss, loss_reduction: str, fraction, size):
   if isinstance(size, int) and size > 0:
     return weighted
   return tf.where(fraction > 0, weighted, tf.zeros_like(weighted))
-
-
-def sum_losses(losses: Sequence[Any]):
-  """Adds the towers' scaled losses."""
-  return tf.add_n([tf.convert_to_tensor(l) for l in losses], name="loss_sum")
 
 
 def _sum_device(grads: Sequence[Any], variable) -> str:

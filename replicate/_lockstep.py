@@ -15,15 +15,15 @@ tf.distribute's MirroredStrategy builds its replicas the same way.
 import threading
 from typing import Any, Callable, List, Optional, Sequence
 
-import tensorflow as tf
-
 
 class _Aborted(BaseException):
-  """Unwinds a paused tower when another tower failed (not an Exception,
-  so that no `except Exception` in a model_fn swallows it)."""
+  """Unwinds a paused tower after another tower failed.
+
+  A BaseException, so that no `except Exception` in a model_fn swallows it.
+  """
 
 
-class Meeting:
+class _Meeting:
   """What one tower brings to a meeting point, and what it gets back."""
 
   def __init__(self, kind: str, value: Any, combine: Callable[[List[Any]], Any]):
@@ -44,7 +44,7 @@ class _TowerThread(threading.Thread):
     self._enter = enter
     self._go = threading.Event()
     self._paused = threading.Event()
-    self.meeting: Optional[Meeting] = None
+    self.meeting: Optional[_Meeting] = None
     self.done = False
     self.result: Any = None
     self.error: Optional[BaseException] = None
@@ -74,7 +74,7 @@ class _TowerThread(threading.Thread):
     self._paused.wait()
     self._paused.clear()
 
-  def meet(self, meeting: Meeting) -> Any:
+  def meet(self, meeting: _Meeting) -> Any:
     """Called on this thread: pauses until every tower met, returns its share."""
     self.meeting = meeting
     self.on_pause()
@@ -108,7 +108,7 @@ def meet(kind: str, value: Any, combine: Callable[[List[Any]], Any]) -> Any:
   thread = current_thread()
   if thread is None:
     raise ValueError(f"{kind} was called outside a tower.")
-  return thread.meet(Meeting(kind, value, combine))
+  return thread.meet(_Meeting(kind, value, combine))
 
 
 def run_towers(builds: Sequence[Callable[[], Any]],

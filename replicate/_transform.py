@@ -1,24 +1,20 @@
-"""Transforming the summed gradients before the wrapped optimizer applies them.
+"""Transforming the gradients right before the wrapped optimizer applies them.
 
-A TowerOptimizer's `gradient_transform` runs once per step on the gradients
-summed over the towers, and on one device (or outside `replicate_model_fn`)
-on that device's gradients, so both run the same transform on the same
-values. Sparse gradients reach it with each row once (duplicate indices
-summed), as a norm or a clip value needs them.
+A TowerOptimizer's `gradient_transform` runs once per step on the whole
+batch's gradients, where tower 0 applies them, and on one device (or
+outside `replicate_model_fn`) on that device's gradients, so both run the
+same transform on the same values. Sparse gradients reach it with each row
+once (duplicate indices summed), as a norm or a clip value needs them.
 """
 
 from typing import Any, Callable, List, Sequence, Tuple, Union
 
 import tensorflow as tf
-from absl import logging
 
 GradsAndVars = List[Tuple[Any, tf.Variable]]
 GradientTransform = Callable[[GradsAndVars], GradsAndVars]
 # What TowerOptimizer's `gradient_transform` takes: none, one, or a list.
 GradientTransforms = Union[None, GradientTransform, Sequence[GradientTransform]]
-
-# Name scopes of tf.clip_by_value, tf.clip_by_norm and tf.clip_by_global_norm.
-_CLIP_SCOPE_PREFIX = "clip_by_"
 
 
 def merge_duplicate_rows(grad):
@@ -95,25 +91,3 @@ class Pipeline:
             "the list of (gradient, variable) pairs to apply.")
       grads_and_vars = list(result)
     return grads_and_vars
-
-
-def warn_if_clipped(grads_and_vars, tower_index: int) -> None:
-  """Warns (in tower 0) when a tower's gradients come out of a clip op.
-
-  Clipping in the model_fn clips each tower's share of the gradient, not
-  the sum one device would clip.
-  """
-  if tower_index != 0:
-    return
-  for grad, variable in grads_and_vars:
-    values = grad.values if isinstance(grad, tf.IndexedSlices) else grad
-    name = getattr(getattr(values, "op", None), "name", "")
-    if any(part.startswith(_CLIP_SCOPE_PREFIX) for part in name.split("/")):
-      logging.warning(
-          "replicate: the gradient of %s passed to TowerOptimizer."
-          "apply_gradients comes from %s: clipping in the model_fn clips each "
-          "tower's share of the gradient, not their sum as on one device; "
-          "clip with TowerOptimizer(optimizer, gradient_transform=replicate."
-          "TowerOptimizer.clip_by_global_norm(...)) instead.",
-          variable.op.name, name)
-      return

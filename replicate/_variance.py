@@ -17,7 +17,7 @@ inputs) and `tf.math.reduce_variance` build it, and
   var(batch) = (sum_i (n_i - 1) var_i + n_i (mean_i - mean)^2) / (n - 1).
 """
 
-from typing import List, NamedTuple, Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import tensorflow as tf
 from absl import logging

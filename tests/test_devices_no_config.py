@@ -17,7 +17,6 @@ from unittest import mock
 from absl.testing import absltest
 import numpy as np
 import pytest
-import tensorflow as tf
 
 import replicate
 from replicate import _devices

@@ -19,7 +19,6 @@ import functools
 import numpy as np
 import pytest
 import tensorflow as tf
-from absl import logging
 
 import replicate
 from tests import harness

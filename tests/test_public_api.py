@@ -1,5 +1,6 @@
 """The public namespace holds exactly the names DESIGN.md lists."""
 
+import inspect
 import pathlib
 
 import tensorflow as tf
@@ -10,8 +11,8 @@ import replicate
 def test_public_names_are_exactly_all():
   public = {name for name in dir(replicate) if not name.startswith("_")}
   assert public == set(replicate.__all__) == {
-      "TowerOptimizer", "VariablePlacement", "current_tower",
-      "replicate_model_fn", "testing"}
+      "TowerOptimizer", "VariablePlacement", "batch_concat", "batch_sum",
+      "current_tower", "replicate_model_fn", "testing"}
   assert isinstance(replicate.__version__, str)
 
 
@@ -29,6 +30,15 @@ def test_variable_placement_members_and_strings():
   assert replicate.VariablePlacement("shared") is replicate.VariablePlacement.SHARED
   assert (replicate.VariablePlacement("round_robin") is
           replicate.VariablePlacement.ROUND_ROBIN)
+
+
+def test_replicate_model_fn_signature():
+  parameters = list(inspect.signature(
+      replicate.replicate_model_fn).parameters.values())
+  assert [p.name for p in parameters] == [
+      "model_fn", "loss_reduction", "devices", "variable_placement",
+      "sync_batch_norm"]
+  assert parameters[-1].default is True
 
 
 def test_tower_optimizer_flavours():
