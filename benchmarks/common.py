@@ -11,7 +11,12 @@ from typing import Any, Dict, List, Optional
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 WORKER = os.path.join(HERE, "worker.py")
-VARIANTS = ("plain", "mirrored", "replicate_shared", "replicate_round_robin")
+# What a run does by default; replicate_shared_unsynced (SHARED with
+# sync_batch_norm=False: each tower normalises with its shard's batch-norm
+# statistics) only differs on batch-norm workloads, so it is asked for.
+DEFAULT_VARIANTS = ("plain", "mirrored", "replicate_shared",
+                    "replicate_round_robin")
+VARIANTS = DEFAULT_VARIANTS + ("replicate_shared_unsynced",)
 
 
 @dataclasses.dataclass
@@ -48,29 +53,35 @@ def define_timing_flags() -> None:
                        lower_bound=1)
 
 
-def worker_env() -> Dict[str, str]:
-  """This environment, with the working tree's `replicate` importable."""
+def worker_env(library_root: str = ROOT) -> Dict[str, str]:
+  """This environment, with `replicate` imported from `library_root`.
+
+  The working tree's by default; compare_versions.py passes an older
+  checkout's to run the same benchmark scripts against its library.
+  """
   env = dict(os.environ)
   env["PYTHONPATH"] = os.pathsep.join(
-      [ROOT] + [p for p in [env.get("PYTHONPATH")] if p])
+      [library_root] + [p for p in [env.get("PYTHONPATH")] if p])
   env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
   return env
 
 
 def run_worker(worker_flags: Dict[str, Any], result_file: str,
-               timeout: Optional[float]) -> Dict[str, Any]:
-  """Runs worker.py with `worker_flags`; its record, or one with 'error'.
+               timeout: Optional[float], library_root: str = ROOT,
+               script: str = WORKER) -> Dict[str, Any]:
+  """Runs `script` (worker.py) with `worker_flags`; its record, or an 'error'.
 
   A worker that ran several variants (--together) gives {'records': [...]}.
+  `replicate` is imported from `library_root` (see worker_env).
   """
   if os.path.exists(result_file):
     os.remove(result_file)
-  args: List[str] = [sys.executable, WORKER, f"--result_file={result_file}"]
+  args: List[str] = [sys.executable, script, f"--result_file={result_file}"]
   args += [f"--{k}={v}" for k, v in worker_flags.items()]
   started = time.perf_counter()
   try:
     proc = subprocess.run(args, capture_output=True, text=True,
-                          env=worker_env(), timeout=timeout)
+                          env=worker_env(library_root), timeout=timeout)
     error = None if proc.returncode == 0 and os.path.exists(result_file) else (
         f"exit {proc.returncode}: {proc.stderr[-2000:]}")
   except subprocess.TimeoutExpired:

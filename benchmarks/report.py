@@ -12,7 +12,10 @@ from absl import logging
 
 from common import Settings
 
-REPLICATE = ("replicate_shared", "replicate_round_robin")
+REPLICATE = ("replicate_shared", "replicate_round_robin",
+             "replicate_shared_unsynced")
+# sync_batch_norm=True vs False: replicate_shared's ratio to this one.
+UNSYNCED = "replicate_shared_unsynced"
 
 # The project's targets: (name, towers, variant, against, minimum ratio).
 TARGETS = (
@@ -34,7 +37,7 @@ def _median(values: Sequence[float]) -> Optional[float]:
   return statistics.median(values) if values else None
 
 
-def _ratios(records, variant: str, against: str) -> List[float]:
+def ratios(records, variant: str, against: str) -> List[float]:
   """Examples/sec ratios `variant` / `against`, taken within rounds.
 
   Runs that took turns window by window in one process (pairing
@@ -45,24 +48,25 @@ def _ratios(records, variant: str, against: str) -> List[float]:
   for r in records:
     if "error" not in r:
       by_round.setdefault(r["round"], {})[r["variant"]] = r
-  ratios = []
+  found = []
   for runs in by_round.values():
     if variant == against or variant not in runs or against not in runs:
       continue
     mine, theirs = runs[variant], runs[against]
     if mine.get("pairing") == theirs.get("pairing") == "windows":
-      ratios += [a / b for a, b in zip(mine["window_examples_per_sec"],
-                                       theirs["window_examples_per_sec"])]
+      found += [a / b for a, b in zip(mine["window_examples_per_sec"],
+                                      theirs["window_examples_per_sec"])]
     else:
-      ratios.append(mine["examples_per_sec"] / theirs["examples_per_sec"])
-  return ratios
+      found.append(mine["examples_per_sec"] / theirs["examples_per_sec"])
+  return found
 
 
-def _spread(ratios: List[float]) -> Optional[Dict[str, float]]:
-  if not ratios:
+def spread(values: List[float]) -> Optional[Dict[str, float]]:
+  """Median, min, max and count of ratios (None without any)."""
+  if not values:
     return None
-  return {"median": statistics.median(ratios), "min": min(ratios),
-          "max": max(ratios), "pairs": len(ratios)}
+  return {"median": statistics.median(values), "min": min(values),
+          "max": max(values), "pairs": len(values)}
 
 
 def aggregate(records: List[Dict[str, Any]],
@@ -83,9 +87,11 @@ def aggregate(records: List[Dict[str, Any]],
                     "cpu_s_per_example", "cores_used", "final_loss",
                     "return_after_last_step_s"):
           row[key] = _median([r.get(key) for r in ok])
-        row["vs_plain"] = _spread(_ratios(group, variant, "plain"))
+        row["vs_plain"] = spread(ratios(group, variant, "plain"))
         if variant in REPLICATE:
-          row["vs_mirrored"] = _spread(_ratios(group, variant, "mirrored"))
+          row["vs_mirrored"] = spread(ratios(group, variant, "mirrored"))
+        if variant == "replicate_shared":
+          row["vs_unsynced"] = spread(ratios(group, variant, UNSYNCED))
         rows.append(row)
   return rows
 
@@ -136,14 +142,18 @@ def markdown(rows: List[Dict[str, Any]], targets: List[Dict[str, Any]],
   else:
     pairing = ("a process per run; ratios: median (min–max) of same-round "
                "ratios")
+  # A "× unsynced" column (sync_batch_norm True / False) when measured.
+  unsynced = UNSYNCED in settings.variants
   lines = [
       f"Devices: {settings.device_type}; global batch {w['batch_size']}; "
       f"{w['warmup_steps']} warm-up steps, {w['windows']} windows of "
       f"{w['window_steps']} steps; {settings.rounds} rounds; {pairing}. "
       "ex/s and the other figures: median over rounds.", "",
-      "| workload | N | variant | ex/s | × plain | × mirrored | build s "
+      "| workload | N | variant | ex/s | × plain | × mirrored "
+      + ("| × unsynced " if unsynced else "") + "| build s "
       "| return s | peak RSS MiB | CPU µs/ex | cores | final loss |",
-      "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+      "|---|---:|---|---:|---:|---:|" + ("---:|" if unsynced else "")
+      + "---:|---:|---:|---:|---:|---:|"]
   for row in rows:
     failed = f" ({row['failed']} failed)" if row["failed"] else ""
     cpu = row["cpu_s_per_example"]
@@ -152,7 +162,8 @@ def markdown(rows: List[Dict[str, Any]], targets: List[Dict[str, Any]],
         f"| {_fmt(row['examples_per_sec'], ',.0f')} "
         f"| {_fmt_ratio(row['vs_plain'])} "
         f"| {_fmt_ratio(row.get('vs_mirrored'))} "
-        f"| {_fmt(row['build_s'], '.2f')} "
+        + (f"| {_fmt_ratio(row.get('vs_unsynced'))} " if unsynced else "")
+        + f"| {_fmt(row['build_s'], '.2f')} "
         f"| {_fmt(row['return_after_last_step_s'], '.2f')} "
         f"| {_memory(row)} "
         f"| {_fmt(None if cpu is None else cpu * 1e6, '.1f')} "

@@ -16,6 +16,7 @@ its build and warm-up added instead, and no return time.
 
   .venv/bin/python benchmarks/run.py --quick
   .venv/bin/python benchmarks/run.py --out results.json --plot results.png
+  .venv/bin/python benchmarks/run.py --batch_norm   # sync batch norm's cost
 
 Figures per run, all measured by a SessionRunHook in the worker:
   ex/s     training examples/sec, median over timed windows after warm-up
@@ -46,11 +47,14 @@ from common import Settings
 import report
 
 VARIANTS = common.VARIANTS
-WORKLOADS = ("mlp", "cnn")
+WORKLOADS = ("mlp", "cnn", "cnn_bn")
+DEFAULT_WORKLOADS = ("mlp", "cnn")
 
 FLAGS = flags.FLAGS
-flags.DEFINE_list("variants", list(VARIANTS), f"Subset of {VARIANTS}.")
-flags.DEFINE_list("workloads", list(WORKLOADS), f"Subset of {WORKLOADS}.")
+flags.DEFINE_list("variants", list(common.DEFAULT_VARIANTS),
+                  f"Subset of {VARIANTS}.")
+flags.DEFINE_list("workloads", list(DEFAULT_WORKLOADS),
+                  f"Subset of {WORKLOADS}.")
 flags.DEFINE_list("towers", ["1", "2", "4", "8"], "Tower counts N.")
 flags.DEFINE_integer("rounds", 3, "Rounds; each runs every variant once.",
                      lower_bound=1)
@@ -76,6 +80,11 @@ flags.DEFINE_enum("pairing", "runs", ["runs", "windows"],
 flags.DEFINE_bool("quick", False,
                   "Regression check, < 3 min on 2 cores: mlp, N in {1, 2}, "
                   "3 rounds of few steps (explicit flags still win).")
+flags.DEFINE_bool("batch_norm", False,
+                  "Cost of sync batch norm (issue 16): cnn_bn, plain vs "
+                  "replicate_shared (sync_batch_norm=True) vs "
+                  "replicate_shared_unsynced (False), N in {1, 2, 4}, "
+                  "paired windows (explicit flags still win).")
 flags.DEFINE_bool("smoke", False,
                   "Fastest check that everything runs: mlp, N in {1, 2}, one "
                   "round of a few tiny steps (explicit flags still win).")
@@ -87,6 +96,11 @@ flags.DEFINE_string("from_json", None,
 
 # Presets; a flag given on the command line overrides them.
 _PRESETS = {
+    "batch_norm": dict(workloads=["cnn_bn"], towers=["1", "2", "4"],
+                       variants=["plain", "replicate_shared",
+                                 "replicate_shared_unsynced"],
+                       rounds=3, warmup_steps=10, window_steps=20, windows=6,
+                       fast_exit=True, pairing="windows"),
     "quick": dict(workloads=["mlp"], towers=["1", "2"], rounds=3,
                   warmup_steps=10, window_steps=50, windows=6,
                   fast_exit=True, pairing="windows"),
@@ -116,10 +130,10 @@ def _check_subset(name: str, values: Sequence[str], allowed: Sequence[str]):
 def resolve_settings() -> Settings:
   """Flags, presets (--quick, --smoke) and the device type, checked."""
   presets = {}
-  for preset in ("quick", "smoke"):
+  for preset in ("batch_norm", "quick", "smoke"):
     if FLAGS[preset].value:
       presets.update(_PRESETS[preset])
-  variants, workloads = FLAGS.variants, _flag("workloads", presets)
+  variants, workloads = _flag("variants", presets), _flag("workloads", presets)
   _check_subset("variants", variants, VARIANTS)
   _check_subset("workloads", workloads, WORKLOADS)
   towers = sorted({int(n) for n in _flag("towers", presets)})

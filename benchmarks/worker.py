@@ -15,6 +15,10 @@ Variants:
                          tf.distribute.MirroredStrategy(devices))
   replicate_shared       replicate.replicate_model_fn(..., SHARED)
   replicate_round_robin  replicate.replicate_model_fn(..., ROUND_ROBIN)
+  replicate_shared_unsynced
+                         replicate.replicate_model_fn(..., SHARED,
+                         sync_batch_norm=False): per-tower batch-norm
+                         statistics (the default, True, uses the batch's)
 """
 
 import json
@@ -108,13 +112,28 @@ def recording(model_fn):
   return fn
 
 
+def replicate_options(variant: str) -> Dict[str, Any]:
+  """replicate_model_fn's keywords for 'replicate_<placement>[_unsynced]'.
+
+  sync_batch_norm is passed only when False, so that the variants without
+  '_unsynced' also run against libraries older than the keyword (the
+  before/after comparison of benchmarks/compare_versions.py).
+  """
+  name = variant[len("replicate_"):]
+  options: Dict[str, Any] = {}
+  if name.endswith("_unsynced"):
+    name = name[:-len("_unsynced")]
+    options["sync_batch_norm"] = False
+  options["variable_placement"] = replicate.VariablePlacement(name)
+  return options
+
+
 def build_model_fn(variant: str, devices: List[str]):
   """The workload's model_fn, replicated for the replicate variants."""
   base = workloads.model_fn
   if variant.startswith("replicate_"):
-    placement = replicate.VariablePlacement(variant[len("replicate_"):])
-    base = replicate.replicate_model_fn(
-        base, devices=devices, variable_placement=placement)
+    base = replicate.replicate_model_fn(base, devices=devices,
+                                        **replicate_options(variant))
   return recording(base)
 
 
@@ -309,7 +328,9 @@ class Run:
   def record(self) -> Dict[str, Any]:
     record = {"variant": self.variant, "workload": FLAGS.workload,
               "towers": FLAGS.towers, "device_type": FLAGS.device_type,
-              "devices": self.devices, "batch_size": FLAGS.batch_size}
+              "devices": self.devices, "batch_size": FLAGS.batch_size,
+              # Which checkout's library ran (compare_versions.py checks).
+              "library": os.path.dirname(os.path.abspath(replicate.__file__))}
     record.update(summarise(self.hook, self.t_train, FLAGS.batch_size,
                             FLAGS.window_steps))
     if self.baton:

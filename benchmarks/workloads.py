@@ -16,7 +16,7 @@ import replicate
 NUM_CLASSES = 10
 IMAGE_SHAPE = (28, 28, 1)
 NUM_INPUTS = 28 * 28
-WORKLOADS = ("mlp", "cnn")
+WORKLOADS = ("mlp", "cnn", "cnn_bn")
 
 Arrays = Tuple[np.ndarray, np.ndarray]
 
@@ -62,8 +62,9 @@ def _dense(x, units: int, name: str, seed: int, activation=None):
       kernel_initializer=_initializer(seed))
 
 
-def mlp_logits(x: tf.Tensor) -> tf.Tensor:
+def mlp_logits(x: tf.Tensor, training: bool) -> tf.Tensor:
   """784-512-512-10 with ReLU."""
+  del training
   h = _dense(x, 512, "hidden1", 1, tf.nn.relu)
   h = _dense(h, 512, "hidden2", 2, tf.nn.relu)
   return _dense(h, NUM_CLASSES, "logits", 3)
@@ -75,30 +76,65 @@ def _conv(x, filters: int, name: str, seed: int):
       kernel_initializer=_initializer(seed))
 
 
-def cnn_logits(x: tf.Tensor) -> tf.Tensor:
-  """conv3x3(16)-pool-conv3x3(32)-pool-dense(64)-dense(10) on 28x28x1."""
+def _conv_bn(x, filters: int, name: str, seed: int, training: bool):
+  """conv3x3 (no bias: batch norm's offset replaces it), batch norm, ReLU.
+
+  `tf.compat.v1.layers.batch_normalization` puts its moving-statistics
+  updates in UPDATE_OPS; in training it normalises with the batch's
+  statistics, which `replicate` makes the whole batch's (sync_batch_norm).
+  """
+  h = tf.compat.v1.layers.conv2d(
+      x, filters, 3, padding="same", use_bias=False, name=name,
+      kernel_initializer=_initializer(seed))
+  h = tf.compat.v1.layers.batch_normalization(h, training=training,
+                                              name=name + "_bn")
+  return tf.nn.relu(h)
+
+
+def cnn_logits(x: tf.Tensor, training: bool,
+               batch_norm: bool = False) -> tf.Tensor:
+  """conv3x3(16)-pool-conv3x3(32)-pool-dense(64)-dense(10) on 28x28x1.
+
+  With `batch_norm`, each conv is followed by batch normalization (before
+  its ReLU): the cnn_bn workload.
+  """
+  def conv(h, filters, name, seed):
+    if batch_norm:
+      return _conv_bn(h, filters, name, seed, training)
+    return _conv(h, filters, name, seed)
+
   h = tf.reshape(x, (-1,) + IMAGE_SHAPE)
-  h = _conv(h, 16, "conv1", 1)
+  h = conv(h, 16, "conv1", 1)
   h = tf.compat.v1.layers.max_pooling2d(h, 2, 2, name="pool1")
-  h = _conv(h, 32, "conv2", 2)
+  h = conv(h, 32, "conv2", 2)
   h = tf.compat.v1.layers.max_pooling2d(h, 2, 2, name="pool2")
   h = tf.compat.v1.layers.flatten(h, name="flatten")
   h = _dense(h, 64, "dense", 3, tf.nn.relu)
   return _dense(h, NUM_CLASSES, "logits", 4)
 
 
-_LOGITS = {"mlp": mlp_logits, "cnn": cnn_logits}
+def cnn_bn_logits(x: tf.Tensor, training: bool) -> tf.Tensor:
+  """The cnn with batch normalization after each conv."""
+  return cnn_logits(x, training, batch_norm=True)
+
+
+_LOGITS = {"mlp": mlp_logits, "cnn": cnn_logits, "cnn_bn": cnn_bn_logits}
 
 
 def model_fn(features: Dict[str, tf.Tensor], labels: tf.Tensor, mode: str,
              params: Dict) -> tf.estimator.EstimatorSpec:
   """Softmax classifier; params: 'workload', 'learning_rate', 'momentum'."""
-  logits = _LOGITS[params["workload"]](features["x"])
+  training = mode == tf.estimator.ModeKeys.TRAIN
+  logits = _LOGITS[params["workload"]](features["x"], training)
   if mode == tf.estimator.ModeKeys.PREDICT:
     return tf.estimator.EstimatorSpec(mode, predictions={"logits": logits})
   # Default reduction SUM_BY_NONZERO_WEIGHTS, replicate's default too.
   loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
   optimizer = replicate.TowerOptimizer(tf.compat.v1.train.MomentumOptimizer(
       params["learning_rate"], params["momentum"]))
-  train_op = optimizer.minimize(loss, tf.compat.v1.train.get_global_step())
+  # Batch norm's moving-statistics updates run with each step (none for
+  # mlp and cnn: an empty control dependency adds no op).
+  update_ops = tf.compat.v1.get_collection(tf.compat.v1.GraphKeys.UPDATE_OPS)
+  with tf.control_dependencies(update_ops):
+    train_op = optimizer.minimize(loss, tf.compat.v1.train.get_global_step())
   return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)

@@ -21,14 +21,14 @@ sys.path.insert(0, _BENCHMARKS)
 import common  # pylint: disable=g-import-not-at-top,wrong-import-position
 import report  # pylint: disable=g-import-not-at-top,wrong-import-position
 
-VARIANTS = common.VARIANTS
+VARIANTS = common.DEFAULT_VARIANTS
 
 
-def _smoke(tmp_path, pairing):
+def _smoke(tmp_path, pairing, *extra):
   out = tmp_path / "smoke.json"
   proc = subprocess.run(
       [sys.executable, os.path.join(_BENCHMARKS, "run.py"), "--smoke",
-       "--device_type=CPU", f"--pairing={pairing}", f"--out={out}"],
+       "--device_type=CPU", f"--pairing={pairing}", f"--out={out}", *extra],
       capture_output=True, text=True, timeout=300, cwd=_ROOT,
       env=common.worker_env())
   assert proc.returncode == 0, proc.stderr[-4000:]
@@ -61,6 +61,23 @@ def test_smoke_run_reports_every_variant_at_one_and_two_towers(tmp_path,
   assert all(r["vs_plain"] for r in rows if r["variant"] != "plain")
   assert all(r["vs_mirrored"] for r in rows if r["variant"] in
              report.REPLICATE)
+
+
+def test_smoke_batch_norm_sync_and_unsynced_side_by_side(tmp_path):
+  stdout, result = _smoke(
+      tmp_path, "windows", "--workloads=cnn_bn", "--towers=2",
+      "--variants=plain,replicate_shared,replicate_shared_unsynced")
+  rows = {r["variant"]: r for r in result["rows"]}
+  assert all(r["runs"] == 1 and r["failed"] == 0 for r in rows.values())
+  assert "| × unsynced |" in stdout
+  assert rows["replicate_shared"]["vs_unsynced"]["pairs"] == result[
+      "settings"]["worker_flags"]["windows"]
+  # Synced batch norm trains as one device; per-shard statistics do not.
+  plain = rows["plain"]["final_loss"]
+  np.testing.assert_allclose(rows["replicate_shared"]["final_loss"], plain,
+                             rtol=1e-4)
+  assert abs(rows["replicate_shared_unsynced"]["final_loss"] - plain) > (
+      1e-3 * plain)
 
 
 def _record(round_index, variant, examples_per_sec, towers=2):
