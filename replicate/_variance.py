@@ -60,7 +60,9 @@ def add_between_shard_variance(writes: Sequence[tf.Operation], weights,
     return False
   batch_mean = weighted_sum([s.mean for s in statistics])
   if bessel:
-    counts = [tf.cast(s.count, s.variance.dtype) for s in statistics]
+    # A tower of weight 0 holds no example (a phantom row's, see _split).
+    counts = [tf.where(weight > 0, tf.cast(s.count, s.variance.dtype), 0.0)
+              for s, weight in zip(statistics, weights)]
     total = tf.add_n(counts)
   for index, statistic in enumerate(statistics):
     variance, mean = statistic.variance, statistic.mean
