@@ -185,8 +185,9 @@ def _reduce_metric_variables(replication: _context.Replication, after):
         adds.append(target.assign_add(tf.add_n(contributions),
                                       read_value=False))
       added.extend(others)
-  with tf.control_dependencies(adds):
-    zeroes = [v.assign(tf.zeros_like(v), read_value=False) for v in added]
+    # Still after `after` where nothing is added (phantom towers only).
+    with tf.control_dependencies(adds):
+      zeroes = [v.assign(tf.zeros_like(v), read_value=False) for v in added]
   return tf.group(*adds, *zeroes, name="reduce_metric_variables")
 
 
