@@ -16,6 +16,7 @@ phantom row instead, a copy of the batch's last row, and marked not
 metrics and model-state writes (see `_aggregate.gate`).
 """
 
+import itertools
 from typing import Any, List, NamedTuple, Union
 
 import tensorflow as tf
@@ -166,7 +167,7 @@ def _windows(sizes: List[Size], batch_size: Size) -> List[_Window]:
   row instead; with an empty batch every tower reads its empty shard.
   Python ints where the sizes are, so static shapes stay static.
   """
-  starts = [sum(sizes[:i]) for i in range(len(sizes))]
+  starts = [0] + list(itertools.accumulate(sizes[:-1]))
   if isinstance(batch_size, int):
     return [_Window(min(start, batch_size - 1), 1) if batch_size and not size
             else _Window(start, size) for start, size in zip(starts, sizes)]

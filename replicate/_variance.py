@@ -22,6 +22,8 @@ from typing import List, NamedTuple, Optional, Sequence
 import tensorflow as tf
 from absl import logging
 
+from replicate import _aggregate
+
 # Ops a statistic may pass through on its way to the write, unchanged in
 # value or combined elementwise with the variable's value and a decay.
 _PATH_OPS = frozenset([
@@ -61,7 +63,7 @@ def add_between_shard_variance(writes: Sequence[tf.Operation], weights,
   batch_mean = weighted_sum([s.mean for s in statistics])
   if bessel:
     # A tower of weight 0 holds no example (a phantom row's, see _split).
-    counts = [tf.where(weight > 0, tf.cast(s.count, s.variance.dtype), 0.0)
+    counts = [_aggregate.gate(tf.cast(s.count, s.variance.dtype), weight > 0)
               for s, weight in zip(statistics, weights)]
     total = tf.add_n(counts)
   for index, statistic in enumerate(statistics):

@@ -294,3 +294,29 @@ def test_static_batches_match_one_device(mode, size):
   """
   actual = _run("custom", mode, 4, [size], static=True)
   _assert_one_device("custom", mode, actual)
+
+
+def test_phantom_rows_are_left_out_of_sparse_and_ragged_predictions():
+  """Outputs EstimatorSpec does not check (dict predictions of any kind)."""
+  from replicate import _context, _merge  # pylint: disable=g-import-not-at-top
+  with tf.Graph().as_default() as graph:
+    size = tf.compat.v1.placeholder_with_default(tf.constant(0, tf.int64), [])
+    replication = _context.Replication(
+        num_towers=3, loss_reduction=R.SUM, fractions=[1.0, 0.0, 0.0],
+        sizes=[1, size, 0], graph=graph, valid=[True, size > 0, False])
+    rows = lambda first: [[first, 0], [first + 1, 0]]
+    towers = [{"sparse": tf.sparse.from_dense(tf.constant([[i + 1, 0]])),
+               "ragged": tf.ragged.constant(rows(10 * i)),
+               "dense": tf.constant([[i]])} for i in range(3)]
+    towers[0] = {k: v[:1] for k, v in towers[0].items() if k != "sparse"}
+    towers[0]["sparse"] = tf.sparse.from_dense(tf.constant([[1, 0]]))
+    merged = _merge.concat_predictions(towers, replication)
+    with tf.compat.v1.Session() as session:
+      phantom = session.run(merged)
+      real = session.run(merged, {size: 1})
+  np.testing.assert_array_equal(phantom["dense"], [[0]])
+  np.testing.assert_array_equal(phantom["sparse"].values, [1])
+  assert phantom["ragged"].to_list() == [[0, 0]]
+  np.testing.assert_array_equal(real["dense"], [[0], [1]])
+  np.testing.assert_array_equal(real["sparse"].values, [1, 2])
+  assert real["ragged"].to_list() == [[0, 0], [10, 0]]
