@@ -110,14 +110,14 @@ def _canned(name):
 def _custom_model_fn(features, labels, mode, params):
   """Linear over x and a bag of words; counters, scatter rows, batch norm.
 
-  `tf.sparse.reshape(..., [-1, 2])` fails on a 0-row batch, as TensorFlow's
-  linear columns do.
+  `tf.sparse.reshape(..., [batch size, -1])` fails on a 0-row batch, as in
+  TensorFlow's linear columns.
   """
   training = mode == TRAIN
   # Ids 1..6: from_dense keeps every entry.
   words = tf.strings.to_hash_bucket_fast(features["word"], 6)[:, None] + 1
   pairs = tf.sparse.reshape(tf.sparse.from_dense(
-      tf.concat([words, words], axis=1)), [-1, 2])
+      tf.concat([words, words], axis=1)), [tf.shape(words)[0], -1])
   table = tf.compat.v1.get_variable(
       "table", [7, 2], initializer=tf.compat.v1.zeros_initializer())
   bag = tf.nn.embedding_lookup_sparse(table, pairs, None, combiner="sum")
