@@ -44,21 +44,46 @@ def is_sum(loss_reduction: str) -> bool:
   return loss_reduction == _Reduction.SUM
 
 
+def gate(value, valid):
+  """`value` where `valid`, else zeros (not `value * 0`, which keeps NaN).
+
+  `valid` is a python bool (True adds no op) or a scalar bool tensor. A
+  value gated off still has a zero gradient, not None, so that every tower
+  hands its optimizer calls the same gradients.
+  """
+  if valid is True:
+    return value
+  value = tf.convert_to_tensor(value)
+  return tf.where(valid, value, tf.zeros_like(value))
+
+
+def real_sum(values, valid):
+  """Sum of the towers' `values`, a tower computing on a phantom row as zero.
+
+  `valid[i]` is tower i's flag (True, False or a bool tensor; see `gate`).
+  """
+  return tf.add_n([gate(value, ok) for value, ok in zip(values, valid)
+                   if ok is not False])
+
+
 def scale_loss(loss, loss_reduction: str, fraction, size):
   """Weights one tower's loss by its share of the batch.
 
-  A tower without examples contributes zero, even where its own loss is NaN
-  (a mean over nothing), and still has zero rather than no gradients. When
-  the whole batch is empty, tower 0 holds all of it (`fraction` 1): its
-  loss, NaN included, is then one device's, and so are its gradients.
+  A tower without examples (`fraction` 0: none, or a phantom row, see
+  _split) contributes zero, whatever the reduction, even where its own loss
+  is NaN (a mean over nothing), and still has zero rather than no
+  gradients. When the whole batch is empty, tower 0 holds all of it
+  (`fraction` 1): its loss, NaN included, is then one device's, and so are
+  its gradients.
   """
+  holds_examples = fraction > 0
   if is_sum(loss_reduction):
-    return loss
+    return gate(loss, holds_examples)
   loss = tf.convert_to_tensor(loss)
   weighted = loss * tf.cast(fraction, loss.dtype)
   if isinstance(size, int) and size > 0:
     return weighted
-  return tf.where(fraction > 0, weighted, tf.zeros_like(weighted))
+  return gate(weighted, holds_examples)
 
 
 def _sum_device(grads: Sequence[Any], variable) -> str:

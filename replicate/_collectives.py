@@ -5,15 +5,18 @@ the whole batch (a masked mean's count of valid tokens, in-batch negatives,
 batch statistics) asks for it here. Each call is a meeting point of the
 towers (see `_lockstep`): the towers' values are added or concatenated once
 on the consolidation device and every tower gets the result, so gradients
-flow back to every tower that contributed.
+flow back to every tower that contributed. A tower computing on a phantom
+row (a batch smaller than the towers, see `_split`) contributes nothing.
 """
 
 from typing import Any, List
 
 import tensorflow as tf
 
+from replicate import _aggregate
 from replicate import _context
 from replicate import _lockstep
+from replicate import _merge
 
 
 def _tower_replication(what: str):
@@ -72,7 +75,8 @@ def batch_sum(x):
 
   def combine(values):
     with tf.device(replication.hub), tf.name_scope("batch_sum"):
-      summed = [tf.add_n(list(parts)) for parts in zip(*values)]
+      summed = [_aggregate.real_sum(parts, replication.validity)
+                for parts in zip(*values)]
     return [tf.nest.pack_sequence_as(x, summed)] * len(values)
 
   return _lockstep.meet(
@@ -130,7 +134,8 @@ def batch_concat(x):
 
   def combine(values):
     with tf.device(replication.hub), tf.name_scope("batch_concat"):
-      joined = [_concat(parts) for parts in zip(*values)]
+      joined = [_concat(_merge.real_rows(parts, replication))
+                for parts in zip(*values)]
     return [tf.nest.pack_sequence_as(x, joined)] * len(values)
 
   return _lockstep.meet("replicate.batch_concat",

@@ -35,6 +35,9 @@ class Replication:
   fractions: List[Any]          # each tower's share of the batch
   sizes: List[Any]              # each tower's number of examples
   graph: tf.Graph
+  # Per tower: False where it computes on a phantom row (see _split); bools,
+  # or bool tensors where the batch size is dynamic. Empty: every tower.
+  valid: List[Any] = dataclasses.field(default_factory=list)
   root_name_scope: str = ""
   root_variable_scope: Any = None
   tower: Optional[Tower] = None
@@ -82,6 +85,20 @@ class Replication:
 
   def size(self, index: Optional[int] = None):
     return self.sizes[self.tower.index if index is None else index]
+
+  def is_valid(self, index: Optional[int] = None):
+    """Whether the tower holds real examples: True, False or a bool tensor.
+
+    A tower that does not (a non-empty batch smaller than the number of
+    towers) computes on a phantom row, which nothing of it may leak into.
+    """
+    index = self.tower.index if index is None else index
+    return self.valid[index] if self.valid else True
+
+  @property
+  def validity(self) -> List[Any]:
+    """Every tower's `is_valid`, in tower order."""
+    return [self.is_valid(index) for index in range(self.num_towers)]
 
   @contextlib.contextmanager
   def scopes(self, scopes: "Scopes"):

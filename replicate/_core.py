@@ -234,8 +234,8 @@ def _run_towers(model_fn, features, labels, mode, arguments, devices,
     shards = _split.split_batch(features, labels, len(devices))
   replication = _context.Replication(
       num_towers=len(devices), loss_reduction=reduction,
-      fractions=shards.fractions, sizes=shards.sizes, graph=graph, hub=hub,
-      devices=list(devices),
+      fractions=shards.fractions, sizes=shards.sizes, valid=shards.valid,
+      graph=graph, hub=hub, devices=list(devices),
       sync_batch_norm=sync_batch_norm and mode == _ModeKeys.TRAIN,
       split_op_names={op.name for op in graph.get_operations()[first_op:]},
       inputs=list(zip(shards.features, shards.labels)))

@@ -13,6 +13,9 @@ losses are combined so that the result is exactly that value:
 - every other averaging loss (a `tf.reduce_mean`, say) is weighted by its
   tower's share of the batch.
 
+A tower computing on a phantom row (a batch smaller than the towers, see
+`_split`) adds nothing.
+
 A loss that adds several terms (`get_total_loss()`, a loss plus a
 regularizer) is combined term by term. The combined loss is built once per
 set of tower losses, on the consolidation device, and is both what the
@@ -42,7 +45,7 @@ def combine(replication: Replication, losses: Sequence[Any]) -> tf.Tensor:
 
 def _combine(replication, losses: List[tf.Tensor]) -> tf.Tensor:
   if _aggregate.is_sum(replication.loss_reduction):
-    return tf.add_n(losses, name="loss_sum")
+    return _aggregate.real_sum(losses, replication.validity)
   terms = [_terms(loss) for loss in losses]
   if len({len(t) for t in terms}) != 1:
     terms = [[loss] for loss in losses]
@@ -54,8 +57,10 @@ def _combine(replication, losses: List[tf.Tensor]) -> tf.Tensor:
 def _combine_term(replication, terms: List[tf.Tensor]) -> tf.Tensor:
   ratios = [_ratio(term) for term in terms]
   if all(r is not None for r in ratios):
-    numerator = tf.add_n([n for n, _ in ratios])
-    denominator = tf.add_n([d for _, d in ratios])
+    numerator = _aggregate.real_sum([n for n, _ in ratios],
+                                    replication.validity)
+    denominator = _aggregate.real_sum([d for _, d in ratios],
+                                      replication.validity)
     return tf.cast(tf.math.divide_no_nan(numerator, denominator),
                    terms[0].dtype)
   return tf.add_n([

@@ -3,12 +3,12 @@
 Every field but those below is tower 0's (hooks, scaffold: the unwrapped
 model's names, none duplicated; hooks fetch the whole batch's loss and
 predictions); the loss is the whole batch's (`_loss`), the train_op groups
-every tower's, predictions and export outputs
-are concatenated along the batch (a scalar, which has no batch dimension,
-is tower 0's where it does not depend on the batch, and refused where it
-does), and each eval metric is tower 0's value, its update op running
-every tower's (the towers' writes to the shared metric variables are
-combined in `_state`).
+every tower's, predictions and export outputs are concatenated along the
+batch (a scalar, which has no batch dimension, is tower 0's where it does
+not depend on the batch, and refused where it does; a tower that computed
+on a phantom row, see _split, adds no rows), and each eval metric is tower
+0's value, its update op running every tower's (the towers' writes to the
+shared metric variables are combined in `_state`).
 """
 
 from typing import Any, Dict, List, Sequence
@@ -55,49 +55,80 @@ def _tower_zero_scalar(scalar, path: str, inputs):
   return scalar
 
 
-def _concat(tensors: Sequence[Any], path: str, name: str, inputs):
+def _first_rows(tensor, size):
+  """The first `size` rows of a batch-major tensor."""
+  if isinstance(tensor, tf.SparseTensor):
+    start = tf.zeros_like(tensor.dense_shape)
+    extent = tf.concat([[tf.cast(size, tf.int64)], tensor.dense_shape[1:]], 0)
+    return tf.sparse.slice(tensor, start, extent)
+  return tensor[:size]
+
+
+def real_rows(tensors: Sequence[Any], replication: _context.Replication):
+  """The towers' outputs without the rows computed on phantom rows.
+
+  A tower known to hold a phantom row is left out; one that may (the batch
+  size is dynamic) keeps its first `size` rows: none, or all of them.
+  """
+  kept = []
+  for index, tensor in enumerate(tensors):
+    valid = replication.is_valid(index)
+    if valid is True:
+      kept.append(tensor)
+    elif valid is not False:
+      kept.append(_first_rows(tensor, replication.size(index)))
+  return kept
+
+
+def _concat(tensors: Sequence[Any], path: str, name: str,
+            replication: _context.Replication):
   if any(t is None for t in tensors):
     return None
+  if not isinstance(tensors[0], tf.SparseTensor) and (
+      tensors[0].shape.rank == 0):
+    return _tower_zero_scalar(tensors[0], path, replication.inputs)
+  tensors = real_rows(tensors, replication)
   if isinstance(tensors[0], tf.SparseTensor):
-    return tf.sparse.concat(axis=0, sp_inputs=list(tensors))
-  if tensors[0].shape.rank == 0:
-    return _tower_zero_scalar(tensors[0], path, inputs)
-  return tf.concat(list(tensors), axis=0, name=name)
+    return tf.sparse.concat(axis=0, sp_inputs=tensors)
+  return tf.concat(tensors, axis=0, name=name)
 
 
-def concat_predictions(predictions: Sequence[Any], inputs):
+def concat_predictions(predictions: Sequence[Any],
+                       replication: _context.Replication):
   """Concatenates every tower's predictions (a dict or one tensor).
 
   Args:
     predictions: each tower's predictions.
-    inputs: each tower's (features, labels): a scalar prediction computed
-      from them is refused, any other scalar is tower 0's.
+    replication: the towers: a scalar prediction computed from their inputs
+      is refused, any other scalar is tower 0's; phantom rows are left out.
   """
   if predictions[0] is None:
     return None
   if isinstance(predictions[0], dict):
     return {key: _concat([p[key] for p in predictions],
-                         f"predictions[{key!r}]", f"concat_{key}", inputs)
+                         f"predictions[{key!r}]", f"concat_{key}",
+                         replication)
             for key in predictions[0]}
-  return _concat(predictions, "predictions", "concat_predictions", inputs)
+  return _concat(predictions, "predictions", "concat_predictions", replication)
 
 
-def _concat_export_output(outputs: Sequence[Any], path: str, inputs):
+def _concat_export_output(outputs: Sequence[Any], path: str,
+                          replication: _context.Replication):
   first = outputs[0]
   if isinstance(first, _export.ClassificationOutput):
     return _export.ClassificationOutput(
         scores=_concat([o.scores for o in outputs], f"{path}.scores",
-                       "concat_scores", inputs),
+                       "concat_scores", replication),
         classes=_concat([o.classes for o in outputs], f"{path}.classes",
-                        "concat_classes", inputs))
+                        "concat_classes", replication))
   if isinstance(first, _export.RegressionOutput):
     return _export.RegressionOutput(
         value=_concat([o.value for o in outputs], f"{path}.value",
-                      "concat_value", inputs))
+                      "concat_value", replication))
   if isinstance(first, _export.PredictOutput):
     return _export.PredictOutput(
         {key: _concat([o.outputs[key] for o in outputs],
-                      f"{path}.outputs[{key!r}]", f"concat_{key}", inputs)
+                      f"{path}.outputs[{key!r}]", f"concat_{key}", replication)
          for key in first.outputs})
   raise ValueError(
       f"Export output {first!r} of type {type(first).__name__} cannot be "
@@ -105,12 +136,13 @@ def _concat_export_output(outputs: Sequence[Any], path: str, inputs):
       "ClassificationOutput.")
 
 
-def concat_export_outputs(export_outputs: Sequence[Dict[str, Any]], inputs):
+def concat_export_outputs(export_outputs: Sequence[Dict[str, Any]],
+                          replication: _context.Replication):
   """Concatenates every tower's export outputs, key by key (see above)."""
   if export_outputs[0] is None:
     return None
   return {key: _concat_export_output([e[key] for e in export_outputs],
-                                     f"export_outputs[{key!r}]", inputs)
+                                     f"export_outputs[{key!r}]", replication)
           for key in export_outputs[0]}
 
 
@@ -161,7 +193,7 @@ def merge_specs(mode, specs: List[Any], replication: _context.Replication):
   """Builds the one EstimatorSpec the Estimator sees, on the hub device."""
   with tf.device(replication.hub), tf.name_scope("merge_towers"):
     fields = {"predictions": concat_predictions([s.predictions for s in specs],
-                                                replication.inputs)}
+                                                replication)}
     if mode != _ModeKeys.PREDICT:
       fields["loss"] = _loss.combine(replication, [s.loss for s in specs])
     if mode == _ModeKeys.TRAIN:
@@ -173,7 +205,7 @@ def merge_specs(mode, specs: List[Any], replication: _context.Replication):
       fields["eval_metric_ops"] = merge_eval_metric_ops(specs)
     if mode == _ModeKeys.PREDICT:
       fields["export_outputs"] = concat_export_outputs(
-          [s.export_outputs for s in specs], replication.inputs)
+          [s.export_outputs for s in specs], replication)
   swaps = _hooks.whole_batch_swaps(specs[0], fields)
   for name in ("training_hooks", "training_chief_hooks", "evaluation_hooks",
                "prediction_hooks"):

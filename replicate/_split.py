@@ -6,8 +6,17 @@ Tensors, SparseTensors and RaggedTensors (both split by rows) and any nest
 of them are supported. Where static shapes cannot show that every leaf has
 the same batch size, runtime checks on the consolidation device say which
 leaves differ, before anything is split.
+
+A non-empty batch smaller than the number of towers leaves towers without
+examples. Many model_fns cannot take zero rows (TensorFlow's linear feature
+columns fail to reshape an empty SparseTensor), though one device never
+sees zero rows unless the batch is empty; so such a tower is handed one
+phantom row instead, a copy of the batch's last row, and marked not
+`valid`: whatever it computes is left out of the losses, predictions,
+metrics and model-state writes (see `_aggregate.gate`).
 """
 
+import itertools
 from typing import Any, List, NamedTuple, Union
 
 import tensorflow as tf
@@ -21,6 +30,7 @@ class Shards(NamedTuple):
   labels: List[Any]
   sizes: List[Size]       # examples per tower (ints when the batch is static)
   fractions: List[Any]    # size / batch size: floats, or float32 tensors
+  valid: List[Any]        # False for a phantom row's tower: bools or tensors
 
 
 def _paths(structure, prefix):
@@ -143,42 +153,78 @@ def shard_sizes(batch_size: Size, num_shards: int) -> List[Size]:
   return [base + tf.cast(i < extra, tf.int64) for i in range(num_shards)]
 
 
-def _split_dense(tensor, sizes):
-  if all(isinstance(s, int) for s in sizes):
+class _Window(NamedTuple):
+  """The rows a tower reads: `size` rows from row `start`."""
+  start: Size
+  size: Size
+
+
+def _windows(sizes: List[Size], batch_size: Size) -> List[_Window]:
+  """The rows each tower reads: its shard, or one phantom row.
+
+  A tower whose shard is empty while the batch is not (only possible when
+  the batch is smaller than the number of towers) reads the batch's last
+  row instead; with an empty batch every tower reads its empty shard.
+  Python ints where the sizes are, so static shapes stay static.
+  """
+  starts = [0] + list(itertools.accumulate(sizes[:-1]))
+  if isinstance(batch_size, int):
+    return [_Window(min(start, batch_size - 1), 1) if batch_size and not size
+            else _Window(start, size) for start, size in zip(starts, sizes)]
+  batch_size = tf.cast(batch_size, tf.int64)
+  last = tf.maximum(batch_size - 1, 0)
+  at_least = tf.minimum(batch_size, 1)   # one row, unless there is none
+  return [_Window(0, sizes[0])] + [
+      _Window(tf.minimum(start, last), tf.maximum(size, at_least))
+      for start, size in zip(starts[1:], sizes[1:])]
+
+
+def _tiled(sizes: List[Size], batch_size: Size) -> bool:
+  """Whether the shards are known to tile the batch, phantom rows none."""
+  return isinstance(batch_size, int) and not 0 < batch_size < len(sizes)
+
+
+def _valid(sizes: List[Size]) -> List[Any]:
+  """Per tower: whether it holds real examples (python bool where known).
+
+  Tower 0 always does: it holds the whole batch when the batch is empty.
+  """
+  return [True] + [size > 0 if isinstance(size, int) else
+                   tf.greater(size, 0, name=f"valid_{index}")
+                   for index, size in enumerate(sizes[1:], start=1)]
+
+
+def _split_dense(tensor, sizes, windows, tiled):
+  """tf.split where the shards tile the batch statically, else slices."""
+  if tiled:
     return tf.split(tensor, sizes, axis=0)
-  return tf.split(tensor, tf.stack(sizes), num=len(sizes), axis=0)
+  return [tensor[w.start:w.start + w.size] for w in windows]
 
 
-def _split_sparse(sparse, sizes):
+def _split_sparse(sparse, windows):
   shards = []
-  offset = tf.constant(0, tf.int64)
   trailing = sparse.dense_shape[1:]
-  for size in sizes:
-    size = tf.cast(size, tf.int64)
-    start = tf.concat([[offset], tf.zeros_like(trailing)], axis=0)
-    extent = tf.concat([[size], trailing], axis=0)
+  for window in windows:
+    start = tf.concat([[tf.cast(window.start, tf.int64)],
+                       tf.zeros_like(trailing)], axis=0)
+    extent = tf.concat([[tf.cast(window.size, tf.int64)], trailing], axis=0)
     shards.append(tf.sparse.slice(sparse, start, extent))
-    offset += size
   return shards
 
 
-def _split_ragged(ragged, sizes):
+def _split_ragged(ragged, windows):
   """Row slices; python ints where the sizes are, so shapes stay static."""
-  shards, offset = [], 0
-  for size in sizes:
-    shards.append(ragged[offset:offset + size])
-    offset = offset + size
-  return shards
+  return [ragged[w.start:w.start + w.size] for w in windows]
 
 
-def _split_leaf(leaf, sizes):
+def _split_leaf(leaf, sizes, windows, tiled):
   if leaf is None:
     return [None] * len(sizes)
   if isinstance(leaf, tf.SparseTensor):
-    return _split_sparse(leaf, sizes)
+    return _split_sparse(leaf, windows)
   if isinstance(leaf, tf.RaggedTensor):
-    return _split_ragged(leaf, sizes)
-  return _split_dense(leaf, sizes)
+    return _split_ragged(leaf, windows)
+  return _split_dense(leaf, sizes, windows, tiled)
 
 
 def _fractions(sizes, batch_size):
@@ -201,6 +247,9 @@ def _fractions(sizes, batch_size):
 def split_batch(features, labels, num_shards: int) -> Shards:
   """Splits `features` and `labels` into `num_shards` row-aligned shards.
 
+  A tower left without examples by a non-empty batch gets one phantom row
+  (the batch's last) and `valid` False; its `sizes` entry stays 0.
+
   Raises:
     ValueError: a leaf is a scalar or not a tensor, or the leaves' static
       shapes disagree on the batch size (dynamic sizes that disagree fail
@@ -218,10 +267,14 @@ def split_batch(features, labels, num_shards: int) -> Shards:
   batch_size, checks = _batch_size(named)
   sizes = shard_sizes(batch_size, num_shards)
   with tf.control_dependencies(checks):
-    split_leaves = [_split_leaf(leaf, sizes) for leaf in leaves]
+    windows = _windows(sizes, batch_size)
+    tiled = _tiled(sizes, batch_size)
+    split_leaves = [_split_leaf(leaf, sizes, windows, tiled)
+                    for leaf in leaves]
   towers = [tf.nest.pack_sequence_as(structure, [s[i] for s in split_leaves])
             for i in range(num_shards)]
   return Shards(features=[f for f, _ in towers],
                 labels=[l for _, l in towers],
                 sizes=sizes,
-                fractions=_fractions(sizes, batch_size))
+                fractions=_fractions(sizes, batch_size),
+                valid=_valid(sizes))

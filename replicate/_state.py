@@ -18,6 +18,10 @@ variable into one write per step, combined by the variable's declared
   every tower writes the same thing (nothing computed from the tower's
   inputs), else a ValueError asking for an aggregation.
 
+A tower that computed on a phantom row (see _split) adds nothing: its SUM
+changes count zero, its MEAN weight is zero and its scatter rows are
+dropped.
+
 Tower 0's write op carries the combined value; later towers' writes go to a
 throwaway variable (dense) or write no rows (scatter) and run after tower
 0's, so whatever a tower ordered after its write sees the combined state.
@@ -36,6 +40,7 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
+from replicate import _aggregate
 from replicate._context import Replication
 from replicate._variance import add_between_shard_variance
 
@@ -258,7 +263,7 @@ def _feed_combined(replication, group: List[_Write], aggregation):
     if first.kind in (_Kind.SCATTER_ADD, _Kind.SCATTER):
       weights = _weights(replication) if (
           mean and first.kind is _Kind.SCATTER_ADD) else None
-      _set_rows(first, *_concatenated_rows(group, weights))
+      _set_rows(first, *_concatenated_rows(replication, group, weights))
       return
     if mean:
       add_between_shard_variance(
@@ -268,11 +273,11 @@ def _feed_combined(replication, group: List[_Write], aggregation):
     if first.kind is _Kind.VALUE and not mean:
       old = _read(first)
       values = [v - old for v in values]
-      combined = old + tf.add_n(values)
+      combined = old + _real_sum(replication, values)
     elif mean:
       combined = _weighted_sum(replication, values)
     else:
-      combined = tf.add_n(values)
+      combined = _real_sum(replication, values)
     # Ops have no public way to change an input once built.
     first.op._update_input(1, combined)  # pylint: disable=protected-access
 
@@ -362,6 +367,14 @@ def _weights(replication: Replication):
   return list(replication.fractions)
 
 
+def _real_sum(replication, values: Sequence[tf.Tensor]) -> tf.Tensor:
+  """The towers' values added up, those computed on phantom rows as zero.
+
+  So a SUM counter fed a phantom tower's row count counts one device's rows.
+  """
+  return _aggregate.real_sum(values, replication.validity)
+
+
 def _weighted_sum(replication, values: Sequence[tf.Tensor]) -> tf.Tensor:
   """Sum of weight * value; a tower with weight 0 adds 0 even if NaN."""
   terms = []
@@ -407,16 +420,26 @@ def _set_rows(write: _Write, indices: tf.Tensor, updates: tf.Tensor):
   write.op._update_input(2, updates)  # pylint: disable=protected-access
 
 
-def _concatenated_rows(group: List[_Write], weights):
-  """Every tower's scatter indices and updates, in tower order, flattened."""
+def _concatenated_rows(replication, group: List[_Write], weights):
+  """Every tower's scatter indices and updates, in tower order, flattened.
+
+  A tower that computed on a phantom row writes no rows.
+  """
   all_indices, all_updates = [], []
   for index, write in enumerate(group):
+    valid = replication.is_valid(index)
+    if valid is False:
+      continue
     depth, row_shape = _row_layout(write)
     indices, updates = write.op.inputs[1], write.op.inputs[2]
-    all_indices.append(tf.reshape(indices, [-1] if depth is None else [-1, depth]))
+    indices = tf.reshape(indices, [-1] if depth is None else [-1, depth])
     rows = tf.reshape(updates, [-1] + row_shape.as_list())
     if weights is not None:
       rows = rows * tf.cast(weights[index], rows.dtype)
+    if valid is not True:
+      count = tf.where(valid, tf.shape(indices)[0], 0)
+      indices, rows = indices[:count], rows[:count]
+    all_indices.append(indices)
     all_updates.append(rows)
   return tf.concat(all_indices, 0), tf.concat(all_updates, 0)
 

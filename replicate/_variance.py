@@ -22,6 +22,8 @@ from typing import NamedTuple, Optional, Sequence
 import tensorflow as tf
 from absl import logging
 
+from replicate import _aggregate
+
 # Ops that pass a statistic on unchanged in value (shape and dtype aside).
 _VALUE_PRESERVING = frozenset([
     "Identity", "Squeeze", "Reshape", "ExpandDims", "Cast"])
@@ -62,7 +64,9 @@ def add_between_shard_variance(writes: Sequence[tf.Operation], weights,
     return False
   batch_mean = weighted_sum([s.mean for s in statistics])
   if bessel:
-    counts = [tf.cast(s.count, s.variance.dtype) for s in statistics]
+    # A tower of weight 0 holds no example (a phantom row's, see _split).
+    counts = [_aggregate.gate(tf.cast(s.count, s.variance.dtype), weight > 0)
+              for s, weight in zip(statistics, weights)]
     total = tf.add_n(counts)
   for index, statistic in enumerate(statistics):
     variance, mean = statistic.variance, statistic.mean

@@ -35,16 +35,25 @@ def test_shards_are_rows_in_order(batch, towers, static, seed):
         {"x": x, "s": tf.SparseTensor.from_value(sparse)},
         {"y": tf.constant(np.arange(batch))}, towers)
     sizes = [tf.convert_to_tensor(size) for size in shards.sizes]
+    valid = [tf.convert_to_tensor(v) for v in shards.valid]
     with tf.compat.v1.Session() as session:
-      features, labels, sizes = session.run(
-          (shards.features, shards.labels, sizes))
+      features, labels, sizes, valid = session.run(
+          (shards.features, shards.labels, sizes, valid))
   assert list(sizes) == _split.shard_sizes(batch, towers)
-  np.testing.assert_array_equal(np.concatenate([f["x"] for f in features]),
+  assert list(valid) == [i == 0 or size > 0 for i, size in enumerate(sizes)]
+  # A tower without examples holds one phantom row: the batch's last.
+  real = [(f, l) for f, l, size in zip(features, labels, sizes) if size]
+  np.testing.assert_array_equal(np.concatenate([f["x"] for f, _ in real]),
                                 dense)
-  np.testing.assert_array_equal(np.concatenate([l["y"] for l in labels]),
+  np.testing.assert_array_equal(np.concatenate([l["y"] for _, l in real]),
                                 np.arange(batch))
-  rows = np.concatenate([f["s"].indices[:, 0] + offset for f, offset in zip(
-      features, np.cumsum([0] + list(sizes[:-1])))])
+  rows = np.concatenate([f["s"].indices[:, 0] + offset for (f, _), offset in
+                         zip(real, np.cumsum([0] + list(sizes[:-1])))])
   np.testing.assert_array_equal(rows, ids[:, 0])
-  for f, size in zip(features, sizes):
-    assert f["s"].dense_shape[0] == size
+  for f, l, size in zip(features, labels, sizes):
+    assert f["s"].dense_shape[0] == max(size, 1)
+    if not size:
+      np.testing.assert_array_equal(f["x"], dense[-1:])
+      np.testing.assert_array_equal(l["y"], [batch - 1])
+      np.testing.assert_array_equal(f["s"].indices[:, 1],
+                                    ids[ids[:, 0] == batch - 1, 1])

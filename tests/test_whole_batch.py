@@ -23,8 +23,11 @@ from tests import harness
 TRAIN, EVAL, PREDICT = harness.TRAIN, harness.EVAL, harness.PREDICT
 Reduction = tf.compat.v1.losses.Reduction
 STEPS = 3
-# (towers, batch, static): even and uneven splits, static and dynamic batches.
-SHAPES = [(2, 8, True), (4, 10, False), (2, 7, False), (4, 8, True)]
+# (towers, batch, static): even and uneven splits, static and dynamic
+# batches, and a batch smaller than the towers (one computes on a phantom
+# row that must count nowhere).
+SHAPES = [(2, 8, True), (4, 10, False), (2, 7, False), (4, 8, True),
+          (4, 3, False)]
 SHAPE_IDS = [f"{n}towers-batch{b}-{'static' if s else 'dynamic'}"
              for n, b, s in SHAPES]
 
