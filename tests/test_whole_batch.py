@@ -188,8 +188,10 @@ def test_batch_sum_and_concat_models_are_one_devices(model_fn, towers, batch,
 def _batch_norm_model_fn(features, labels, mode, params):
   training = mode == TRAIN
   x = features["x"]
-  if params["input"] == "conv":
+  if params["input"] in ("conv", "nchw"):
     x = tf.compat.v1.layers.conv2d(x, 3, 2, name="conv")
+    if params["input"] == "nchw":
+      x = tf.transpose(x, [0, 3, 1, 2])
   else:
     x = tf.compat.v1.layers.dense(x, 4, name="hidden")
   if params["layer"] == "v1":
@@ -197,7 +199,8 @@ def _batch_norm_model_fn(features, labels, mode, params):
         x, training=training, fused=params["fused"], name="bn")
   else:
     x = tf.keras.layers.BatchNormalization(
-        fused=params["fused"], name="bn")(x, training=training)
+        axis=1 if params["input"] == "nchw" else -1, fused=params["fused"],
+        name="bn")(x, training=training)
   logits = tf.compat.v1.layers.dense(tf.compat.v1.layers.flatten(x), 3,
                                      name="logits")
   return _spec(mode, tf.compat.v1.losses.sparse_softmax_cross_entropy(
@@ -211,6 +214,7 @@ BATCH_NORMS = [
     {"layer": "keras", "input": "conv", "fused": None},   # fused kernel
     {"layer": "keras", "input": "conv", "fused": False},
     {"layer": "v1", "input": "conv", "fused": True},
+    {"layer": "keras", "input": "nchw", "fused": None},   # channels first
 ]
 
 
@@ -220,7 +224,7 @@ BATCH_NORMS = [
     ids=[f"{p['layer']}-{p['input']}-fused{p['fused']}" for p in BATCH_NORMS])
 def test_batch_norm_training_is_one_devices(params, towers, batch, static):
   _assert_one_devices(_batch_norm_model_fn, towers, batch, static,
-                      params=params, image=params["input"] == "conv")
+                      params=params, image=params["input"] != "dense")
 
 
 def test_unsynchronised_batch_norm_uses_each_towers_statistics():
