@@ -239,7 +239,7 @@ def _combine(replication: Replication, group: List[Optional[_Write]],
   if aggregation in (_Aggregation.SUM, _Aggregation.MEAN):
     _feed_combined(replication, group, aggregation)
   elif extremum:
-    _feed_extremum(group, extremum)
+    _feed_extremum(replication, group, extremum)
   elif aggregation == _Aggregation.NONE:
     _check_same_in_every_tower(replication, group)
   for write in group[1:]:
@@ -332,7 +332,7 @@ def _running_extremum(writes: Sequence[_Write]) -> Optional[str]:
   return kinds.pop() if len(kinds) == 1 else None
 
 
-def _feed_extremum(group: List[_Write], extremum: str):
+def _feed_extremum(replication, group: List[_Write], extremum: str):
   """Gives tower 0's write the maximum (minimum) over the towers.
 
   Each tower's value is the maximum of the old value and its shard's, so
@@ -341,7 +341,7 @@ def _feed_extremum(group: List[_Write], extremum: str):
   first = group[0]
   with tf.name_scope("combined_writes"), tf.device(first.variable.device):
     if first.kind is _Kind.SCATTER:
-      _set_rows(first, *_concatenated_rows(group, None))
+      _set_rows(first, *_concatenated_rows(replication, group, None))
       return
     combined = functools.reduce(_EXTREMA[extremum],
                                 [w.op.inputs[1] for w in group])

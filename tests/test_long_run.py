@@ -9,6 +9,7 @@ the plain estimator's weights and metrics.
 
 import gc
 import os
+import threading
 import weakref
 
 import numpy as np
@@ -16,7 +17,7 @@ import pytest
 import tensorflow as tf
 
 import replicate
-from replicate import _gather
+from replicate import _batch_norm
 from tests import harness
 from tests import test_estimator
 
@@ -109,7 +110,10 @@ def test_no_graph_or_library_state_is_left_behind(runs):
   recorder, _, _ = runs
   alive = [ref for ref in recorder.graphs if ref() is not None]
   assert not alive, f"{len(alive)} of {len(recorder.graphs)} graphs alive"
-  assert not _gather._STATES  # pylint: disable=protected-access
+  # No tower thread outlives its model_fn call; batch norm is unpatched.
+  assert not [t for t in threading.enumerate()
+              if t.name.startswith("replicate-tower-")]
+  assert not _batch_norm._installed["count"]  # pylint: disable=protected-access
 
 
 def test_memory_stays_flat(runs):
