@@ -11,8 +11,8 @@ differentiable through every tower. A layer Keras would fuse gets the same
 arithmetic as the fused kernel (biased variance to normalise, Bessel-
 corrected variance for the moving average). Layers with
 `virtual_batch_size` keep their own statistics (their ghost batches do not
-follow the towers' shards), and so does a layer whose `training` is a
-tensor rather than a Python bool.
+follow the towers' shards), and so does a fused layer whose `training` is
+a tensor rather than a Python bool (its kernel runs inside a tf.cond).
 """
 
 import contextlib
@@ -87,9 +87,9 @@ def _fused(original):
     channel = 1 if layer._data_format.startswith("NC") else -1  # pylint: disable=protected-access
     rank = inputs.shape.rank
     axes = [a for a in range(rank) if a != channel % rank]
-    if (not _whole_batch(layer, axes) or
-        _control_flow_util.constant_value(training) is not True):
-      if _whole_batch(layer, axes):
+    training_value = _control_flow_util.constant_value(training)
+    if not _whole_batch(layer, axes) or training_value is not True:
+      if training_value is None and _whole_batch(layer, axes):
         logging.warning(
             "replicate: %s has a tensor `training`; it normalises with each "
             "tower's statistics (pass a Python bool for the whole batch's)",

@@ -236,7 +236,7 @@ def _run_towers(model_fn, features, labels, mode, arguments, devices,
       num_towers=len(devices), loss_reduction=reduction,
       fractions=shards.fractions, sizes=shards.sizes, valid=shards.valid,
       graph=graph, hub=hub, devices=list(devices),
-      sync_batch_norm=sync_batch_norm and mode == _ModeKeys.TRAIN,
+      sync_batch_norm=sync_batch_norm,
       split_op_names={op.name for op in graph.get_operations()[first_op:]},
       inputs=list(zip(shards.features, shards.labels)))
   choose = _devices.variable_device_chooser(placement, devices)
