@@ -35,6 +35,16 @@ class Settings:
   pairing: str = "runs"
 
 
+def write_json(record: Any, path: Optional[str]) -> None:
+  """`record` as JSON to `path`, or to stdout when it is None."""
+  text = json.dumps(record, indent=1)
+  if path:
+    with open(path, "w") as f:
+      f.write(text)
+  else:
+    print(text)
+
+
 def define_timing_flags() -> None:
   """Flags the driver and the worker share: batch, data and timed windows."""
   from absl import flags  # pylint: disable=g-import-not-at-top

@@ -14,7 +14,6 @@ an older checkout (benchmarks/compare_versions.py runs it for both).
   PYTHONPATH=. .venv/bin/python benchmarks/graph_stats.py --towers=1,2,4
 """
 
-import json
 import os
 import statistics
 import time
@@ -27,6 +26,7 @@ from absl import flags
 import tensorflow as tf
 
 import replicate
+import common
 import workloads
 
 FLAGS = flags.FLAGS
@@ -106,12 +106,7 @@ def main(argv):
       cpu, [tf.config.LogicalDeviceConfiguration()] * max(towers))
   result = {"library": os.path.dirname(os.path.abspath(replicate.__file__)),
             "workloads": {w: measure(w, towers) for w in FLAGS.workloads}}
-  text = json.dumps(result, indent=1)
-  if FLAGS.result_file:
-    with open(FLAGS.result_file, "w") as f:
-      f.write(text)
-  else:
-    print(text)
+  common.write_json(result, FLAGS.result_file)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ Variants:
                          statistics (the default, True, uses the batch's)
 """
 
-import json
 import os
 import resource
 import shutil
@@ -411,12 +410,7 @@ def run_together(variants: List[str], devices: List[str]):
 
 def write_record(record: Any) -> None:
   """To --result_file, or stdout."""
-  text = json.dumps(record, indent=1)
-  if FLAGS.result_file:
-    with open(FLAGS.result_file, "w") as f:
-      f.write(text)
-  else:
-    print(text)
+  common.write_json(record, FLAGS.result_file)
 
 
 def main(argv):
