@@ -67,7 +67,8 @@ def batch_sum(x):
     The sum over the towers, with the structure of `x`.
 
   Raises:
-    ValueError: called inside a tf.cond / tf.while_loop body of a tower.
+    ValueError: `x` holds a SparseTensor or RaggedTensor, or the call is
+      inside a tf.cond / tf.while_loop body of a tower.
   """
   replication = _tower_replication("batch_sum")
   if replication is None:
@@ -79,9 +80,18 @@ def batch_sum(x):
                 for parts in zip(*values)]
     return [tf.nest.pack_sequence_as(x, summed)] * len(values)
 
-  return _lockstep.meet(
-      "replicate.batch_sum",
-      [tf.convert_to_tensor(t) for t in _flat(x)], combine)
+  return _lockstep.meet("replicate.batch_sum",
+                        [_as_summable(t) for t in _flat(x)], combine)
+
+
+def _as_summable(value):
+  if isinstance(value, (tf.SparseTensor, tf.RaggedTensor)):
+    raise ValueError(
+        f"replicate.batch_sum got a {type(value).__name__}, whose shape "
+        "differs from tower to tower; sum it to a dense tensor in the tower "
+        "first (e.g. tf.sparse.reduce_sum), or concatenate it with "
+        "replicate.batch_concat.")
+  return tf.convert_to_tensor(value)
 
 
 def _concat(parts):

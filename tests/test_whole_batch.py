@@ -392,6 +392,12 @@ def test_concatenating_a_scalar_is_an_error():
     _collected(lambda f: replicate.batch_concat(tf.reduce_sum(f["x"])))
 
 
+def test_summing_a_sparse_tensor_is_an_error():
+  with pytest.raises(ValueError, match="batch_sum got a SparseTensor.* "
+                     "tf.sparse.reduce_sum"):
+    _collected(lambda f: replicate.batch_sum(f["ids"]))
+
+
 def test_inside_a_cond_is_an_error():
   with pytest.raises(ValueError, match="batch_sum was called inside a "
                      "tf.cond, tf.while_loop or tf.function of a tower"):
