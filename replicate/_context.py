@@ -45,7 +45,7 @@ class Replication:
   created: List[Dict[Any, tf.Variable]] = dataclasses.field(default_factory=list)
   # True while variables are created for no tower (gradient apply, sinks).
   unshared: bool = False
-  # Names of the ops that apply summed gradients (built in the last tower).
+  # Names of the ops that apply the whole batch's gradients (tower 0's).
   apply_ops: set = dataclasses.field(default_factory=set)
   # Where inputs are split and results merged; None with one tower.
   hub: Optional[str] = None
@@ -110,8 +110,8 @@ class Replication:
     """
     first_op = len(self.graph.get_operations())
     # On the consolidation device, so that e.g. learning-rate tensors are
-    # not sent there from the last tower every step; per-variable updates
-    # stay with their variables (TensorFlow colocates them).
+    # not sent there from a tower every step; per-variable updates stay
+    # with their variables (TensorFlow colocates them).
     try:
       with self.unshared_creation(), \
           tf.compat.v1.variable_scope(scopes.variable_scope), \

@@ -1,9 +1,10 @@
 """replicate_model_fn: one model_fn, run as one tower per device.
 
 One call reads top-down: resolve devices, split the inputs on the
-consolidation device, build the towers (the last tower's TowerOptimizer
-applies the summed gradients), check the towers' optimizer calls, merge the
-specs.
+consolidation device, build the towers in lockstep (they meet at every
+TowerOptimizer call, batch_sum / batch_concat and synchronised batch norm;
+tower 0 applies the whole batch's gradients), combine the towers' state
+writes, check that an update was applied, merge the specs.
 """
 
 import contextlib
@@ -40,7 +41,8 @@ def replicate_model_fn(
   Each batch of features and labels is split along dimension 0 across the
   devices; the model_fn runs once per device with one shared set of
   variables; the optimizer, wrapped in `replicate.TowerOptimizer`, applies
-  the towers' summed gradients once. Losses, metrics and predictions equal
+  one device's gradients of the whole batch's loss once. Losses, gradients,
+  metrics and predictions equal
   those of one device on the whole batch, and checkpoints are interchangeable
   with the unwrapped model_fn's.
 

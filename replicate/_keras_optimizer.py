@@ -2,8 +2,8 @@
 
 The v2 canned heads insist on a `tf.keras.optimizers.legacy.Optimizer`, call
 `get_updates(loss, variables)` in every tower and set `iterations` to the
-global step in each; this wrapper is such an optimizer, and gathers and
-applies like the v1 TowerOptimizer.
+global step in each; this wrapper is such an optimizer, and computes and
+applies gradients like the v1 TowerOptimizer.
 """
 
 import tensorflow as tf
@@ -48,9 +48,9 @@ class KerasTowerOptimizer(_KerasOptimizer):
 
   The v2 canned heads call `get_updates(loss, variables)` and set
   `iterations` to the global step in every tower; the wrapped optimizer's
-  iterations advance once per step, in the last tower's apply. The wrapped
-  optimizer (a LossScaleOptimizer included) gets the summed gradients, so
-  its clipping and finite checks see what one device's would.
+  iterations advance once per step, in tower 0's apply. The wrapped
+  optimizer (a LossScaleOptimizer included) gets the whole batch's
+  gradients, so its clipping and finite checks see what one device's would.
 
   Args:
     optimizer: a `tf.keras.optimizers.legacy.Optimizer`.
@@ -127,7 +127,7 @@ class KerasTowerOptimizer(_KerasOptimizer):
     return self.apply_gradients(zip(grads, var_list), name=name)
 
   def apply_gradients(self, grads_and_vars, name=None, **kwargs):
-    """Records the tower's gradients; the last tower applies their sum."""
+    """Meets the other towers; tower 0's gradients are applied once."""
     optimizer = self._wrapped_keras
     return _gather.transform_and_apply(
         grads_and_vars, self._transforms,

@@ -1,11 +1,10 @@
-"""TowerOptimizer: gathers every tower's gradients and applies their sum once.
+"""TowerOptimizer: one device's gradients in every tower, one update.
 
-In towers 0..N-2 `apply_gradients` records the gradients and returns an op
-that depends on them; in the last tower it sums each variable's gradients
-over the towers and applies the sums with the wrapped optimizer, in the
-scopes tower 0 made the same call in, so that slot variables are named as
-without replication. Keras legacy optimizers (which the v2 canned
-estimators require) get the Keras flavour in `_keras_optimizer`.
+`compute_gradients` hands every tower the gradients of the whole batch's
+loss and `apply_gradients` applies tower 0's once, in the scopes tower 0
+made the call in, so that slot variables are named as without replication
+(see `_gather`). Keras legacy optimizers (which the v2 canned estimators
+require) get the Keras flavour in `_keras_optimizer`.
 """
 
 import weakref
@@ -64,31 +63,33 @@ class TowerOptimizer(_Optimizer):
       train_op = opt.minimize(loss, tf.compat.v1.train.get_global_step())
 
   Inside `replicate_model_fn` with several towers, `compute_gradients`
-  weights the tower's loss by its share of the batch (for averaging loss
-  reductions) and the last tower's `apply_gradients` applies the gradients
-  summed over all towers. Outside, or with one tower, it passes every call
-  straight to the wrapped optimizer. Gradients computed without
-  `compute_gradients` (e.g. `tf.gradients`) are not weighted: pass them
-  only with Reduction.SUM.
+  returns, in every tower, one device's gradients of the whole batch's loss
+  (the towers' losses combined, differentiated once, each tower's backward
+  pass on its device), so clipping or scaling them before
+  `apply_gradients` gives one device's result; `apply_gradients` applies
+  tower 0's once. Outside, or with one tower, it passes every call straight
+  to the wrapped optimizer. Gradients computed without `compute_gradients`
+  (e.g. `tf.gradients` of the tower's loss) are the tower's share and are
+  summed over the towers: pass them only with Reduction.SUM.
 
   A Keras legacy optimizer (`tf.keras.optimizers.legacy.*`, what the v2
   canned estimators take) gives a Keras optimizer that does the same through
   `get_updates` / `get_gradients` / `apply_gradients`; its own `clipnorm`,
-  `clipvalue`, `global_clipnorm` and `gradient_transformers` see the summed
-  gradients. A loss-scale optimizer (Keras' `LossScaleOptimizer` or v1's
-  `MixedPrecisionLossScaleOptimizer`) skips a step where the summed
-  gradients are not finite (any tower overflowed), as one device would; a
+  `clipvalue`, `global_clipnorm` and `gradient_transformers` see the whole
+  batch's gradients. A loss-scale optimizer (Keras' `LossScaleOptimizer` or
+  v1's `MixedPrecisionLossScaleOptimizer`) skips a step where the whole
+  batch's gradients are not finite, as one device would; a
   dynamic loss scale creates variables when it is built, so for an
   Estimator pass a function: `TowerOptimizer(lambda: LossScaleOptimizer(
   tf.keras.optimizers.legacy.Adam()))`.
 
-  To transform the summed gradients before they are applied (clip them,
-  scale some, add noise, log their norm), pass `gradient_transform`: a
-  function from the list of (gradient, variable) pairs to the pairs to
-  apply. It runs once per step on the sums, and on one device (or outside
-  `replicate_model_fn`) on that device's gradients, so both give the same
-  result. Clipping in the model_fn before `apply_gradients` would clip each
-  tower's share instead.
+  To transform the gradients right before they are applied (clip them,
+  scale some, add noise, log their norm) where the model_fn has no place
+  between `compute_gradients` and `apply_gradients` (a canned estimator,
+  `minimize`), pass `gradient_transform`: a function from the list of
+  (gradient, variable) pairs to the pairs to apply. It runs once per step on
+  the whole batch's gradients, and on one device (or outside
+  `replicate_model_fn`) on that device's, so both give the same result.
 
       opt = replicate.TowerOptimizer(
           tf.compat.v1.train.AdagradOptimizer(0.1),
@@ -196,7 +197,7 @@ class TowerOptimizer(_Optimizer):
     return _gather.whole_batch_gradients(loss, compute, var_list)
 
   def apply_gradients(self, grads_and_vars, global_step=None, name=None):
-    """Records the tower's gradients; the last tower applies their sum."""
+    """Meets the other towers; tower 0's gradients are applied once."""
     optimizer = self.optimizer
     return _gather.transform_and_apply(
         grads_and_vars, self._transforms,

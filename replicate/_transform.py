@@ -70,11 +70,11 @@ class Pipeline:
     self._transforms = transforms
 
   def prepare(self, grads_and_vars):
-    """One device's gradients as the towers' sums reach the transforms.
+    """The gradients as the transforms get them, replicated or not.
 
     Without transforms they pass unchanged (the wrapper adds no ops); with
     them, variables without a gradient are left out and duplicate rows of
-    sparse gradients summed, as `_aggregate.sum_gradients` does.
+    sparse gradients summed.
     """
     if not self._transforms:
       return grads_and_vars
