@@ -11,7 +11,7 @@ gradients are applied once, where tower 0 made the call, and every tower
 gets that update op as its own.
 """
 
-from typing import Any, Callable, List, Sequence
+from typing import Any, Callable, Sequence
 
 import tensorflow as tf
 
@@ -57,14 +57,7 @@ def whole_batch_gradients(loss, compute: Callable[[Any, bool], Any],
     return compute(loss, False)
 
   def combine(calls):
-    names = [n for _, n in calls]
-    for tower, tower_names in enumerate(names[1:], start=1):
-      if tower_names != names[0]:
-        raise ValueError(
-            f"TowerOptimizer call of tower {tower} updates variables "
-            f"{tower_names} but tower 0's updates {names[0]}; every tower "
-            "must make the same optimizer calls on the same variables in "
-            "the same order.")
+    _check_same_variables("TowerOptimizer call", [n for _, n in calls])
     combined = _loss.combine(replication, [l for l, _ in calls])
     result = compute(combined, True)
     replication.whole_batch_gradients.update(
@@ -136,7 +129,8 @@ def transform_and_apply(grads_and_vars, transforms: "_transform.Pipeline",
   state = {}
 
   def combine(towers_grads_and_vars):
-    _check_same_variables(towers_grads_and_vars)
+    _check_same_variables("TowerOptimizer.apply_gradients",
+                          [_variable_names(p) for p in towers_grads_and_vars])
     pairs = _whole_batch_pairs(replication, towers_grads_and_vars)
     state["pairs"] = pairs
     return [state] * len(towers_grads_and_vars)
@@ -154,15 +148,15 @@ def _variable_names(grads_and_vars):
   return [v.op.name for _, v in grads_and_vars]
 
 
-def _check_same_variables(towers_grads_and_vars: Sequence[List[Any]]):
-  first = _variable_names(towers_grads_and_vars[0])
-  for tower, pairs in enumerate(towers_grads_and_vars[1:], start=1):
-    if _variable_names(pairs) != first:
+def _check_same_variables(call: str, names_per_tower: Sequence[Any]):
+  """Every tower's call must name the variables tower 0's names."""
+  first = names_per_tower[0]
+  for tower, names in enumerate(names_per_tower[1:], start=1):
+    if names != first:
       raise ValueError(
-          f"TowerOptimizer.apply_gradients of tower {tower} updates variables "
-          f"{_variable_names(pairs)} but tower 0's updates {first}; every "
-          "tower must make the same optimizer calls on the same variables in "
-          "the same order.")
+          f"{call} of tower {tower} updates variables {names} but tower 0's "
+          f"updates {first}; every tower must make the same optimizer calls "
+          "on the same variables in the same order.")
 
 
 def _whole_batch_pairs(replication, towers_grads_and_vars):
@@ -186,15 +180,17 @@ def _whole_batch_pairs(replication, towers_grads_and_vars):
   return pairs
 
 
+def _op(grad) -> tf.Operation:
+  return (grad.values if isinstance(grad, tf.IndexedSlices) else grad).op
+
+
 def _is_derived(grad, derived) -> bool:
-  values = grad.values if isinstance(grad, tf.IndexedSlices) else grad
-  return values.op in derived
+  return _op(grad) in derived
 
 
 def _derived_from(sources, targets) -> set:
   """The ops between `sources` (tensor refs) and `targets`, sources included."""
-  target_ops = {(g.values if isinstance(g, tf.IndexedSlices) else g).op
-                for g in targets if g is not None}
+  target_ops = {_op(g) for g in targets if g is not None}
   derived = set()
   pending = [ref.deref().op for ref in sources]
   while pending:
