@@ -11,6 +11,7 @@ on a phantom row, see _split, adds no rows), and each eval metric is tower
 shared metric variables are combined in `_state`).
 """
 
+import re
 from typing import Any, Dict, List, Sequence
 
 import tensorflow as tf
@@ -21,6 +22,29 @@ from replicate import _loss
 
 _ModeKeys = tf.estimator.ModeKeys
 _export = tf.estimator.export
+
+
+# What TensorFlow accepts as an op name (its own check, in ops.py); a name
+# with an empty path segment ('a//b', 'a/') would leave the merge's scope.
+_OP_NAME = re.compile(r"[A-Za-z0-9.][A-Za-z0-9_.\\/>-]*")
+_INVALID_RUN = re.compile(r"[^A-Za-z0-9_.>-]+")
+
+
+def concat_name(key) -> str:
+  """The name of the op concatenating one prediction or export output.
+
+  `concat_<key>` where that is a valid op name, as before; any other key a
+  plain Estimator accepts (a tuple such as MultiHead's ('head', 'logits'),
+  a string with spaces, slashes at the ends or non-ASCII letters) gets its
+  parts joined by '_' and each run of other characters made one '_'.
+  TensorFlow makes repeated names unique, so two keys may share a name.
+  """
+  name = f"concat_{key}"
+  if isinstance(key, str) and _OP_NAME.fullmatch(name) and (
+      "//" not in name and not name.endswith("/")):
+    return name
+  parts = key if isinstance(key, tuple) else (key,)
+  return "concat_" + _INVALID_RUN.sub("_", "_".join(str(p) for p in parts))
 
 
 def _reads_batch(tensor, inputs) -> bool:
@@ -106,7 +130,7 @@ def concat_predictions(predictions: Sequence[Any],
     return None
   if isinstance(predictions[0], dict):
     return {key: _concat([p[key] for p in predictions],
-                         f"predictions[{key!r}]", f"concat_{key}",
+                         f"predictions[{key!r}]", concat_name(key),
                          replication)
             for key in predictions[0]}
   return _concat(predictions, "predictions", "concat_predictions", replication)
@@ -128,7 +152,8 @@ def _concat_export_output(outputs: Sequence[Any], path: str,
   if isinstance(first, _export.PredictOutput):
     return _export.PredictOutput(
         {key: _concat([o.outputs[key] for o in outputs],
-                      f"{path}.outputs[{key!r}]", f"concat_{key}", replication)
+                      f"{path}.outputs[{key!r}]", concat_name(key),
+                      replication)
          for key in first.outputs})
   raise ValueError(
       f"Export output {first!r} of type {type(first).__name__} cannot be "
