@@ -19,6 +19,7 @@ import tensorflow as tf
 from replicate import _context
 from replicate import _hooks
 from replicate import _loss
+from replicate import _tpu
 
 _ModeKeys = tf.estimator.ModeKeys
 _export = tf.estimator.export
@@ -191,11 +192,15 @@ def check_same_metrics(specs):
   Checked before the towers' state writes are combined, whose error about
   a metric variable only one tower writes would hide this cause.
   """
-  keys = [sorted(spec.eval_metric_ops or {}) for spec in specs]
+  if _tpu.is_tpu_spec(specs[0]):
+    field, keys = "eval_metrics", [_tpu.metric_keys(spec) for spec in specs]
+  else:
+    field = "eval_metric_ops"
+    keys = [sorted(spec.eval_metric_ops or {}) for spec in specs]
   for index, tower_keys in enumerate(keys[1:], start=1):
     if tower_keys != keys[0]:
       raise ValueError(
-          f"Tower {index} returned eval_metric_ops {tower_keys} but tower 0 "
+          f"Tower {index} returned {field} {tower_keys} but tower 0 "
           f"returned {keys[0]}; every tower must return the same metrics.")
 
 
@@ -215,7 +220,12 @@ def merge_eval_metric_ops(specs):
 
 
 def merge_specs(mode, specs: List[Any], replication: _context.Replication):
-  """Builds the one EstimatorSpec the Estimator sees, on the hub device."""
+  """Builds the one EstimatorSpec the Estimator sees, on the hub device.
+
+  TPUEstimatorSpecs merge into one (see `_tpu`): `eval_metrics` and
+  `host_call` get the towers' tensors concatenated, as a TPU's shards'.
+  """
+  tpu = _tpu.is_tpu_spec(specs[0])
   with tf.device(replication.hub), tf.name_scope("merge_towers"):
     fields = {"predictions": concat_predictions([s.predictions for s in specs],
                                                 replication)}
@@ -226,13 +236,21 @@ def merge_specs(mode, specs: List[Any], replication: _context.Replication):
       # tower's runs, with whatever the model_fn tied to it.
       fields["train_op"] = tf.group(*[s.train_op for s in specs],
                                     name="train_op")
-    if mode == _ModeKeys.EVAL:
+    if mode == _ModeKeys.EVAL and not tpu:
       fields["eval_metric_ops"] = merge_eval_metric_ops(specs)
     if mode == _ModeKeys.PREDICT:
       fields["export_outputs"] = concat_export_outputs(
           [s.export_outputs for s in specs], replication)
+    if tpu:
+      fields.update(_tpu.merge_host_calls(
+          specs, replication, fields.get("loss"),
+          lambda tensors, path, name: _concat(tensors, path,
+                                              concat_name(name), replication)))
   swaps = _hooks.whole_batch_swaps(specs[0], fields)
   for name in ("training_hooks", "training_chief_hooks", "evaluation_hooks",
                "prediction_hooks"):
-    fields[name] = _hooks.wrap_hooks(getattr(specs[0], name), swaps)
+    if name in specs[0]._fields:
+      fields[name] = _hooks.wrap_hooks(getattr(specs[0], name), swaps)
+  if tpu:
+    return _tpu.merged_spec(specs[0], fields)
   return specs[0]._replace(**fields)
