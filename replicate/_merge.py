@@ -245,7 +245,8 @@ def merge_specs(mode, specs: List[Any], replication: _context.Replication):
       fields.update(_tpu.merge_host_calls(
           specs, replication, fields.get("loss"),
           lambda tensors, path, name: _concat(tensors, path,
-                                              concat_name(name), replication)))
+                                              concat_name(name), replication),
+          lambda tensor: _reads_batch(tensor, replication.inputs)))
   swaps = _hooks.whole_batch_swaps(specs[0], fields)
   for name in ("training_hooks", "training_chief_hooks", "evaluation_hooks",
                "prediction_hooks"):

@@ -123,20 +123,36 @@ def _loss_shaped(tensor, tower_loss, whole_loss):
   return None
 
 
-def _check_batch_major(tensors, path: str, replication):
-  """Raises where a tower's tensor has other than one row per example.
+def _rows_differ(tensors, replication):
+  """(tower, rows, size) of a tower whose tensor has other than one row per
+  example, or None.
 
-  Only statically known row counts are checked; a phantom row's tower is
-  left out of the concatenation, so it is not checked.
+  Only statically known row counts are compared; a phantom row's tower is
+  left out of the concatenation, so it is not compared.
   """
   for index, tensor in enumerate(tensors):
-    if not tensor.shape.rank:
-      continue
     rows = tf.compat.dimension_value(tensor.shape[0])
     size = replication.size(index)
     if (rows is not None and isinstance(size, int) and size and
         rows != size and replication.is_valid(index) is True):
-      raise ValueError(
+      return index, rows, size
+  return None
+
+
+def _not_batch_major(tensors, path: str, replication, reads_batch):
+  """Tower 0's tensor where it has no row per example and reads no input.
+
+  Such a tensor (`tf.reshape(global_step, [1])`) is the same in every
+  tower. One that reads the batch is refused: its towers' values cannot be
+  made one device's.
+  """
+  differ = _rows_differ(tensors, replication)
+  if differ is None:
+    return None
+  if not reads_batch(tensors[0]):
+    return tensors[0]
+  index, rows, size = differ
+  raise ValueError(
           f"{path} has {rows} rows in tower {index}, which holds {size} "
           "examples: TPUEstimatorSpec's eval_metrics and host_call tensors "
           "must be batch-major (one row per example), as on a TPU, whose "
@@ -146,37 +162,43 @@ def _check_batch_major(tensors, path: str, replication):
 
 
 def _merge_tensors(per_tower: Sequence[Any], path: str, name: str,
-                   replication, losses, concat):
+                   replication, losses, helpers):
+  """One host-call tensor: the whole batch's loss, tower 0's, or the rows."""
+  concat, reads_batch = helpers
   tensors = [tf.convert_to_tensor(t) for t in per_tower]
   whole = _loss_shaped(tensors[0], losses[0], losses[1])
   if whole is not None:
     return whole
-  if tensors[0].shape.rank != 0:
-    _check_batch_major(tensors, path, replication)
+  if tensors[0].shape.rank:
+    same = _not_batch_major(tensors, path, replication, reads_batch)
+    if same is not None:
+      return same
   return concat(tensors, path, name)
 
 
-def _merge_host_call(calls, name: str, replication, losses, concat):
+def _merge_host_call(calls, name: str, replication, losses, helpers):
   """(fn, tensors) with each tensor the towers' concatenated along rows."""
   fn, first = calls[0]
   keys = list(first) if isinstance(first, dict) else range(len(first))
   merged = [_merge_tensors([c[1][key] for c in calls],
                            f"{name}[1][{key!r}]", f"{name}_{key}",
-                           replication, losses, concat) for key in keys]
+                           replication, losses, helpers) for key in keys]
   if isinstance(first, dict):
     return (fn, dict(zip(keys, merged)))
   return (fn, merged)
 
 
 def merge_host_calls(specs: Sequence[Any], replication: _context.Replication,
-                     loss, concat) -> Dict[str, Any]:
+                     loss, concat, reads_batch) -> Dict[str, Any]:
   """The merged spec's `eval_metrics` and `host_call` (see above).
 
   Args:
     specs: the towers' TPUEstimatorSpecs.
     replication: the towers.
     loss: the whole batch's loss (None in PREDICT).
-    concat: `concat(tensors, path, name)` concatenating the towers' rows.
+    concat: `concat(tensors, path, name)` concatenating the towers' rows
+      (a scalar: tower 0's where it reads no input, else refused).
+    reads_batch: `reads_batch(tensor)`, whether it reads the towers' inputs.
   """
   fields = {}
   losses = (specs[0].loss, loss)
@@ -184,7 +206,7 @@ def merge_host_calls(specs: Sequence[Any], replication: _context.Replication,
     calls = [getattr(spec, name) for spec in specs]
     if calls[0] is not None:
       fields[name] = _merge_host_call(calls, name, replication, losses,
-                                      concat)
+                                      (concat, reads_batch))
   return fields
 
 
