@@ -26,7 +26,6 @@ _BATCH_SIZE = "batch_size"
 _USE_TPU = "use_tpu"
 # The spec's functions and their batch-major tensors.
 _HOST_CALLS = ("eval_metrics", "host_call")
-_HOOKS = ("training_hooks", "evaluation_hooks", "prediction_hooks")
 
 
 def _spec_class():
@@ -124,10 +123,9 @@ def _loss_shaped(tensor, tower_loss, whole_loss):
 
 
 def _rows_differ(tensors, replication):
-  """(tower, rows, size) of a tower whose tensor has other than one row per
-  example, or None.
+  """(tower, rows, size) where a tower's tensor is not one row per example.
 
-  Only statically known row counts are compared; a phantom row's tower is
+  None where every tower's is. Only statically known row counts are compared; a phantom row's tower is
   left out of the concatenation, so it is not compared.
   """
   for index, tensor in enumerate(tensors):
@@ -153,12 +151,12 @@ def _not_batch_major(tensors, path: str, replication, reads_batch):
     return tensors[0]
   index, rows, size = differ
   raise ValueError(
-          f"{path} has {rows} rows in tower {index}, which holds {size} "
-          "examples: TPUEstimatorSpec's eval_metrics and host_call tensors "
-          "must be batch-major (one row per example), as on a TPU, whose "
-          "shards' tensors are concatenated; pass per-example values (the "
-          "loss itself, or tf.reshape(loss, [1]), is recognised as the whole "
-          "batch's loss).")
+      f"{path} has {rows} rows in tower {index}, which holds {size} "
+      "examples: TPUEstimatorSpec's eval_metrics and host_call tensors "
+      "must be batch-major (one row per example), as on a TPU, whose "
+      "shards' tensors are concatenated; pass per-example values (the "
+      "loss itself, or tf.reshape(loss, [1]), is recognised as the whole "
+      "batch's loss).")
 
 
 def _merge_tensors(per_tower: Sequence[Any], path: str, name: str,
@@ -215,7 +213,3 @@ def merged_spec(tower_spec, fields: Dict[str, Any]):
   fields = {key: value for key, value in fields.items()
             if key in tower_spec._fields}
   return _rebuilt(tower_spec, fields)
-
-
-def hook_fields() -> Sequence[str]:
-  return _HOOKS

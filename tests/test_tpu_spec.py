@@ -31,12 +31,13 @@ CHECKPOINT_BIAS = 1.0
 def _data(num_examples=40):
   rng = np.random.RandomState(0)
   x = rng.randn(num_examples, 2, 4).astype(np.float32)
-  y = ((x[:, 0, 0] > 0).astype(np.int32) + (x[:, 1, 1] > 0.5).astype(np.int32))
+  y = ((x[:, 0, 0] > 0).astype(np.int32) +
+       (x[:, 1, 1] > 0.5).astype(np.int32))
   return x, y
 
 
-# (graph, tower index, towers) of each scaffold_fn call; (mode, tower, batch_size)
-# of each model_fn call.
+# (graph, tower index, towers) of each scaffold_fn call; (mode, tower,
+# batch_size) of each model_fn call.
 SCAFFOLD_CALLS = []
 BATCH_SIZES = []
 
