@@ -271,3 +271,18 @@ def test_towers_with_different_eval_metrics_are_refused():
   with pytest.raises(ValueError, match=r"Tower 1 returned eval_metrics "
                      r"\['a'\] but tower 0 returned \['a', 'b'\]"):
     _build(ModeKeys.EVAL, eval_metrics)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_export_serves_one_devices_predictions(run, kind, tmp_path):
+  expected, actual = run(kind, 0), run(kind, 4)
+  receiver = tf.estimator.export.build_raw_serving_input_receiver_fn(
+      {"x": tf.zeros([1, 2, 4])})
+  export_dir = actual.estimator.export_saved_model(str(tmp_path), receiver)
+  serve = tf.saved_model.load(export_dir).signatures["serving_default"]
+  x, _ = _data()
+  served = serve(x=tf.constant(x[:len(expected.predictions)]))
+  served = served["probabilities"]
+  np.testing.assert_allclose(
+      served.numpy(), [p["probabilities"] for p in expected.predictions],
+      rtol=1e-5, atol=1e-6)  # other batch sizes: other summation orders
