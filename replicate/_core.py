@@ -89,24 +89,27 @@ def replicate_model_fn(
   accepted = _accepted_arguments(model_fn)
   _cluster.check_tf_config()
 
-  def replicated_model_fn(features, labels, mode, params=None, config=None):
+  def build_spec(features, labels, mode, params, config):
     tower_devices = given or _devices.resolve_devices(None)
     _cluster.check_devices(tower_devices, config)
     arguments = _Arguments(accepted, labels is not None, mode, params, config)
     if _fed_by_placeholders(features):
       logging.info("replicate: %s graph fed by placeholders (an export): one "
                    "tower, no device pinned", mode)
-      return _tpu.as_estimator_spec(_run_on_one_device(
-          model_fn, features, labels, arguments, None, reduction), params)
+      return _run_on_one_device(model_fn, features, labels, arguments, None,
+                                reduction)
     if given:
       _devices.check_local_devices(given, config)
     if len(tower_devices) == 1:
-      return _tpu.as_estimator_spec(_run_on_one_device(
-          model_fn, features, labels, arguments, tower_devices[0], reduction),
-                                    params)
-    return _tpu.as_estimator_spec(_run_towers(
-        model_fn, features, labels, mode, arguments, tower_devices, reduction,
-        placement, sync_batch_norm), params)
+      return _run_on_one_device(model_fn, features, labels, arguments,
+                                tower_devices[0], reduction)
+    return _run_towers(model_fn, features, labels, mode, arguments,
+                       tower_devices, reduction, placement, sync_batch_norm)
+
+  def replicated_model_fn(features, labels, mode, params=None, config=None):
+    # A TPUEstimatorSpec is converted as TPUEstimator(use_tpu=False) does.
+    return _tpu.as_estimator_spec(
+        build_spec(features, labels, mode, params, config), params)
 
   replicated_model_fn.__name__ = f"replicated_{getattr(model_fn, '__name__', 'model_fn')}"
   replicated_model_fn.__doc__ = model_fn.__doc__
