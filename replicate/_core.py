@@ -24,6 +24,7 @@ from replicate import _batch_norm
 from replicate import _split
 from replicate import _state
 from replicate import _towers
+from replicate import _tpu
 
 _ModeKeys = tf.estimator.ModeKeys
 _PLACEHOLDER_OPS = frozenset(["Placeholder"])
@@ -88,7 +89,7 @@ def replicate_model_fn(
   accepted = _accepted_arguments(model_fn)
   _cluster.check_tf_config()
 
-  def replicated_model_fn(features, labels, mode, params=None, config=None):
+  def build_spec(features, labels, mode, params, config):
     tower_devices = given or _devices.resolve_devices(None)
     _cluster.check_devices(tower_devices, config)
     arguments = _Arguments(accepted, labels is not None, mode, params, config)
@@ -104,6 +105,11 @@ def replicate_model_fn(
                                 tower_devices[0], reduction)
     return _run_towers(model_fn, features, labels, mode, arguments,
                        tower_devices, reduction, placement, sync_batch_norm)
+
+  def replicated_model_fn(features, labels, mode, params=None, config=None):
+    # A TPUEstimatorSpec is converted as TPUEstimator(use_tpu=False) does.
+    return _tpu.as_estimator_spec(
+        build_spec(features, labels, mode, params, config), params)
 
   replicated_model_fn.__name__ = f"replicated_{getattr(model_fn, '__name__', 'model_fn')}"
   replicated_model_fn.__doc__ = model_fn.__doc__
@@ -164,6 +170,14 @@ class _Arguments:
           "labels; add a `labels` argument or return features only.")
     self._accepted = accepted
     self._fixed = {"mode": mode, "params": params, "config": config}
+
+  def for_tower(self, features, labels, index, num_towers):
+    """Tower `index`'s arguments; TPUEstimator's batch size is its shard's."""
+    kwargs = self(features, labels)
+    if "params" in kwargs:
+      kwargs["params"] = _tpu.tower_params(
+          kwargs["params"], self._fixed["config"], index, num_towers)
+    return kwargs
 
   def __call__(self, features, labels):
     kwargs = {"features": features}
@@ -248,7 +262,8 @@ def _run_towers(model_fn, features, labels, mode, arguments, devices,
       _batch_norm.synchronized(replication):
     specs = _towers.build_towers(
         replication,
-        lambda i: model_fn(**arguments(shards.features[i], shards.labels[i])),
+        lambda i: model_fn(**arguments.for_tower(
+            shards.features[i], shards.labels[i], i, len(devices))),
         device_functions)
   _merge.check_same_metrics(specs)
   _state.combine_state_writes(replication)

@@ -11,6 +11,7 @@ on a phantom row, see _split, adds no rows), and each eval metric is tower
 shared metric variables are combined in `_state`).
 """
 
+import re
 from typing import Any, Dict, List, Sequence
 
 import tensorflow as tf
@@ -18,9 +19,33 @@ import tensorflow as tf
 from replicate import _context
 from replicate import _hooks
 from replicate import _loss
+from replicate import _tpu
 
 _ModeKeys = tf.estimator.ModeKeys
 _export = tf.estimator.export
+
+
+# What TensorFlow accepts as an op name (its own check, in ops.py); a name
+# with an empty path segment ('a//b', 'a/') would leave the merge's scope.
+_OP_NAME = re.compile(r"[A-Za-z0-9.][A-Za-z0-9_.\\/>-]*")
+_INVALID_RUN = re.compile(r"[^A-Za-z0-9_.>-]+")
+
+
+def concat_name(key) -> str:
+  """The name of the op concatenating one prediction or export output.
+
+  `concat_<key>` where that is a valid op name, as before; any other key a
+  plain Estimator accepts (a tuple such as MultiHead's ('head', 'logits'),
+  a string with spaces, slashes at the ends or non-ASCII letters) gets its
+  parts joined by '_' and each run of other characters made one '_'.
+  TensorFlow makes repeated names unique, so two keys may share a name.
+  """
+  name = f"concat_{key}"
+  if isinstance(key, str) and _OP_NAME.fullmatch(name) and (
+      "//" not in name and not name.endswith("/")):
+    return name
+  parts = key if isinstance(key, tuple) else (key,)
+  return "concat_" + _INVALID_RUN.sub("_", "_".join(str(p) for p in parts))
 
 
 def _reads_batch(tensor, inputs) -> bool:
@@ -106,7 +131,7 @@ def concat_predictions(predictions: Sequence[Any],
     return None
   if isinstance(predictions[0], dict):
     return {key: _concat([p[key] for p in predictions],
-                         f"predictions[{key!r}]", f"concat_{key}",
+                         f"predictions[{key!r}]", concat_name(key),
                          replication)
             for key in predictions[0]}
   return _concat(predictions, "predictions", "concat_predictions", replication)
@@ -128,7 +153,8 @@ def _concat_export_output(outputs: Sequence[Any], path: str,
   if isinstance(first, _export.PredictOutput):
     return _export.PredictOutput(
         {key: _concat([o.outputs[key] for o in outputs],
-                      f"{path}.outputs[{key!r}]", f"concat_{key}", replication)
+                      f"{path}.outputs[{key!r}]", concat_name(key),
+                      replication)
          for key in first.outputs})
   raise ValueError(
       f"Export output {first!r} of type {type(first).__name__} cannot be "
@@ -166,11 +192,15 @@ def check_same_metrics(specs):
   Checked before the towers' state writes are combined, whose error about
   a metric variable only one tower writes would hide this cause.
   """
-  keys = [sorted(spec.eval_metric_ops or {}) for spec in specs]
+  if _tpu.is_tpu_spec(specs[0]):
+    field, keys = "eval_metrics", [_tpu.metric_keys(spec) for spec in specs]
+  else:
+    field = "eval_metric_ops"
+    keys = [sorted(spec.eval_metric_ops or {}) for spec in specs]
   for index, tower_keys in enumerate(keys[1:], start=1):
     if tower_keys != keys[0]:
       raise ValueError(
-          f"Tower {index} returned eval_metric_ops {tower_keys} but tower 0 "
+          f"Tower {index} returned {field} {tower_keys} but tower 0 "
           f"returned {keys[0]}; every tower must return the same metrics.")
 
 
@@ -190,7 +220,12 @@ def merge_eval_metric_ops(specs):
 
 
 def merge_specs(mode, specs: List[Any], replication: _context.Replication):
-  """Builds the one EstimatorSpec the Estimator sees, on the hub device."""
+  """Builds the one EstimatorSpec the Estimator sees, on the hub device.
+
+  TPUEstimatorSpecs merge into one (see `_tpu`): `eval_metrics` and
+  `host_call` get the towers' tensors concatenated, as a TPU's shards'.
+  """
+  tpu = _tpu.is_tpu_spec(specs[0])
   with tf.device(replication.hub), tf.name_scope("merge_towers"):
     fields = {"predictions": concat_predictions([s.predictions for s in specs],
                                                 replication)}
@@ -201,13 +236,22 @@ def merge_specs(mode, specs: List[Any], replication: _context.Replication):
       # tower's runs, with whatever the model_fn tied to it.
       fields["train_op"] = tf.group(*[s.train_op for s in specs],
                                     name="train_op")
-    if mode == _ModeKeys.EVAL:
+    if mode == _ModeKeys.EVAL and not tpu:
       fields["eval_metric_ops"] = merge_eval_metric_ops(specs)
     if mode == _ModeKeys.PREDICT:
       fields["export_outputs"] = concat_export_outputs(
           [s.export_outputs for s in specs], replication)
+    if tpu:
+      fields.update(_tpu.merge_host_calls(
+          specs, replication, fields.get("loss"),
+          lambda tensors, path, name: _concat(tensors, path,
+                                              concat_name(name), replication),
+          lambda tensor: _reads_batch(tensor, replication.inputs)))
   swaps = _hooks.whole_batch_swaps(specs[0], fields)
   for name in ("training_hooks", "training_chief_hooks", "evaluation_hooks",
                "prediction_hooks"):
-    fields[name] = _hooks.wrap_hooks(getattr(specs[0], name), swaps)
+    if name in specs[0]._fields:
+      fields[name] = _hooks.wrap_hooks(getattr(specs[0], name), swaps)
+  if tpu:
+    return _tpu.merged_spec(specs[0], fields)
   return specs[0]._replace(**fields)
