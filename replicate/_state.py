@@ -97,7 +97,7 @@ class _Write(NamedTuple):
   variable: tf.Variable
 
 
-def combine_state_writes(replication: Replication):
+def combine_state_writes(replication: Replication, specs: Sequence = ()):
   """Makes the towers' writes to each model variable one write per step.
 
   Raises:
