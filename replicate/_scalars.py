@@ -23,6 +23,7 @@ value known here.
 import re
 from typing import Any, Optional, Sequence
 
+from absl import logging
 import tensorflow as tf
 
 from replicate import _aggregate
@@ -187,3 +188,153 @@ class Scalars:
     if tensor.op.type == "DivNoNan":
       return tf.math.divide_no_nan(numerator, denominator)
     return tf.math.truediv(numerator, tf.cast(denominator, numerator.dtype))
+
+
+# Reductions a metric applies to the values it is fed: fed a rank-0 tensor,
+# it takes the per-batch scalar for a batch of one value.
+_REDUCTIONS = frozenset(["Sum", "Mean", "Max", "Min", "Prod"])
+
+
+class MetricsOfScalars:
+  """Metric state fed a per-batch scalar, made one device's.
+
+  A streaming metric (`tf.compat.v1.metrics.mean(loss)`, a Keras `Mean` of
+  the loss, MultiHead's `loss/<head>`) fed a rank-0 tensor reduces it as a
+  batch of one value (a `Sum` over no axis) and counts one value per batch.
+  One device adds the whole batch's scalar once per step; every tower adding
+  its shard's would give a wrong sum and N counts. So tower 0 makes the
+  step's writes, with the whole batch's scalar (see `Scalars`) in place of
+  its own, and later towers write nothing. The writes that belong to such a
+  metric are those computed from the scalar, and those ordered after it (a
+  count: `tf.compat.v1.metrics` orders it after the values, Keras after the
+  total) that read nothing of the batch.
+  """
+
+  def __init__(self, replication: Replication, specs: Sequence[Any]):
+    self._replication = replication
+    self._specs = specs
+    self._scalars = Scalars(replication, specs)
+    self._tower_0 = {op.name for op in replication.tower_ops[0]}
+    self._reductions = {
+        op.name for op in replication.tower_ops[0]
+        if op.type in _REDUCTIONS and op.inputs
+        and op.inputs[0].shape.rank == 0
+        and reaches_inputs(replication, [op.inputs[0]])}
+    self._fed = self._reductions | {
+        self._graph_op(name).inputs[0].op.name for name in self._reductions}
+    self._rewired = set()
+
+  def _graph_op(self, name):
+    return self._replication.graph.get_operation_by_name(name)
+
+  def make_tower_0s(self, write: tf.Operation, variable_name: str) -> bool:
+    """Whether tower 0's `write` (rewired to the batch's scalar) is the step's.
+
+    Raises:
+      ValueError: the write is computed from a per-batch scalar that has no
+        whole-batch value here, or from it and the tower's examples.
+    """
+    if not self._reductions:
+      return False
+    reductions, reaches_batch = self._data_sources(write)
+    if reductions:
+      self._check(write, variable_name, reductions, reaches_batch)
+      for reduction in reductions:
+        self._rewire(reduction, write, variable_name)
+      return True
+    return not reaches_batch and self._ordered_after_scalar(write)
+
+  def _data_sources(self, write):
+    """(reductions of per-batch scalars, whether examples are read otherwise).
+
+    A shard's shape folded into a constant does not count: a metric's count
+    of a rank-0 value (`tf.size`, 1) folds alike.
+    """
+    pending = [t.op for t in write.inputs[1:]]
+    seen, reductions, reaches_batch = set(), [], False
+    while pending:
+      op = pending.pop()
+      if op.name in seen:
+        continue
+      seen.add(op.name)
+      if op.name in self._reductions:
+        reductions.append(op)
+      elif op.name in self._replication.split_op_names:
+        reaches_batch = True
+      elif op.name in self._tower_0:
+        pending.extend(t.op for t in op.inputs)
+    return reductions, reaches_batch
+
+  def _ordered_after_scalar(self, write):
+    """Whether the write depends (data or order) on a per-batch scalar."""
+    pending = [write]
+    seen = set()
+    while pending:
+      op = pending.pop()
+      if op.name in seen:
+        continue
+      seen.add(op.name)
+      if op is not write and op.name in self._fed:
+        return True
+      if op.name in self._tower_0:
+        pending.extend(t.op for t in op.inputs)
+        pending.extend(op.control_inputs)
+    return False
+
+  def _check(self, write, variable_name, reductions, reaches_batch):
+    fault = None
+    if reaches_batch:
+      fault = "together with the examples of the batch"
+    else:
+      for reduction in reductions:
+        if self._scalars.whole_batch(reduction.inputs[0]) is None:
+          fault = (f"{reduction.inputs[0].name!r} ({reduction.inputs[0].op.type}"
+                   "), which has no whole-batch value known to replicate")
+          break
+    if fault is None:
+      return
+    raise ValueError(
+        f"Metric {self._metric_name(write, variable_name)!r} is fed a "
+        f"per-batch scalar: {variable_name!r} is written from a rank-0 value "
+        f"of each tower's shard, {fault}; N towers would count N values per "
+        "batch where one device counts one. Feed the metric per-example "
+        "values (e.g. tf.compat.v1.metrics.mean(per_example_values, "
+        "weights)), or a scalar replicate can make the whole batch's: the "
+        "loss, a weighted mean (tf.compat.v1.losses or a Keras loss), a ratio "
+        "of sums or a sum over the batch.")
+
+  def _rewire(self, reduction, write, variable_name):
+    if reduction.name in self._rewired:
+      return
+    whole = self._scalars.whole_batch(reduction.inputs[0])
+    # Ops have no public way to change an input once built; the reduction
+    # belongs to the metric (it reduces a rank-0 value as a batch of one).
+    reduction._update_input(0, whole)  # pylint: disable=protected-access
+    self._rewired.add(reduction.name)
+    logging.info("replicate: metric %r of a per-batch scalar gets the whole "
+                 "batch's value (%s), written once",
+                 self._metric_name(write, variable_name), reduction.name)
+
+  def _metric_name(self, write, default):
+    """The eval_metric_ops key whose update makes `write`, else `default`."""
+    metrics = getattr(self._specs[0], "eval_metric_ops", None) or {}
+    for key, metric in metrics.items():
+      update = metric[1] if isinstance(metric, tuple) else None
+      if update is not None and _depends_on(update, write, self._tower_0):
+        return key
+    return default
+
+
+def _depends_on(tensor_or_op, op: tf.Operation, inside) -> bool:
+  start = getattr(tensor_or_op, "op", tensor_or_op)
+  pending, seen = [start], set()
+  while pending:
+    current = pending.pop()
+    if current is op:
+      return True
+    if current.name in seen or current.name not in inside:
+      continue
+    seen.add(current.name)
+    pending.extend(t.op for t in current.inputs)
+    pending.extend(current.control_inputs)
+  return False

@@ -86,6 +86,11 @@ TOWER_0_TAGS = frozenset(["largest_x",
                           "dnn/hiddenlayer_0/fraction_of_zero_values",
                           "dnn/logits/fraction_of_zero_values"])
 
+# The linear models' summaries of their variables read them in a race with
+# the step's update, on one device too: not comparable step by step.
+RACING_TAGS = frozenset(["bias", "fraction_of_zero_weights", "linear/bias",
+                         "linear/fraction_of_zero_weights"])
+
 
 def _scalars(model_dir):
   """{tag: [value per step]} of every scalar summary train wrote."""
@@ -128,7 +133,7 @@ def test_loss_summaries_are_one_devices(one_device, tmp_path, case,
   assert loss_tags, expected
   assert set(actual) == set(expected)
   for tag in expected:
-    if tag in TOWER_0_TAGS:
+    if tag in TOWER_0_TAGS or tag in RACING_TAGS:
       continue
     np.testing.assert_allclose(actual[tag], expected[tag], rtol=1e-5,
                                atol=1e-6, err_msg=tag)

@@ -1,0 +1,112 @@
+"""A metric fed a per-batch scalar gets one device's value, or an error.
+
+One device adds the whole batch's scalar once per batch to a metric of it
+(`tf.compat.v1.metrics.mean(loss)`, a Keras `Mean` of the loss, MultiHead's
+per-head `loss/<head>`); replicated, tower 0 adds the whole batch's value
+and the other towers nothing. Evaluated over 7 examples in batches of 5
+(5, then 2: uneven, dynamic, phantom rows on 4 towers) against one device.
+A scalar with no whole-batch value (a batch's maximum) is a ValueError
+naming the metric.
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import replicate
+
+NUM_EXAMPLES, BATCH = 7, 5
+EVAL = tf.estimator.ModeKeys.EVAL
+
+
+def _data():
+  rng = np.random.RandomState(5)
+  x = rng.randn(NUM_EXAMPLES, 2).astype(np.float32)
+  y = np.array([0., 4., -1., 9., 2., 6., -3.], np.float32)[:, None]
+  return {"x": x}, y
+
+
+def _batches():
+  dataset = tf.data.Dataset.from_tensor_slices(_data()).batch(BATCH)
+  return tf.compat.v1.data.make_one_shot_iterator(dataset).get_next()
+
+
+def _predictions(features):
+  return tf.compat.v1.layers.dense(
+      features["x"], 1, kernel_initializer=tf.constant_initializer([0.5, -1.]))
+
+
+def _scalar_metrics_model_fn(features, labels, mode):
+  predictions = _predictions(features)
+  loss = tf.compat.v1.losses.mean_squared_error(labels, predictions)
+  keras_mean = tf.keras.metrics.Mean(name="keras_mean_loss")
+  keras_mean.update_state(loss)
+  # A weighted mean that is not the loss, and a sum over the batch.
+  weighted = tf.compat.v1.losses.absolute_difference(
+      labels, predictions, weights=tf.abs(labels),
+      loss_collection=None)
+  return tf.estimator.EstimatorSpec(mode, loss=loss, eval_metric_ops={
+      "mean_loss": tf.compat.v1.metrics.mean(loss),
+      "keras_mean_loss": keras_mean,
+      "mean_weighted": tf.compat.v1.metrics.mean(weighted),
+      "mean_sum": tf.compat.v1.metrics.mean(tf.reduce_sum(labels)),
+      "per_example": tf.compat.v1.metrics.mean(predictions),
+  })
+
+
+def _multi_head_model_fn(features, labels, mode):
+  heads = [tf.estimator.RegressionHead(name="a"),
+           tf.estimator.RegressionHead(name="b", weight_column="w")]
+  head = tf.estimator.MultiHead(heads)
+  logits = {"a": _predictions(features), "b": 2.0 * _predictions(features)}
+  features = dict(features, w=tf.abs(labels))
+  spec = head.create_estimator_spec(
+      features, mode, logits, labels={"a": labels, "b": labels - 1.0})
+  # Only what EVAL needs (MultiHead's tuple prediction keys are merged
+  # elsewhere).
+  return tf.estimator.EstimatorSpec(mode, loss=spec.loss,
+                                    eval_metric_ops=spec.eval_metric_ops)
+
+
+def _evaluate(model_fn, num_towers):
+  """The eval set once: the metrics' values."""
+  with tf.Graph().as_default():
+    features, labels = _batches()
+    if num_towers:
+      model_fn = replicate.replicate_model_fn(
+          model_fn, devices=[f"/device:CPU:{i}" for i in range(num_towers)])
+    spec = model_fn(features, labels, EVAL)
+    updates = [op for _, op in spec.eval_metric_ops.values()]
+    with tf.compat.v1.Session(
+        config=replicate.testing.session_config(4)) as session:
+      session.run([tf.compat.v1.global_variables_initializer(),
+                   tf.compat.v1.local_variables_initializer()])
+      for _ in range(2):
+        session.run(updates)
+      return session.run({k: v for k, (v, _) in spec.eval_metric_ops.items()})
+
+
+@pytest.mark.parametrize("num_towers", [2, 4])
+@pytest.mark.parametrize("model_fn", [_scalar_metrics_model_fn,
+                                      _multi_head_model_fn])
+def test_metrics_of_per_batch_scalars_are_one_devices(model_fn, num_towers):
+  expected = _evaluate(model_fn, None)
+  actual = _evaluate(model_fn, num_towers)
+  assert set(actual) == set(expected)
+  for key in expected:
+    np.testing.assert_allclose(actual[key], expected[key], rtol=1e-5,
+                               atol=1e-6, err_msg=key)
+
+
+def _max_model_fn(features, labels, mode):
+  predictions = _predictions(features)
+  loss = tf.compat.v1.losses.mean_squared_error(labels, predictions)
+  return tf.estimator.EstimatorSpec(mode, loss=loss, eval_metric_ops={
+      "largest_label": tf.compat.v1.metrics.mean(tf.reduce_max(labels))})
+
+
+@pytest.mark.parametrize("num_towers", [2, 4])
+def test_metric_of_per_batch_maximum_is_an_error(num_towers):
+  with pytest.raises(ValueError, match="Metric 'largest_label' is fed a "
+                     "per-batch scalar.*Max"):
+    _evaluate(_max_model_fn, num_towers)
