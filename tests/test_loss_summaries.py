@@ -104,7 +104,17 @@ def _scalars(model_dir):
           for tag, steps in values.items()}
 
 
-def _train(case, num_towers, model_dir):
+def _eval_input_fn(classes):
+  """The 5 rows once, in batches of 3 and 2 (phantom rows on 4 towers)."""
+  features, labels = _data()
+  if classes:
+    labels = (labels > 1.5).astype(np.int64)
+  return lambda: tf.data.Dataset.from_tensor_slices(
+      (features, labels)).batch(3)
+
+
+def _train(case, num_towers, model_dir, with_eval=False):
+  """The scalar summaries train wrote; with_eval: and what evaluate gives."""
   build, classes = CASES[case]
   estimator = build(_config(model_dir, num_towers))
   if num_towers:
@@ -114,21 +124,43 @@ def _train(case, num_towers, model_dir):
             devices=[f"/device:CPU:{i}" for i in range(num_towers)]),
         config=_config(model_dir, num_towers))
   estimator.train(_input_fn(classes), steps=STEPS)
-  return _scalars(model_dir)
+  summaries = _scalars(model_dir)
+  if not with_eval:
+    return summaries
+  return summaries, estimator.evaluate(_eval_input_fn(classes))
 
 
 @pytest.fixture(scope="module")
 def one_device(tmp_path_factory):
-  return {case: _train(case, 0, tmp_path_factory.mktemp(case))
+  return {case: _train(case, 0, tmp_path_factory.mktemp(case), True)
           for case in CASES}
+
+
+@pytest.fixture(scope="module")
+def replicated(tmp_path_factory):
+  """(case, towers) -> _train's result, each trained once for the module."""
+  runs = {}
+
+  def run(case, num_towers):
+    if (case, num_towers) not in runs:
+      runs[case, num_towers] = _train(
+          case, num_towers, tmp_path_factory.mktemp(case), True)
+    return runs[case, num_towers]
+  return run
 
 
 @pytest.mark.parametrize("num_towers", [2, 4])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_loss_summaries_are_one_devices(one_device, tmp_path, case,
+def test_loss_summaries_are_one_devices(one_device, replicated, case,
                                         num_towers):
-  expected = one_device[case]
-  actual = _train(case, num_towers, tmp_path)
+  expected, expected_eval = one_device[case]
+  actual, actual_eval = replicated(case, num_towers)
+  # What evaluate writes (the Estimator's `loss`, the heads' `average_loss`
+  # and other metrics) is one device's too.
+  assert set(actual_eval) == set(expected_eval)
+  for key in expected_eval:
+    np.testing.assert_allclose(actual_eval[key], expected_eval[key],
+                               rtol=1e-5, atol=1e-6, err_msg=key)
   loss_tags = {t for t in expected if t.startswith(("loss", "average_loss"))}
   assert loss_tags, expected
   assert set(actual) == set(expected)
@@ -140,9 +172,9 @@ def test_loss_summaries_are_one_devices(one_device, tmp_path, case,
 
 
 @pytest.mark.parametrize("num_towers", [2, 4])
-def test_other_summaries_stay_tower_0s(one_device, tmp_path, num_towers):
+def test_other_summaries_stay_tower_0s(one_device, replicated, num_towers):
   x = _data()[0]["x"]
   shard = -(-BATCH // num_towers)  # tower 0 holds the larger shards
-  actual = _train("custom", num_towers, tmp_path)["largest_x"]
+  actual = replicated("custom", num_towers)[0]["largest_x"]
   np.testing.assert_allclose(actual, [x[:shard].max()] * STEPS)
-  assert one_device["custom"]["largest_x"] == [x.max()] * STEPS
+  assert one_device["custom"][0]["largest_x"] == [x.max()] * STEPS

@@ -54,9 +54,11 @@ def _scalar_metrics_model_fn(features, labels, mode):
   })
 
 
-def _multi_head_model_fn(features, labels, mode):
-  heads = [tf.estimator.RegressionHead(name="a"),
-           tf.estimator.RegressionHead(name="b", weight_column="w")]
+def _multi_head_model_fn(features, labels, mode, params):
+  reduction = params["reduction"]
+  heads = [tf.estimator.RegressionHead(name="a", loss_reduction=reduction),
+           tf.estimator.RegressionHead(name="b", weight_column="w",
+                                       loss_reduction=reduction)]
   head = tf.estimator.MultiHead(heads)
   logits = {"a": _predictions(features), "b": 2.0 * _predictions(features)}
   features = dict(features, w=tf.abs(labels))
@@ -68,14 +70,21 @@ def _multi_head_model_fn(features, labels, mode):
                                     eval_metric_ops=spec.eval_metric_ops)
 
 
-def _evaluate(model_fn, num_towers):
-  """The eval set once: the metrics' values."""
+def _evaluate(model_fn, num_towers, reduction=None):
+  """The eval set once: the metrics' values.
+
+  `reduction`: a Keras reduction the model_fn's heads use (its `params`).
+  """
   with tf.Graph().as_default():
     features, labels = _batches()
+    kwargs = {}
+    if reduction:
+      kwargs = {"params": {"reduction": reduction}}
     if num_towers:
       model_fn = replicate.replicate_model_fn(
-          model_fn, devices=[f"/device:CPU:{i}" for i in range(num_towers)])
-    spec = model_fn(features, labels, EVAL)
+          model_fn, devices=[f"/device:CPU:{i}" for i in range(num_towers)],
+          loss_reduction=reduction or MEAN)
+    spec = model_fn(features, labels, EVAL, **kwargs)
     updates = [op for _, op in spec.eval_metric_ops.values()]
     with tf.compat.v1.Session(
         config=replicate.testing.session_config(4)) as session:
@@ -86,12 +95,19 @@ def _evaluate(model_fn, num_towers):
       return session.run({k: v for k, (v, _) in spec.eval_metric_ops.items()})
 
 
+SUM = tf.keras.losses.Reduction.SUM
+MEAN = tf.keras.losses.Reduction.SUM_OVER_BATCH_SIZE
+
+
 @pytest.mark.parametrize("num_towers", [2, 4])
-@pytest.mark.parametrize("model_fn", [_scalar_metrics_model_fn,
-                                      _multi_head_model_fn])
-def test_metrics_of_per_batch_scalars_are_one_devices(model_fn, num_towers):
-  expected = _evaluate(model_fn, None)
-  actual = _evaluate(model_fn, num_towers)
+@pytest.mark.parametrize("model_fn, reduction", [
+    (_scalar_metrics_model_fn, None),
+    (_multi_head_model_fn, MEAN),
+    (_multi_head_model_fn, SUM)])
+def test_metrics_of_per_batch_scalars_are_one_devices(model_fn, reduction,
+                                                      num_towers):
+  expected = _evaluate(model_fn, None, reduction)
+  actual = _evaluate(model_fn, num_towers, reduction)
   assert set(actual) == set(expected)
   for key in expected:
     np.testing.assert_allclose(actual[key], expected[key], rtol=1e-5,
