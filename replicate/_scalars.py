@@ -288,8 +288,9 @@ class MetricsOfScalars:
     else:
       for reduction in reductions:
         if self._scalars.whole_batch(reduction.inputs[0]) is None:
-          fault = (f"{reduction.inputs[0].name!r} ({reduction.inputs[0].op.type}"
-                   "), which has no whole-batch value known to replicate")
+          scalar = reduction.inputs[0]
+          fault = (f"{scalar.name!r} ({scalar.op.type}), which has no "
+                   "whole-batch value known to replicate")
           break
     if fault is None:
       return

@@ -18,6 +18,10 @@ variable into one write per step, combined by the variable's declared
   every tower writes the same thing (nothing computed from the tower's
   inputs), else a ValueError asking for an aggregation.
 
+A metric fed a per-batch scalar (`tf.compat.v1.metrics.mean(loss)`) is
+neither: its writes are tower 0's, with the whole batch's scalar, or a
+ValueError naming the metric (see `_scalars.MetricsOfScalars`).
+
 A tower that computed on a phantom row (see _split) adds nothing: its SUM
 changes count zero, its MEAN weight is zero and its scatter rows are
 dropped.

@@ -55,8 +55,8 @@ def _custom_model_fn(features, labels, mode):
   tf.compat.v1.summary.scalar("largest_x", tf.reduce_max(features["x"]))
   optimizer = replicate.TowerOptimizer(
       tf.compat.v1.train.GradientDescentOptimizer(0.05))
-  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=optimizer.minimize(
-      loss, tf.compat.v1.train.get_global_step()))
+  train_op = optimizer.minimize(loss, tf.compat.v1.train.get_global_step())
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
 
 
 CASES = {
