@@ -133,11 +133,23 @@ class Scalars:
     if (self._losses is not None and tensor is skip_passes(self._losses[0])
         and _aggregate.is_sum(self._replication.loss_reduction)):
       return True
+    if op.type == "Sum" and not self._over_batch(op.inputs[0]):
+      return False
     if op.type == "Sum" or op.type in _SIZES:
       return tensor.shape.rank == 0 and reaches_inputs(self._replication,
                                                        [tensor])
     return is_folded_shard_shape(op, self._replication.sizes[0]) and (
         tensor.shape.rank == 0)
+
+  def _over_batch(self, tensor: tf.Tensor) -> bool:
+    """Whether `tensor`'s first dimension may be the batch's (the shard's)."""
+    if tensor.shape.rank is None:
+      return True
+    if tensor.shape.rank == 0:
+      return False
+    first = tf.compat.dimension_value(tensor.shape[0])
+    size = self._replication.sizes[0]
+    return first is None or not isinstance(size, int) or first == size
 
   def _is_ratio(self, tensor: tf.Tensor) -> bool:
     """A weighted mean (`DivNoNan` named `value`) or a ratio of sums."""
