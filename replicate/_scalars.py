@@ -133,13 +133,17 @@ class Scalars:
     if (self._losses is not None and tensor is skip_passes(self._losses[0])
         and _aggregate.is_sum(self._replication.loss_reduction)):
       return True
-    if op.type == "Sum" and not self._over_batch(op.inputs[0]):
+    if tensor.shape.rank != 0:
       return False
-    if op.type == "Sum" or op.type in _SIZES:
-      return tensor.shape.rank == 0 and reaches_inputs(self._replication,
-                                                       [tensor])
-    return is_folded_shard_shape(op, self._replication.sizes[0]) and (
-        tensor.shape.rank == 0)
+    if op.type == "Sum":
+      # A sum of per-example values whose static shape folded them into
+      # constants (`ones_like` of a loss) reads no edge of the batch.
+      return self._over_batch(op.inputs[0]) and (
+          self._first_is_shard(op.inputs[0]) or
+          reaches_inputs(self._replication, [tensor]))
+    if op.type in _SIZES:
+      return reaches_inputs(self._replication, [tensor])
+    return is_folded_shard_shape(op, self._replication.sizes[0])
 
   def _over_batch(self, tensor: tf.Tensor) -> bool:
     """Whether `tensor`'s first dimension may be the batch's (the shard's)."""
@@ -150,6 +154,12 @@ class Scalars:
     first = tf.compat.dimension_value(tensor.shape[0])
     size = self._replication.sizes[0]
     return first is None or not isinstance(size, int) or first == size
+
+  def _first_is_shard(self, tensor: tf.Tensor) -> bool:
+    """Whether `tensor`'s static first dimension is tower 0's shard size."""
+    size = self._replication.sizes[0]
+    return bool(tensor.shape.rank) and isinstance(size, int) and (
+        tf.compat.dimension_value(tensor.shape[0]) == size)
 
   def _is_ratio(self, tensor: tf.Tensor) -> bool:
     """A weighted mean (`DivNoNan` named `value`) or a ratio of sums."""

@@ -4,8 +4,9 @@ Canned heads write their own `loss` summary (v1 heads also
 `average_loss`), and so does a user's `tf.compat.v1.summary.scalar('loss',
 loss)`; replicated, TensorBoard must show the whole batch's value, not tower
 0's share. Each estimator trains a few steps with a summary every step on
-an uneven batch (5 rows over 2 and 4 towers); every scalar tag written per
-step is compared with one device's. A summary of something else stays
+an uneven static batch (5 rows over 2 and 4 towers); every scalar tag
+written per step is compared with one device's, and so is what evaluate
+gives (a dynamic eval set). A summary of something else stays
 tower 0's (documented).
 """
 
@@ -35,8 +36,10 @@ def _input_fn(classes=False):
   features, labels = _data()
   if classes:
     labels = (labels > 1.5).astype(np.int64)
+  # A static batch: shapes fold into constants (the dynamic eval set below
+  # checks the other way).
   return lambda: tf.data.Dataset.from_tensor_slices(
-      (features, labels)).repeat().batch(BATCH)
+      (features, labels)).repeat().batch(BATCH, drop_remainder=True)
 
 
 def _config(model_dir, num_towers):
