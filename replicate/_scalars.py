@@ -253,14 +253,16 @@ class MetricsOfScalars:
     """Whether tower 0's `write` (rewired to the batch's scalar) is the step's.
 
     Raises:
-      ValueError: the write is computed from a per-batch scalar that has no
-        whole-batch value here, or from it and the tower's examples.
+      ValueError: in EVAL, the write is computed from a per-batch scalar
+        that has no whole-batch value here, or from it and the tower's
+        examples.
     """
     if not self._reductions:
       return False
     reductions, reaches_batch = self._data_sources(write)
     if reductions:
-      self._check(write, variable_name, reductions, reaches_batch)
+      if not self._check(write, variable_name, reductions, reaches_batch):
+        return False
       for reduction in reductions:
         self._rewire(reduction, write, variable_name)
       return True
@@ -304,6 +306,7 @@ class MetricsOfScalars:
     return False
 
   def _check(self, write, variable_name, reductions, reaches_batch):
+    """Whether every per-batch scalar of the write has a whole-batch value."""
     fault = None
     if reaches_batch:
       fault = "together with the examples of the batch"
@@ -315,7 +318,11 @@ class MetricsOfScalars:
                    "whole-batch value known to replicate")
           break
     if fault is None:
-      return
+      return True
+    if getattr(self._specs[0], "mode", None) != tf.estimator.ModeKeys.EVAL:
+      # Outside EVAL the Estimator never runs eval_metric_ops: left to the
+      # variable's aggregation, as a write the step does not make.
+      return False
     raise ValueError(
         f"Metric {self._metric_name(write, variable_name)!r} is fed a "
         f"per-batch scalar: {variable_name!r} is written from a rank-0 value "

@@ -117,7 +117,13 @@ def test_metrics_of_per_batch_scalars_are_one_devices(model_fn, reduction,
 def _max_model_fn(features, labels, mode):
   predictions = _predictions(features)
   loss = tf.compat.v1.losses.mean_squared_error(labels, predictions)
-  return tf.estimator.EstimatorSpec(mode, loss=loss, eval_metric_ops={
+  train_op = None
+  if mode == tf.estimator.ModeKeys.TRAIN:
+    optimizer = replicate.TowerOptimizer(
+        tf.compat.v1.train.GradientDescentOptimizer(0.1))
+    train_op = optimizer.minimize(loss, tf.compat.v1.train.get_global_step())
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op,
+                                    eval_metric_ops={
       "largest_label": tf.compat.v1.metrics.mean(tf.reduce_max(labels))})
 
 
@@ -126,3 +132,13 @@ def test_metric_of_per_batch_maximum_is_an_error(num_towers):
   with pytest.raises(ValueError, match="Metric 'largest_label' is fed a "
                      "per-batch scalar.*Max"):
     _evaluate(_max_model_fn, num_towers)
+
+
+def test_metric_of_per_batch_maximum_trains():
+  """TRAIN never runs eval_metric_ops: no error for a metric it never runs."""
+  with tf.Graph().as_default():
+    tf.compat.v1.train.create_global_step()
+    features, labels = _batches()
+    replicate.replicate_model_fn(
+        _max_model_fn, devices=["/device:CPU:0", "/device:CPU:1"])(
+            features, labels, tf.estimator.ModeKeys.TRAIN)
