@@ -237,9 +237,14 @@ class MetricsOfScalars:
     self._specs = specs
     self._scalars = Scalars(replication, specs)
     self._tower_0 = {op.name for op in replication.tower_ops[0]}
+    # A reduction the loss is computed through is the model's, not a
+    # metric's: never rewired.
+    loss = getattr(specs[0], "loss", None) if specs else None
+    model = _data_ancestors([loss] if isinstance(loss, tf.Tensor) else [],
+                            self._tower_0)
     self._reductions = {
         op.name for op in replication.tower_ops[0]
-        if op.type in _REDUCTIONS and op.inputs
+        if op.type in _REDUCTIONS and op.inputs and op.name not in model
         and op.inputs[0].shape.rank == 0
         and reaches_inputs(replication, [op.inputs[0]])}
     self._fed = self._reductions | {
@@ -368,3 +373,15 @@ def _depends_on(tensor_or_op, op: tf.Operation, inside) -> bool:
     pending.extend(t.op for t in current.inputs)
     pending.extend(current.control_inputs)
   return False
+
+
+def _data_ancestors(tensors, inside) -> set:
+  """Names of the ops in `inside` that `tensors` are computed from."""
+  pending, seen = [t.op for t in tensors], set()
+  while pending:
+    op = pending.pop()
+    if op.name in seen or op.name not in inside:
+      continue
+    seen.add(op.name)
+    pending.extend(t.op for t in op.inputs)
+  return seen

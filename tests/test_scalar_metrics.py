@@ -142,3 +142,27 @@ def test_metric_of_per_batch_maximum_trains():
     replicate.replicate_model_fn(
         _max_model_fn, devices=["/device:CPU:0", "/device:CPU:1"])(
             features, labels, tf.estimator.ModeKeys.TRAIN)
+
+
+def _loss_through_a_reduction_model_fn(features, labels, mode):
+  """The loss itself reduces a rank-0 value; a hand-made metric writes it."""
+  predictions = _predictions(features)
+  loss = tf.reduce_sum(
+      tf.compat.v1.losses.mean_squared_error(labels, predictions))
+  total = tf.compat.v1.get_local_variable(
+      "total", [], initializer=tf.zeros_initializer(),
+      aggregation=tf.VariableAggregation.SUM)
+  return tf.estimator.EstimatorSpec(mode, loss=loss, eval_metric_ops={
+      "mean_loss": tf.compat.v1.metrics.mean(loss),
+      "total": (tf.identity(total), total.assign_add(loss))})
+
+
+@pytest.mark.parametrize("num_towers", [2, 4])
+def test_loss_computed_through_a_reduction_stays_the_models(num_towers):
+  expected = _evaluate(_loss_through_a_reduction_model_fn, None)
+  actual = _evaluate(_loss_through_a_reduction_model_fn, num_towers)
+  # The metric of the loss is one device's; the loss's own reduction is not
+  # rewired to the whole batch's (the hand-made `total` adds the towers'
+  # losses by its aggregation, as before).
+  np.testing.assert_allclose(actual["mean_loss"], expected["mean_loss"],
+                             rtol=1e-5, atol=1e-6)
