@@ -23,6 +23,7 @@ from replicate import _context
 from replicate import _batch_norm
 from replicate import _split
 from replicate import _state
+from replicate import _summaries
 from replicate import _towers
 from replicate import _tpu
 
@@ -266,7 +267,8 @@ def _run_towers(model_fn, features, labels, mode, arguments, devices,
             shards.features[i], shards.labels[i], i, len(devices))),
         device_functions)
   _merge.check_same_metrics(specs)
-  _state.combine_state_writes(replication)
+  _summaries.combine_scalar_summaries(replication, specs)
+  _state.combine_state_writes(replication, specs)
   if mode == _ModeKeys.TRAIN:
     _check_optimizer_calls(replication)
   return _merge.merge_specs(mode, specs, replication)

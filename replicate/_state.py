@@ -18,6 +18,10 @@ variable into one write per step, combined by the variable's declared
   every tower writes the same thing (nothing computed from the tower's
   inputs), else a ValueError asking for an aggregation.
 
+A metric fed a per-batch scalar (`tf.compat.v1.metrics.mean(loss)`) is
+neither: its writes are tower 0's, with the whole batch's scalar, or a
+ValueError naming the metric (see `_scalars.MetricsOfScalars`).
+
 A tower that computed on a phantom row (see _split) adds nothing: its SUM
 changes count zero, its MEAN weight is zero and its scatter rows are
 dropped.
@@ -33,7 +37,6 @@ error.
 import collections
 import enum
 import functools
-import re
 from typing import Dict, List, NamedTuple, Optional, Sequence
 
 import numpy as np
@@ -41,6 +44,7 @@ import tensorflow as tf
 from absl import logging
 
 from replicate import _aggregate
+from replicate import _scalars
 from replicate._context import Replication
 from replicate._variance import add_between_shard_variance
 
@@ -75,9 +79,6 @@ _FORWARDING = frozenset(["Identity", "RefIdentity"])
 _RESTORES = frozenset(["RestoreV2", "Restore", "RestoreSlice"])
 _TRAINING_OP_PREFIXES = ("Apply", "ResourceApply", "SparseApply",
                          "ResourceSparseApply")
-# The names `tf.shape` / `tf.size` give the constant they fold a static
-# shape into.
-_FOLDED_SHAPE_NAME = re.compile(r"^(Shape|Size)(?:_\d+)?$")
 # Ops that read a resource variable's value from its handle.
 _READS = frozenset(["ReadVariableOp"])
 # Elementwise extrema by the reduction over towers that gives one device's
@@ -97,7 +98,7 @@ class _Write(NamedTuple):
   variable: tf.Variable
 
 
-def combine_state_writes(replication: Replication):
+def combine_state_writes(replication: Replication, specs: Sequence = ()):
   """Makes the towers' writes to each model variable one write per step.
 
   Raises:
@@ -112,9 +113,10 @@ def combine_state_writes(replication: Replication):
     _check_no_writes_in_functions(ops, variables, skip)
   writes = [_tower_writes(ops, variables, skip) for ops in replication.tower_ops]
   sinks = _Sinks()
+  metrics = _scalars.MetricsOfScalars(replication, specs) if specs else None
   for key in sorted({k for tower in writes for k in tower}):
     group = [tower.get(key) for tower in writes]
-    _combine(replication, group, sinks)
+    _combine(replication, group, sinks, metrics)
 
 
 def _state_variables(replication: Replication) -> Dict[str, tf.Variable]:
@@ -212,7 +214,7 @@ def _aggregation(variable) -> _Aggregation:
 
 
 def _combine(replication: Replication, group: List[Optional[_Write]],
-             sinks: "_Sinks"):
+             sinks: "_Sinks", metrics: Optional[_scalars.MetricsOfScalars]):
   """One write for one (variable, occurrence) across the towers."""
   present = [w for w in group if w is not None]
   first = present[0]
@@ -223,6 +225,14 @@ def _combine(replication: Replication, group: List[Optional[_Write]],
         f"The towers write variable {name!r} in different ways "
         f"({[w.op.type if w else None for w in group]}); every tower must "
         "make the same writes.")
+  if group[0] is not None and metrics is not None and (
+      metrics.make_tower_0s(group[0].op, name)):
+    for write in group[1:]:
+      if write is not None:
+        _follow(write, group[0], sinks)
+    logging.info("replicate: %d writes to %s (%s) of a per-batch scalar made "
+                 "tower 0's", len(present), name, first.kind.value)
+    return
   extremum = (_running_extremum(present) if aggregation == _Aggregation.NONE
               else None)
   if (aggregation in (_Aggregation.SUM, _Aggregation.MEAN) or extremum) and (
@@ -487,7 +497,7 @@ def _trace(replication, tensors, shard_size=None):
     if op.name in seen:
       continue
     seen.add(op.name)
-    if op.name in replication.split_op_names or _is_folded_shard_shape(
+    if op.name in replication.split_op_names or _scalars.is_folded_shard_shape(
         op, shard_size):
       reaches_input = True
       continue
@@ -498,25 +508,6 @@ def _trace(replication, tensors, shard_size=None):
     fingerprint.append(op.type)
     pending.extend(t.op for t in op.inputs)
   return reaches_input, tuple(fingerprint)
-
-
-def _is_folded_shard_shape(op: tf.Operation, shard_size) -> bool:
-  """Whether `op` is `tf.shape`/`tf.size` of a shard, folded to a constant.
-
-  With a static shape `tf.shape(x)` and `tf.size(x)` build a Const (named
-  `Shape`/`Size` by default) with no edge to `x`: a shard's size would pass
-  for a constant that is the same in every tower. Taken as one: a `Shape`
-  whose first dimension is the shard's size, a `Size` that it divides.
-  """
-  if op.type != "Const" or not isinstance(shard_size, int) or shard_size < 1:
-    return False
-  kind = _FOLDED_SHAPE_NAME.match(op.name.rsplit("/", 1)[-1])
-  if kind is None:
-    return False
-  value = tf.make_ndarray(op.get_attr("value"))
-  if kind.group(1) == "Shape":
-    return value.ndim == 1 and value.size > 0 and int(value[0]) == shard_size
-  return value.ndim == 0 and int(value) > 0 and int(value) % shard_size == 0
 
 
 def _follow(write: _Write, first: _Write, sinks: "_Sinks"):

@@ -91,8 +91,10 @@ class _TowerView:
     for key in self._collections:
       self._collections[key] = list(graph.get_collection(key))
     if self._index > 0:
-      # TensorBoard shows tower 0's summaries, under the unwrapped names;
-      # those of the combined update (e.g. a gradient transform's) stay.
+      # TensorBoard shows tower 0's summaries, under the unwrapped names
+      # (those of per-batch scalars, the loss's, get the whole batch's value:
+      # see _summaries); those of the combined update (e.g. a gradient
+      # transform's) stay.
       summaries = graph.get_collection_ref(_GraphKeys.SUMMARIES)
       summaries[:] = [s for s in summaries if id(s) in self._summaries_before
                       or s.op.name in self._replication.apply_ops]
