@@ -29,6 +29,17 @@ _STATEFUL_VARIABLE_OPS = frozenset([
 ])
 
 
+# Gathers whose gradient TensorFlow colocates with the gathered tensor.
+_GATHER_OPS = frozenset(["Gather", "GatherV2"])
+# Ops through which a tensor is still a variable's handle, reference or value.
+_VALUE_FORWARDING_OPS = frozenset(["Identity", "ReadVariableOp"])
+# Conds, whose lowering colocates a Switch with each input (after the
+# predicate or branch index).
+_COND_OPS = frozenset(["If", "StatelessIf", "Case", "StatelessCase"])
+# Function calls pass variable handles on to a body placed on its own.
+_FUNCTION_CALL_OPS = frozenset(["PartitionedCall", "StatefulPartitionedCall"])
+
+
 class VariablePlacement(str, enum.Enum):
   """Where the one shared set of variables lives.
 
@@ -232,18 +243,70 @@ def tower_device_function(
 ) -> Callable[[tf.Operation], str]:
   """Device function for one tower.
 
-  Variable ops go where `choose_variable_device` says, every other op to the
-  tower's device. A device the user set on an op (with an inner
+  Variable ops go where `choose_variable_device` says; an op that must run
+  where a variable lives (see `_variable_device`) goes there; every other op
+  to the tower's device. A device the user set on an op (with an inner
   `tf.device`) takes precedence field by field, as `tf.device` nests.
   """
-  tower_spec = tf.DeviceSpec.from_string(tower_device)
-
   def device_function(op):
     user_spec = tf.DeviceSpec.from_string(op.device or "")
     if op.type in _STATEFUL_VARIABLE_OPS:
       base = tf.DeviceSpec.from_string(choose_variable_device(op))
     else:
-      base = tower_spec
+      base = tf.DeviceSpec.from_string(_variable_device(op) or tower_device)
     return base.make_merged_spec(user_spec).to_string()
 
   return device_function
+
+
+def _variable_device(op: tf.Operation) -> Optional[str]:
+  """The device of the one variable `op` must run with, or None.
+
+  TensorFlow's placer runs an op that takes a variable's handle or
+  reference where the variable lives, whatever device the op asks for. The
+  gradient of a gather colocates with the gathered variable
+  (`array_grad._GatherV2Grad`), and a lowered cond colocates each Switch
+  with its input. Ops colocated with such an op (its gradient, with
+  `colocate_gradients_with_ops`; its Switches) take the device the op asked
+  for, so asking for the tower's would make them conflict with the
+  variable's, which only soft placement resolves. Function calls are left
+  on the tower, as the placer leaves them: their bodies are placed op by op.
+  """
+  if op.type in _FUNCTION_CALL_OPS:
+    return None
+  tensors = [t for t in op.inputs
+             if t.dtype == tf.resource or t.dtype._is_ref_dtype]  # pylint: disable=protected-access
+  if op.type in _GATHER_OPS and op.inputs:
+    tensors.append(op.inputs[0])
+  elif op.type in _COND_OPS:
+    tensors.extend(op.inputs[1:])
+  devices = set()
+  for tensor in tensors:
+    source = _variable_source(tensor)
+    if source is not None and source.device:
+      devices.add(source.device)
+  return devices.pop() if len(devices) == 1 else None
+
+
+def _variable_source(tensor: tf.Tensor) -> Optional[tf.Operation]:
+  """The variable op whose handle, reference or value `tensor` is, or None.
+
+  Inside a function body (a cond's branch, a loop's body) a captured
+  variable is a placeholder; its source is the captured outer tensor's.
+  """
+  while True:
+    op = tensor.op
+    if op.type in _VALUE_FORWARDING_OPS and op.inputs:
+      tensor = op.inputs[0]
+    elif op.type == "Placeholder" and _captured(tensor) is not None:
+      tensor = _captured(tensor)
+    else:
+      return op if op.type in _STATEFUL_VARIABLE_OPS else None
+
+
+def _captured(tensor: tf.Tensor) -> Optional[tf.Tensor]:
+  """The outer tensor a function body's placeholder captures, or None."""
+  for external, internal in getattr(tensor.graph, "captures", ()):
+    if internal is tensor:
+      return external if isinstance(external, tf.Tensor) else None
+  return None
