@@ -327,8 +327,9 @@ def _variable_device(op: tf.Operation) -> Optional[str]:
   """
   if op.type in _FUNCTION_CALL_OPS:
     return None
+  # A reference's dtype differs from its base dtype (float32_ref, float32).
   tensors = [t for t in op.inputs
-             if t.dtype == tf.resource or t.dtype._is_ref_dtype]  # pylint: disable=protected-access
+             if t.dtype == tf.resource or t.dtype != t.dtype.base_dtype]
   if op.type in _GATHER_OPS and op.inputs:
     tensors.append(op.inputs[0])
   elif op.type in _COND_OPS:
