@@ -4,8 +4,9 @@ Every session here has four virtual CPUs and `allow_soft_placement=False`:
 a tower op that asks for '/device:CPU:1' while TensorFlow must run it (or
 an op colocated with it) where its variable lives would fail to place.
 Embedding lookups are the common case (their gradients are colocated with
-the lookup, which reads the variable), and conds over variables (the
-canned linear model's zero-fraction summary). Values are one device's.
+the lookup, which reads the variable), conds over variables (the canned
+linear model's zero-fraction summary) and loops over shared variables (a
+Keras LSTM). Values are one device's.
 """
 
 import functools
@@ -43,6 +44,10 @@ def _embedded(features, lookup):
   if lookup == "keras_embedding":
     return tf.reduce_mean(
         tf.keras.layers.Embedding(NUM_IDS, 4, name="embedding")(ids), axis=1)
+  if lookup == "keras_lstm":
+    # A while loop that reads the LSTM's variables in its body.
+    embedded = tf.keras.layers.Embedding(NUM_IDS, 4, name="embedding")(ids)
+    return tf.keras.layers.LSTM(4, name="lstm")(embedded)
   column = tf.feature_column.embedding_column(
       tf.feature_column.categorical_column_with_identity("ids", NUM_IDS), 4)
   return tf.compat.v1.feature_column.input_layer(features, [column])
@@ -133,6 +138,17 @@ def test_lookups_place_without_soft_placement_with_one_devices_values(
   expected = _run(lookup, None, None, batch)
   actual = _run(lookup, towers, placement, batch)
   assert sorted(actual["variables"]) == sorted(expected["variables"])
+  harness.assert_close_nests(actual, expected, rtol=1e-5, atol=1e-6)
+
+
+# ROUND_ROBIN is left out: the gradient of a loop reading variables on
+# several devices colocates their shapes with the loop (TensorFlow's zeros
+# for the loop's resource outputs), which only soft placement can place.
+@pytest.mark.parametrize("towers,batch", [(2, 8), (4, 10)])
+def test_a_loop_over_shared_variables_places_without_soft_placement(
+    towers, batch):
+  expected = _run("keras_lstm", None, None, batch)
+  actual = _run("keras_lstm", towers, "shared", batch)
   harness.assert_close_nests(actual, expected, rtol=1e-5, atol=1e-6)
 
 
