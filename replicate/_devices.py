@@ -29,6 +29,17 @@ _STATEFUL_VARIABLE_OPS = frozenset([
 ])
 
 
+# Gathers whose gradient TensorFlow colocates with the gathered tensor.
+_GATHER_OPS = frozenset(["Gather", "GatherV2"])
+# Ops through which a tensor is still a variable's handle, reference or value.
+_VALUE_FORWARDING_OPS = frozenset(["Identity", "ReadVariableOp"])
+# Conds, whose lowering colocates a Switch with each input (after the
+# predicate or branch index).
+_COND_OPS = frozenset(["If", "StatelessIf", "Case", "StatelessCase"])
+# Function calls pass variable handles on to a body placed on its own.
+_FUNCTION_CALL_OPS = frozenset(["PartitionedCall", "StatefulPartitionedCall"])
+
+
 class VariablePlacement(str, enum.Enum):
   """Where the one shared set of variables lives.
 
@@ -155,17 +166,20 @@ def check_local_devices(devices: Sequence[str], config=None) -> None:
   explicit logical split, or `config`, whose session makes as many as its
   `device_count` asks); without `config` the caller makes its own session,
   e.g. `Session(config=ConfigProto(device_count={'CPU': 4}))` as tf.contrib's
-  tests did, so such names are accepted with a warning.
+  tests did, so such names are accepted with a warning. CPUs of a logical
+  split that the Estimator's session will not make (see `_check_session_cpus`)
+  are named in a warning, or refused without soft placement.
 
   Args:
     devices: canonical device names, as `resolve_devices` returns them.
     config: the `tf.estimator.RunConfig` the model_fn was given, or None.
 
   Raises:
-    ValueError: a device's type or index provably does not exist locally.
+    ValueError: a device's type or index provably does not exist locally,
+      or the session will not have it and does not allow soft placement.
   """
   counts = _local_device_counts(config)
-  without_gpu, unknown_cpus = [], []
+  without_gpu, unknown_cpus, local_cpus = [], [], []
   for device in devices:
     spec = tf.DeviceSpec.from_string(device)
     if spec.job is not None or spec.replica is not None or spec.task is not None:
@@ -173,7 +187,8 @@ def check_local_devices(devices: Sequence[str], config=None) -> None:
     if spec.device_type == "GPU" and "GPU" not in counts:
       without_gpu.append(device)
     elif spec.device_index < counts.get(spec.device_type, 0):
-      continue
+      if spec.device_type == "CPU":
+        local_cpus.append(device)
     elif spec.device_type == "CPU" and _session_cpus_unknown(config, counts):
       unknown_cpus.append(device)
     else:
@@ -190,6 +205,55 @@ def check_local_devices(devices: Sequence[str], config=None) -> None:
         "device(s) as far as is known; devices %s must be made by the session "
         "that runs the graph (ConfigProto(device_count={'CPU': N})), or it "
         "fails to place them", counts.get("CPU", 0), unknown_cpus)
+  if config is not None:
+    _check_session_cpus(local_cpus, getattr(config, "session_config", None))
+
+
+# (devices, session CPUs) already warned about: the model_fn runs for every
+# train, evaluate and predict call, the decision is the same each time.
+_WARNED_SESSION_CPUS = set()
+
+
+def _check_session_cpus(cpus: Sequence[str], session_config) -> None:
+  """Says so where towers name CPUs the Estimator's session will not have.
+
+  A logical split of the CPU (`tf.config.set_logical_device_configuration`)
+  makes CPUs for eager code and for sessions opened without a config, but
+  the Estimator opens its sessions with `RunConfig.session_config` (its
+  default when None), which has one CPU unless `device_count` asks for
+  more. The model_fn gets a copy of the RunConfig, so it cannot give the
+  session more CPUs: the towers on CPUs the session lacks would run on
+  '/device:CPU:0', one after another (soft placement), or fail to place.
+
+  Raises:
+    ValueError: the session lacks some of `cpus` and does not allow soft
+      placement (it would fail to place them).
+  """
+  have = 1 if session_config is None else max(
+      1, session_config.device_count.get("CPU", 1))
+  missing = [d for d in cpus
+             if tf.DeviceSpec.from_string(d).device_index >= have]
+  if not missing:
+    return
+  need = 1 + max(tf.DeviceSpec.from_string(d).device_index for d in cpus)
+  fix = (f"give the Estimator a session with {need} CPUs: tf.estimator."
+         f"RunConfig(session_config=replicate.testing.session_config({need})"
+         f") or tf.compat.v1.ConfigProto(device_count={{'CPU': {need}}})")
+  if session_config is not None and not session_config.allow_soft_placement:
+    raise ValueError(
+        f"Devices {missing} are CPUs of this process's logical split that "
+        f"the Estimator's session will not have: RunConfig.session_config "
+        f"makes {have} CPU device(s) (device_count) and does not allow soft "
+        f"placement, so the session cannot place them; {fix}.")
+  key = (tuple(cpus), have)
+  if key in _WARNED_SESSION_CPUS:
+    return
+  _WARNED_SESSION_CPUS.add(key)
+  logging.warning(
+      "replicate: devices %s are CPUs of this process's logical split that "
+      "the Estimator's session will not have (RunConfig.session_config makes "
+      "%d CPU device(s)): soft placement runs those towers on "
+      "'/device:CPU:0', one after another; %s", missing, have, fix)
 
 
 def _session_cpus_unknown(config, counts: Dict[str, int]) -> bool:
@@ -232,18 +296,71 @@ def tower_device_function(
 ) -> Callable[[tf.Operation], str]:
   """Device function for one tower.
 
-  Variable ops go where `choose_variable_device` says, every other op to the
-  tower's device. A device the user set on an op (with an inner
+  Variable ops go where `choose_variable_device` says; an op that must run
+  where a variable lives (see `_variable_device`) goes there; every other op
+  to the tower's device. A device the user set on an op (with an inner
   `tf.device`) takes precedence field by field, as `tf.device` nests.
   """
-  tower_spec = tf.DeviceSpec.from_string(tower_device)
-
   def device_function(op):
     user_spec = tf.DeviceSpec.from_string(op.device or "")
     if op.type in _STATEFUL_VARIABLE_OPS:
       base = tf.DeviceSpec.from_string(choose_variable_device(op))
     else:
-      base = tower_spec
+      base = tf.DeviceSpec.from_string(_variable_device(op) or tower_device)
     return base.make_merged_spec(user_spec).to_string()
 
   return device_function
+
+
+def _variable_device(op: tf.Operation) -> Optional[str]:
+  """The device of the one variable `op` must run with, or None.
+
+  TensorFlow's placer runs an op that takes a variable's handle or
+  reference where the variable lives, whatever device the op asks for. The
+  gradient of a gather colocates with the gathered variable
+  (`array_grad._GatherV2Grad`), and a lowered cond colocates each Switch
+  with its input. Ops colocated with such an op (its gradient, with
+  `colocate_gradients_with_ops`; its Switches) take the device the op asked
+  for, so asking for the tower's would make them conflict with the
+  variable's, which only soft placement resolves. Function calls are left
+  on the tower, as the placer leaves them: their bodies are placed op by op.
+  """
+  if op.type in _FUNCTION_CALL_OPS:
+    return None
+  # A reference's dtype differs from its base dtype (float32_ref, float32).
+  tensors = [t for t in op.inputs
+             if t.dtype == tf.resource or t.dtype != t.dtype.base_dtype]
+  if op.type in _GATHER_OPS and op.inputs:
+    tensors.append(op.inputs[0])
+  elif op.type in _COND_OPS:
+    tensors.extend(op.inputs[1:])
+  devices = set()
+  for tensor in tensors:
+    source = _variable_source(tensor)
+    if source is not None and source.device:
+      devices.add(source.device)
+  return devices.pop() if len(devices) == 1 else None
+
+
+def _variable_source(tensor: tf.Tensor) -> Optional[tf.Operation]:
+  """The variable op whose handle, reference or value `tensor` is, or None.
+
+  Inside a function body (a cond's branch, a loop's body) a captured
+  variable is a placeholder; its source is the captured outer tensor's.
+  """
+  while True:
+    op = tensor.op
+    if op.type in _VALUE_FORWARDING_OPS and op.inputs:
+      tensor = op.inputs[0]
+    elif op.type == "Placeholder" and _captured(tensor) is not None:
+      tensor = _captured(tensor)
+    else:
+      return op if op.type in _STATEFUL_VARIABLE_OPS else None
+
+
+def _captured(tensor: tf.Tensor) -> Optional[tf.Tensor]:
+  """The outer tensor a function body's placeholder captures, or None."""
+  for external, internal in getattr(tensor.graph, "captures", ()):
+    if internal is tensor:
+      return external if isinstance(external, tf.Tensor) else None
+  return None

@@ -30,8 +30,13 @@ CASES = ((2, 8, True), (4, 10, False))
 
 
 def _model_fn(features, labels, mode):
+  # An embedding lookup of a shared variable: its gradient is colocated with
+  # the lookup, which runs where the variable lives.
+  table = tf.compat.v1.get_variable(
+      "embedding", [models.NUM_FEATURES, models.NUM_CLASSES], use_resource=True)
   logits = tf.compat.v1.layers.dense(features["x"], models.NUM_CLASSES,
-                                     name="logits")
+                                     name="logits") + tf.gather(
+                                         table, tf.argmax(features["x"], 1))
   loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
   optimizer = replicate.TowerOptimizer(
       tf.compat.v1.train.GradientDescentOptimizer(0.5))
@@ -40,8 +45,9 @@ def _model_fn(features, labels, mode):
 
 
 def _session_config():
+  # Without soft placement: every op must be placed where it asks to be.
   return tf.compat.v1.ConfigProto(device_count={"CPU": 4},
-                                  allow_soft_placement=True)
+                                  allow_soft_placement=False)
 
 
 def _train(num_towers, batch, static):
@@ -58,7 +64,8 @@ def _train(num_towers, batch, static):
                      .get_operations() if "CPU:" in op.device})
     with tf.compat.v1.Session(config=_session_config()) as session:
       losses, values = harness.run_training(session, spec, STEPS)
-  weights = {k: v.tolist() for k, v in values.items() if k.startswith("logits")}
+  weights = {k: v.tolist() for k, v in values.items()
+             if k.startswith(("logits", "embedding"))}
   return {"losses": losses.tolist(), "weights": weights, "devices": placed}
 
 

@@ -2,8 +2,9 @@
 
 tests/raw_graph_harness.py runs in a fresh process with no CPU split (this
 one has four logical CPUs, see conftest.py): the replicated model_fn called
-directly in a `tf.Graph`, run in its own `Session(device_count={'CPU': 4})`,
-trains like the unwrapped one; names that provably do not exist are still
+directly in a `tf.Graph`, run in its own `Session(device_count={'CPU': 4})`
+without soft placement, trains like the unwrapped one (an embedding lookup
+included); names that provably do not exist are still
 refused with the same messages.
 """
 
@@ -49,7 +50,8 @@ def test_towers_train_like_one_device_in_the_callers_session(raw_graph, case):
   assert replicated["devices"] == [f"/device:CPU:{i}" for i in range(towers)]
   np.testing.assert_allclose(replicated["losses"], one_device["losses"],
                              rtol=1e-5, atol=1e-6)
-  assert sorted(replicated["weights"]) == ["logits/bias", "logits/kernel"]
+  assert sorted(replicated["weights"]) == ["embedding", "logits/bias",
+                                           "logits/kernel"]
   for name, value in one_device["weights"].items():
     np.testing.assert_allclose(replicated["weights"][name], value,
                                rtol=1e-5, atol=1e-6)

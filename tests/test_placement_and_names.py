@@ -1,18 +1,23 @@
 """Where variables and ops land, and what they are called."""
 
+import shutil
+import tempfile
+
 from absl.testing import parameterized
 import tensorflow as tf
 
 import replicate
+from replicate import _devices
 from tests import harness
 from tests import models
 
 TRAIN = tf.estimator.ModeKeys.TRAIN
+CPUS = ["/device:CPU:0", "/device:CPU:1", "/device:CPU:2", "/device:CPU:3"]
 GPUS = ["/device:GPU:0", "/device:GPU:1", "/device:GPU:2", "/device:GPU:3"]
 
 
 def _build(model_fn, tower_devices=None, placement="shared", params=None,
-           mode=TRAIN, batch=8):
+           mode=TRAIN, batch=8, config=None):
   graph = tf.Graph()
   with graph.as_default():
     tf.compat.v1.train.create_global_step()
@@ -21,7 +26,8 @@ def _build(model_fn, tower_devices=None, placement="shared", params=None,
     labels = tf.constant(labels)
     graph.ops_before_model_fn = len(graph.get_operations())
     spec = harness.wrap(model_fn, tower_devices, placement=placement)(
-        features, labels, mode, params or {})
+        features, labels, mode, params or {},
+        **({"config": config} if config else {}))
   return graph, spec
 
 
@@ -145,6 +151,85 @@ class CurrentTowerTest(parameterized.TestCase):
 if __name__ == "__main__":
   from absl.testing import absltest
   absltest.main()
+
+class EstimatorSessionCpusTest(parameterized.TestCase):
+  """CPUs of the logical split (conftest.py) that the Estimator's session lacks.
+
+  An Estimator opens its sessions with its RunConfig's session_config,
+  which has one CPU unless `device_count` asks for more, whatever the
+  logical split; the model_fn gets a copy of that RunConfig.
+  """
+
+  def setUp(self):
+    super().setUp()
+    _devices._WARNED_SESSION_CPUS.clear()  # pylint: disable=protected-access
+
+  def _config(self, session_config=None):
+    """The RunConfig an Estimator hands its model_fn."""
+    model_dir = tempfile.mkdtemp()
+    self.addCleanup(shutil.rmtree, model_dir)
+    return tf.estimator.Estimator(
+        models.classifier_model_fn, model_dir=model_dir,
+        config=tf.estimator.RunConfig(session_config=session_config)).config
+
+  def _warnings(self, tower_devices, config):
+    with self.assertLogs("absl", "INFO") as logs:
+      for mode in (TRAIN, tf.estimator.ModeKeys.EVAL, TRAIN):
+        _build(models.classifier_model_fn, tower_devices, mode=mode,
+               config=config)
+    return [r.getMessage() for r in logs.records if r.levelname == "WARNING"]
+
+  def test_cpus_the_session_lacks_are_named_once_with_the_fix(self):
+    warnings = self._warnings(CPUS, self._config())
+    self.assertLen(warnings, 1)  # one line, not one per model_fn call
+    self.assertIn("devices ['/device:CPU:1', '/device:CPU:2', "
+                  "'/device:CPU:3'] are CPUs of this process's logical split "
+                  "that the Estimator's session will not have", warnings[0])
+    self.assertIn("RunConfig(session_config=replicate.testing."
+                  "session_config(4))", warnings[0])
+    self.assertIn("device_count={'CPU': 4}", warnings[0])
+
+  def test_a_session_with_too_few_cpus_names_only_the_missing(self):
+    two = tf.compat.v1.ConfigProto(device_count={"CPU": 2},
+                                   allow_soft_placement=True)
+    warnings = self._warnings(CPUS[:3], self._config(two))
+    self.assertLen(warnings, 1)
+    self.assertIn("devices ['/device:CPU:2'] are CPUs", warnings[0])
+    self.assertIn("session_config(3)", warnings[0])
+
+  def test_a_session_with_the_cpus_gets_no_warning(self):
+    config = self._config(replicate.testing.session_config(4))
+    self.assertEmpty(self._warnings(CPUS, config))
+
+  def test_without_soft_placement_the_missing_cpus_are_an_error(self):
+    config = self._config(tf.compat.v1.ConfigProto(allow_soft_placement=False))
+    with self.assertRaisesRegex(
+        ValueError, r"Devices \['/device:CPU:1'\] are CPUs .* does not allow "
+        r"soft placement.*session_config\(2\)"):
+      _build(models.classifier_model_fn, CPUS[:2], config=config)
+
+  def test_towers_run_on_their_cpus_only_in_a_session_that_has_them(self):
+    config = self._config()
+    graph, spec = _build(models.classifier_model_fn, CPUS[:2], config=config)
+    with_cpus = replicate.testing.session_config(4, config.session_config)
+    # Where tower 1's ops ran, from the session's own step statistics.
+    ran_on = {}
+    for name, session_config in (("estimator", config.session_config),
+                                 ("four_cpus", with_cpus)):
+      with graph.as_default(), tf.compat.v1.Session(
+          config=session_config) as session:
+        session.run(tf.compat.v1.global_variables_initializer())
+        metadata = tf.compat.v1.RunMetadata()
+        session.run(spec.train_op, options=tf.compat.v1.RunOptions(
+            trace_level=tf.compat.v1.RunOptions.FULL_TRACE),
+                    run_metadata=metadata)
+      ran_on[name] = {
+          tf.DeviceSpec.from_string(stats.device).device_index
+          for stats in metadata.step_stats.dev_stats
+          for node in stats.node_stats
+          if node.node_name.startswith("tower_1/hidden/")}
+    self.assertEqual(ran_on["estimator"], {0})  # serialised, as warned
+    self.assertIn(1, ran_on["four_cpus"])
 
 
 class InitialWeightsTest(parameterized.TestCase):
