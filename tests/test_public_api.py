@@ -22,8 +22,8 @@ def test_testing_module_exports_exactly_all():
             getattr(vars(replicate.testing)[name], "__module__", None) ==
             "replicate.testing"}
   assert public == set(replicate.testing.__all__) == {
-      "ReplicationMismatch", "Summary", "assert_replicates", "run_config",
-      "session_config", "virtual_cpus"}
+      "ReplicationMismatch", "Summary", "assert_replicates", "replicated",
+      "run_config", "session_config", "virtual_cpus"}
 
 
 def test_variable_placement_members_and_strings():
