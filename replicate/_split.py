@@ -71,9 +71,9 @@ def _as_tensor(path, value):
 
 
 def _scalar_message(path, value=None):
-  shown = "" if value is None else f" ({value})"
-  return (f"`{path}` is a scalar{shown} and has no batch dimension to split "
-          "across towers; give every feature and label a leading batch "
+  shown = "" if value is None else f" (its value: {value})"
+  return (f"`{path}` is a scalar and has no batch dimension to split across "
+          f"towers{shown}; give every feature and label a leading batch "
           "dimension (one row per example).")
 
 

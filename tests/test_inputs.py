@@ -455,8 +455,8 @@ class PythonListInputsTest(parameterized.TestCase):
   def test_a_scalar_is_described_as_one(self):
     with tf.Graph().as_default():
       with self.assertRaisesRegex(
-          ValueError, r"`features\['scale'\]` is a scalar \(2.0\) and has no "
-          "batch dimension"):
+          ValueError, r"`features\['scale'\]` is a scalar and has no batch "
+          r"dimension to split across towers \(its value: 2.0\)"):
         replicate._split.split_batch(  # pylint: disable=protected-access
             {"x": [[1.], [2.]], "scale": 2.0}, [1, 2], 2)
 
