@@ -18,6 +18,7 @@ import tensorflow as tf
 from replicate import _context
 from replicate import _hooks
 from replicate import _loss
+from replicate import _split
 from replicate._inputs import reads_batch as _reads_batch
 
 _ModeKeys = tf.estimator.ModeKeys
@@ -78,7 +79,7 @@ def _concat(tensors: Sequence[Any], path: str, name: str,
     # Shards of a variable-length feature differ in width (see _split).
     return tf.sparse.concat(axis=0, sp_inputs=tensors,
                             expand_nonconcat_dims=True)
-  return tf.concat(tensors, axis=0, name=name)
+  return tf.concat(_split.padded_to_widest(tensors), axis=0, name=name)
 
 
 def concat_predictions(predictions: Sequence[Any],

@@ -272,6 +272,32 @@ def _split_sparse(sparse, windows):
   return shards
 
 
+def padded_to_widest(tensors: List[tf.Tensor]) -> List[tf.Tensor]:
+  """The towers' per-row outputs padded with zeros to the widest's extents.
+
+  Shards of a variable-length SparseTensor are as wide as their own rows
+  (see `_split_sparse`), so per-step outputs computed from them (a
+  densified feature times a weight, a masked RNN's sequence) differ in
+  width from tower to tower; one device's batch is as wide as the widest
+  shard, and pads with what the model computes there (zeros for those
+  two). Tensors whose dimensions after the first are static and alike are
+  returned as they are.
+  """
+  first = tensors[0].shape
+  if first.rank is None or first.rank < 2 or (
+      first[1:].is_fully_defined() and
+      all(t.shape[1:] == first[1:] for t in tensors)):
+    return list(tensors)
+  shapes = [tf.shape(t, out_type=tf.int64) for t in tensors]
+  widest = tf.reduce_max(tf.stack(shapes), axis=0)
+  padded = []
+  for tensor, shape in zip(tensors, shapes):
+    after = tf.concat([[0], widest[1:] - shape[1:]], axis=0)
+    padded.append(tf.pad(tensor, tf.stack([tf.zeros_like(after), after], 1),
+                         constant_values=tf.zeros((), tensor.dtype)))
+  return padded
+
+
 def _split_ragged(ragged, windows):
   """Row slices; python ints where the sizes are, so shapes stay static."""
   return [ragged[w.start:w.start + w.size] for w in windows]

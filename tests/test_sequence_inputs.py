@@ -99,7 +99,10 @@ def mask_model_fn(features, labels, mode, config):
   optimizer = replicate.TowerOptimizer(
       tf.compat.v1.train.GradientDescentOptimizer(0.1))
   return tf.estimator.EstimatorSpec(
-      mode, loss=loss, predictions={"scores": scores, "lengths": lengths},
+      mode, loss=loss,
+      # Per step: as wide as the batch's longest row once merged.
+      predictions={"scores": scores, "lengths": lengths,
+                   "steps": tf.sparse.to_dense(x) * mask * weight[0]},
       train_op=optimizer.minimize(loss, tf.compat.v1.train.get_global_step()))
 
 
