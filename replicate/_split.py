@@ -280,11 +280,12 @@ def padded_to_widest(tensors: List[tf.Tensor]) -> List[tf.Tensor]:
   densified feature times a weight, a masked RNN's sequence) differ in
   width from tower to tower; one device's batch is as wide as the widest
   shard, and pads with what the model computes there (zeros for those
-  two). Tensors whose dimensions after the first are static and alike are
-  returned as they are.
+  two). Tensors whose dimensions after the first are static and alike, and
+  RaggedTensors, are returned as they are.
   """
   first = tensors[0].shape
-  if first.rank is None or first.rank < 2 or (
+  if not all(isinstance(t, tf.Tensor) for t in tensors) or (
+      first.rank is None or first.rank < 2) or (
       first[1:].is_fully_defined() and
       all(t.shape[1:] == first[1:] for t in tensors)):
     return list(tensors)
