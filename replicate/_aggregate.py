@@ -80,10 +80,23 @@ def scale_loss(loss, loss_reduction: str, fraction, size):
   if is_sum(loss_reduction):
     return gate(loss, holds_examples)
   loss = tf.convert_to_tensor(loss)
-  weighted = loss * tf.cast(fraction, loss.dtype)
+  weighted = loss * share_in(fraction, loss.dtype)
   if isinstance(size, int) and size > 0:
     return weighted
   return gate(weighted, holds_examples)
+
+
+def share_in(fraction, dtype: tf.DType) -> tf.Tensor:
+  """A tower's share of the batch as a `dtype` scalar, rounded once.
+
+  A Python float (a double) becomes a `dtype` constant directly: `tf.cast`
+  would first make it a float32 tensor, which leaves a float64 loss
+  float32-accurate. A tensor share (float64, see `_split._fractions`) is
+  cast.
+  """
+  if isinstance(fraction, (int, float)):
+    return tf.constant(fraction, dtype)
+  return tf.cast(fraction, dtype)
 
 
 def _sum_device(grads: Sequence[Any], variable) -> str:

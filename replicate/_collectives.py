@@ -96,7 +96,9 @@ def _as_summable(value):
 
 def _concat(parts):
   if isinstance(parts[0], tf.SparseTensor):
-    return tf.sparse.concat(axis=0, sp_inputs=list(parts))
+    # Shards of a variable-length feature differ in width (see _split).
+    return tf.sparse.concat(axis=0, sp_inputs=list(parts),
+                            expand_nonconcat_dims=True)
   return tf.concat(list(parts), axis=0)
 
 

@@ -2,24 +2,27 @@
 
 One device averages a weighted loss over the whole batch's denominator: the
 weights' sum, the number of non-zero weights or of elements. The towers'
-losses are combined so that the result is exactly that value:
+losses are combined so that the result is exactly that value. A loss that
+adds several scalar terms (`get_total_loss()`, a head's loss plus its
+`regularization_losses`) is combined term by term:
 
-- with Reduction.SUM the towers' losses are added;
+- a term that reads none of the towers' inputs (a regularizer of the
+  shared variables) is the same in every tower and counts once: tower 0's,
+  whatever the reduction;
+- with Reduction.SUM the towers' terms are added;
 - a weighted mean built by `tf.compat.v1.losses` or a Keras loss (a
   `DivNoNan` named `value`: the sum of weighted losses over the
   denominator) becomes the towers' numerators summed over their
   denominators summed, so masks whose valid counts are far from
   proportional to the shards still give one device's loss;
-- every other averaging loss (a `tf.reduce_mean`, say) is weighted by its
+- every other averaging term (a `tf.reduce_mean`, say) is weighted by its
   tower's share of the batch.
 
 A tower computing on a phantom row (a batch smaller than the towers, see
-`_split`) adds nothing.
-
-A loss that adds several terms (`get_total_loss()`, a loss plus a
-regularizer) is combined term by term. The combined loss is built once per
-set of tower losses, on the consolidation device, and is both what the
-merged EstimatorSpec reports and what `TowerOptimizer` differentiates.
+`_split`) adds nothing. Towers whose losses add different numbers of terms
+are combined as whole losses. The combined loss is built once per set of
+tower losses, on the consolidation device, and is both what the merged
+EstimatorSpec reports and what `TowerOptimizer` differentiates.
 """
 
 from typing import Any, List, Optional, Sequence, Tuple
@@ -27,6 +30,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 import tensorflow as tf
 
 from replicate import _aggregate
+from replicate import _inputs
 from replicate._context import Replication
 
 _ADDS = frozenset(["AddN", "AddV2", "Add"])
@@ -44,8 +48,6 @@ def combine(replication: Replication, losses: Sequence[Any]) -> tf.Tensor:
 
 
 def _combine(replication, losses: List[tf.Tensor]) -> tf.Tensor:
-  if _aggregate.is_sum(replication.loss_reduction):
-    return _aggregate.real_sum(losses, replication.validity)
   terms = [_terms(loss) for loss in losses]
   if len({len(t) for t in terms}) != 1:
     terms = [[loss] for loss in losses]
@@ -55,6 +57,13 @@ def _combine(replication, losses: List[tf.Tensor]) -> tf.Tensor:
 
 
 def _combine_term(replication, terms: List[tf.Tensor]) -> tf.Tensor:
+  if replication.inputs and not _inputs.reads_batch(terms,
+                                                    replication.inputs):
+    # A regularizer: every tower computes the same value from the shared
+    # variables, which one device counts once whatever the reduction.
+    return tf.identity(terms[0])
+  if _aggregate.is_sum(replication.loss_reduction):
+    return _aggregate.real_sum(terms, replication.validity)
   ratios = [_ratio(term) for term in terms]
   if all(r is not None for r in ratios):
     numerator = _aggregate.real_sum([n for n, _ in ratios],

@@ -19,7 +19,9 @@ import tensorflow as tf
 from replicate import _context
 from replicate import _hooks
 from replicate import _loss
+from replicate import _split
 from replicate import _tpu
+from replicate._inputs import reads_batch as _reads_batch
 
 _ModeKeys = tf.estimator.ModeKeys
 _export = tf.estimator.export
@@ -46,21 +48,6 @@ def concat_name(key) -> str:
     return name
   parts = key if isinstance(key, tuple) else (key,)
   return "concat_" + _INVALID_RUN.sub("_", "_".join(str(p) for p in parts))
-
-
-def _reads_batch(tensor, inputs) -> bool:
-  """Whether `tensor`'s value is computed from the towers' `inputs`."""
-  batch_ops = {t.op for t in tf.nest.flatten(inputs, expand_composites=True)
-               if t is not None}
-  pending, seen = [tensor.op], set()
-  while pending:
-    op = pending.pop()
-    if op in batch_ops:
-      return True
-    if op not in seen:
-      seen.add(op)
-      pending.extend(t.op for t in op.inputs)
-  return False
 
 
 def _tower_zero_scalar(scalar, path: str, inputs):
@@ -114,8 +101,10 @@ def _concat(tensors: Sequence[Any], path: str, name: str,
     return _tower_zero_scalar(tensors[0], path, replication.inputs)
   tensors = real_rows(tensors, replication)
   if isinstance(tensors[0], tf.SparseTensor):
-    return tf.sparse.concat(axis=0, sp_inputs=tensors)
-  return tf.concat(tensors, axis=0, name=name)
+    # Shards of a variable-length feature differ in width (see _split).
+    return tf.sparse.concat(axis=0, sp_inputs=tensors,
+                            expand_nonconcat_dims=True)
+  return tf.concat(_split.padded_to_widest(tensors), axis=0, name=name)
 
 
 def concat_predictions(predictions: Sequence[Any],

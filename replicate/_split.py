@@ -14,12 +14,20 @@ sees zero rows unless the batch is empty; so such a tower is handed one
 phantom row instead, a copy of the batch's last row, and marked not
 `valid`: whatever it computes is left out of the losses, predictions,
 metrics and model-state writes (see `_aggregate.gate`).
+
+Python lists that are values (`{'age': [[10.], [20.]]}`) are converted to
+tensors first, as feature columns and heads convert them on one device
+(see `_inputs`). A SparseTensor's shard is as wide as one device would see
+a batch of its rows: see `_split_sparse`.
 """
 
 import itertools
 from typing import Any, List, NamedTuple, Union
 
+import numpy as np
 import tensorflow as tf
+
+from replicate import _inputs
 
 Size = Union[int, tf.Tensor]
 
@@ -29,7 +37,7 @@ class Shards(NamedTuple):
   features: List[Any]
   labels: List[Any]
   sizes: List[Size]       # examples per tower (ints when the batch is static)
-  fractions: List[Any]    # size / batch size: floats, or float32 tensors
+  fractions: List[Any]    # size / batch size: floats, or float64 tensors
   valid: List[Any]        # False for a phantom row's tower: bools or tensors
 
 
@@ -62,9 +70,11 @@ def _as_tensor(path, value):
         "of them.") from None
 
 
-def _scalar_message(path):
+def _scalar_message(path, value=None):
+  shown = "" if value is None else f" (its value: {value})"
   return (f"`{path}` is a scalar and has no batch dimension to split across "
-          "towers; give every feature and label a leading batch dimension.")
+          f"towers{shown}; give every feature and label a leading batch "
+          "dimension (one row per example).")
 
 
 def _static_batch_size(path, tensor):
@@ -74,7 +84,7 @@ def _static_batch_size(path, tensor):
     if known is not None:
       shape = tf.TensorShape(known)
   if shape.rank == 0:
-    raise ValueError(_scalar_message(path))
+    raise ValueError(_scalar_message(path, tf.get_static_value(tensor)))
   if shape.rank is None:
     return None
   return tf.compat.dimension_value(shape[0])
@@ -201,15 +211,92 @@ def _split_dense(tensor, sizes, windows, tiled):
   return [tensor[w.start:w.start + w.size] for w in windows]
 
 
+def _value_extents(indices, trailing):
+  """Max index + 1 of the values in each dimension after the first (0: none)."""
+  return tf.reduce_max(tf.concat(
+      [indices[:, 1:] + 1, tf.expand_dims(tf.zeros_like(trailing), 0)], 0), 0)
+
+
+def _static_sparse_shards(sparse, windows):
+  """The shards' dense shapes, where the batch and the windows are constants."""
+  indices = tf.get_static_value(sparse.indices)
+  shape = tf.get_static_value(sparse.dense_shape)
+  if indices is None or shape is None or not all(
+      isinstance(w.start, int) and isinstance(w.size, int) for w in windows):
+    return None
+  def extents(rows):
+    return np.max(np.concatenate([rows[:, 1:] + 1,
+                                  np.zeros([1, len(shape) - 1], np.int64)]), 0)
+  tight = extents(indices) == shape[1:]
+  shapes = []
+  for w in windows:
+    rows = indices[(indices[:, 0] >= w.start) &
+                   (indices[:, 0] < w.start + w.size)]
+    shapes.append(np.concatenate(
+        [[w.size], np.where(tight, extents(rows), shape[1:])]).astype(np.int64))
+  return shapes
+
+
 def _split_sparse(sparse, windows):
-  shards = []
+  """Row slices of a SparseTensor, each as wide as its own rows make it.
+
+  On one device a variable-length feature (VarLen parsing, padded batching)
+  is as wide in each dimension after the first as its longest row: its
+  extent is the values' max index + 1, so widths and lengths computed from
+  the values agree (`tf.sequence_mask(lengths)` against the densified
+  feature). Where the whole batch is tight like that in a dimension, each
+  shard gets its own rows' extent there, as one device would see a batch of
+  those rows; where the batch is wider than its values (a fixed width, or
+  padding), each shard keeps the batch's extent. A model that reads the
+  padding itself (an unmasked mean over the padded width) thus sees its
+  shard's padding: such a value depends on which rows share a batch, on one
+  device too.
+  """
   trailing = sparse.dense_shape[1:]
-  for window in windows:
+  static = _static_sparse_shards(sparse, windows)
+  if static is None:
+    tight = tf.equal(trailing, _value_extents(sparse.indices, trailing))
+  shards = []
+  for i, window in enumerate(windows):
     start = tf.concat([[tf.cast(window.start, tf.int64)],
                        tf.zeros_like(trailing)], axis=0)
     extent = tf.concat([[tf.cast(window.size, tf.int64)], trailing], axis=0)
-    shards.append(tf.sparse.slice(sparse, start, extent))
+    shard = tf.sparse.slice(sparse, start, extent)
+    if static is not None:
+      shape = tf.constant(static[i])
+    else:
+      # The batch dimension from `window.size` (static where it is an int).
+      shape = tf.concat([[tf.cast(window.size, tf.int64)], tf.where(
+          tight, _value_extents(shard.indices, trailing), trailing)], axis=0)
+    shards.append(tf.SparseTensor(shard.indices, shard.values, shape))
   return shards
+
+
+def padded_to_widest(tensors: List[tf.Tensor]) -> List[tf.Tensor]:
+  """The towers' per-row outputs padded with zeros to the widest's extents.
+
+  Shards of a variable-length SparseTensor are as wide as their own rows
+  (see `_split_sparse`), so per-step outputs computed from them (a
+  densified feature times a weight, a masked RNN's sequence) differ in
+  width from tower to tower; one device's batch is as wide as the widest
+  shard, and pads with what the model computes there (zeros for those
+  two). Tensors whose dimensions after the first are static and alike, and
+  RaggedTensors, are returned as they are.
+  """
+  first = tensors[0].shape
+  if not all(isinstance(t, tf.Tensor) for t in tensors) or (
+      first.rank is None or first.rank < 2) or (
+      first[1:].is_fully_defined() and
+      all(t.shape[1:] == first[1:] for t in tensors)):
+    return list(tensors)
+  shapes = [tf.shape(t, out_type=tf.int64) for t in tensors]
+  widest = tf.reduce_max(tf.stack(shapes), axis=0)
+  padded = []
+  for tensor, shape in zip(tensors, shapes):
+    after = tf.concat([[0], widest[1:] - shape[1:]], axis=0)
+    padded.append(tf.pad(tensor, tf.stack([tf.zeros_like(after), after], 1),
+                         constant_values=tf.zeros((), tensor.dtype)))
+  return padded
 
 
 def _split_ragged(ragged, windows):
@@ -232,15 +319,18 @@ def _fractions(sizes, batch_size):
 
   So the shares always add up to one, and with an empty batch tower 0's
   loss (a mean over nothing: NaN, as on one device) is the whole batch's.
+  Python floats where the batch is static, else float64 tensors: both are
+  the correctly rounded double, so a float64 loss weighted by them is
+  float64-exact and a float32 one rounds them once.
   """
   if isinstance(batch_size, int):
     if not batch_size:
       return [1.0] + [0.0] * (len(sizes) - 1)
     return [size / batch_size for size in sizes]
-  total = tf.cast(batch_size, tf.float32)
-  fractions = [tf.math.divide_no_nan(tf.cast(size, tf.float32), total)
+  total = tf.cast(batch_size, tf.float64)
+  fractions = [tf.math.divide_no_nan(tf.cast(size, tf.float64), total)
                for size in sizes]
-  fractions[0] = tf.where(total > 0, fractions[0], 1.0)
+  fractions[0] = tf.where(total > 0, fractions[0], tf.constant(1.0, tf.float64))
   return fractions
 
 
@@ -251,10 +341,13 @@ def split_batch(features, labels, num_shards: int) -> Shards:
   (the batch's last) and `valid` False; its `sizes` entry stays 0.
 
   Raises:
-    ValueError: a leaf is a scalar or not a tensor, or the leaves' static
+    ValueError: a leaf is a scalar or not a tensor (a Python list of
+      numbers or strings is one tensor, see `_inputs`), or the leaves' static
       shapes disagree on the batch size (dynamic sizes that disagree fail
       the runtime checks, naming the leaves and their sizes).
   """
+  features = _inputs.as_tensors(features, "features")
+  labels = _inputs.as_tensors(labels, "labels")
   structure = (features, labels)
   leaves = tf.nest.flatten(structure)
   paths = _paths(features, "features") + _paths(labels, "labels")

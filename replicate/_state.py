@@ -394,7 +394,7 @@ def _weighted_sum(replication, values: Sequence[tf.Tensor]) -> tf.Tensor:
     if isinstance(weight, float) and weight == 0.0:
       continue
     value = tf.cast(value, compute)
-    weighted = value * tf.cast(weight, compute)
+    weighted = value * _aggregate.share_in(weight, compute)
     if not isinstance(weight, float):
       weighted = tf.where(weight > 0, weighted, tf.zeros_like(weighted))
     terms.append(weighted)

@@ -367,3 +367,103 @@ class EmptyBatchTest(parameterized.TestCase):
 if __name__ == "__main__":
   from absl.testing import absltest
   absltest.main()
+
+
+# Python lists as an input_fn returns them (tensorflow_estimator's canned
+# tests do): feature columns and heads convert them, so they are values.
+_LIST_FEATURES = {"age": [[10.], [20.], [-5.], [7.], [3.]],
+                  "language": [["en"], ["fr"], ["de"], ["en"], ["xx"]]}
+_LIST_LABELS = [[1], [0], [1], [1], [0]]
+
+
+def _list_columns():
+  language = tf.feature_column.categorical_column_with_vocabulary_list(
+      "language", ["en", "fr", "de"])
+  return [tf.feature_column.numeric_column("age"),
+          tf.feature_column.indicator_column(language)]
+
+
+def _canned_model_fn(kind):
+  if kind == "linear_regressor_v2":
+    return tf.estimator.LinearRegressor(
+        _list_columns(), optimizer=replicate.TowerOptimizer(
+            lambda: tf.keras.optimizers.legacy.Ftrl(0.1))).model_fn
+  if kind == "dnn_classifier_v2":
+    return tf.estimator.DNNClassifier(
+        [3], _list_columns(), optimizer=replicate.TowerOptimizer(
+            lambda: tf.keras.optimizers.legacy.Adagrad(0.1))).model_fn
+  return tf.compat.v1.estimator.DNNClassifier(
+      [3], _list_columns(), optimizer=replicate.TowerOptimizer(
+          lambda: tf.compat.v1.train.AdagradOptimizer(0.1))).model_fn
+
+
+def _run_lists(model_fn, mode, num_towers, rows):
+  """Calls the model_fn on the lists themselves, as a plain Estimator does."""
+  features = {key: value[:rows] for key, value in _LIST_FEATURES.items()}
+  labels = None if mode == harness.PREDICT else _LIST_LABELS[:rows]
+  with tf.Graph().as_default():
+    tf.compat.v1.train.create_global_step()
+    if num_towers > 1:
+      model_fn = replicate.replicate_model_fn(
+          model_fn, devices=harness.devices(harness.VIRTUAL_CPUS, num_towers))
+    spec = model_fn(features=features, labels=labels, mode=mode,
+                    config=tf.estimator.RunConfig())
+    # Soft placement, as the Estimator's default RunConfig has it (canned
+    # DNN summaries need it with several towers: issue 19 item 6).
+    with tf.compat.v1.Session(
+        config=harness.session_config(soft=True)) as session:
+      session.run(tf.compat.v1.tables_initializer())   # the vocabulary
+      if mode == harness.TRAIN:
+        return harness.run_training(session, spec, steps=2)
+      session.run([tf.compat.v1.global_variables_initializer(),
+                   tf.compat.v1.local_variables_initializer()])
+      harness.set_trainable_weights(session)
+      if mode == harness.PREDICT:
+        return session.run(spec.predictions)
+      updates = [op for _, op in spec.eval_metric_ops.values()]
+      loss, _ = session.run([spec.loss, updates])
+      return loss, session.run(
+          {k: v for k, (v, _) in spec.eval_metric_ops.items()})
+
+
+class PythonListInputsTest(parameterized.TestCase):
+  """Lists of numbers and strings, labels as lists; 3 rows: uneven."""
+
+  @parameterized.product(
+      kind=["linear_regressor_v2", "dnn_classifier_v2", "dnn_classifier_v1"],
+      num_towers=[2, 4], rows=[5, 3])
+  def test_match_one_device(self, kind, num_towers, rows):
+    model_fn = _canned_model_fn(kind)
+    for mode in (harness.TRAIN, harness.EVAL, harness.PREDICT):
+      with self.subTest(mode=mode):
+        harness.assert_close_nests(
+            _run_lists(model_fn, mode, num_towers, rows),
+            _run_lists(model_fn, mode, 1, rows))
+
+  @parameterized.parameters(2, 4)
+  def test_a_list_that_is_a_value_is_one_tensor(self, num_towers):
+    with tf.Graph().as_default():
+      shards = replicate._split.split_batch(  # pylint: disable=protected-access
+          {"age": [[10.], [20.], [30.]], "pair": ([1, 2], [3, 4], [5, 6])},
+          (np.float32(1.), np.float32(2.), np.float32(3.)), num_towers)
+      self.assertEqual(shards.features[0]["age"].shape, [2 if num_towers == 2
+                                                         else 1, 1])
+      # A tuple of lists is one value too: 3 rows of 2, not 3 leaves.
+      self.assertEqual(shards.features[0]["pair"].shape[1], 2)
+      self.assertEqual(shards.labels[0].dtype, tf.float32)
+
+  def test_a_scalar_is_described_as_one(self):
+    with tf.Graph().as_default():
+      with self.assertRaisesRegex(
+          ValueError, r"`features\['scale'\]` is a scalar and has no batch "
+          r"dimension to split across towers \(its value: 2.0\)"):
+        replicate._split.split_batch(  # pylint: disable=protected-access
+            {"x": [[1.], [2.]], "scale": 2.0}, [1, 2], 2)
+
+  def test_ragged_list_is_refused_naming_it(self):
+    with tf.Graph().as_default():
+      with self.assertRaisesRegex(
+          ValueError, r"`features\['x'\]` is a Python list that TensorFlow "
+          "cannot convert"):
+        replicate._split.split_batch(  # pylint: disable=protected-access
+            {"x": [[1.], [2., 3.]]}, [1, 2], 2)

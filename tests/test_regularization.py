@@ -1,11 +1,11 @@
 """Regularization losses added to every tower's loss.
 
 Variables are shared, so every tower's regularization term is the same
-tensor (the v1 REGULARIZATION_LOSSES collection holds tower 0's terms only;
-a Keras layer's `losses` read the shared weights). An averaging reduction
-weights the towers' losses by their shares, which sum to one, so the term
-counts once, as on one device. With `SUM` the towers' losses are added, so
-a model_fn adds the term in tower 0 only (what the README says).
+value (the v1 REGULARIZATION_LOSSES collection holds tower 0's terms only;
+a Keras layer's `losses` read the shared weights). A loss term that reads
+none of the towers' inputs counts once, tower 0's, whatever the reduction,
+so the model_fn of one device is right under SUM too; adding the term in
+tower 0 only (the former rule) still works.
 """
 
 from absl.testing import parameterized
@@ -29,6 +29,14 @@ def _model_fn(features, labels, mode, params):
     logits = tf.compat.v1.layers.dense(h, models.NUM_CLASSES, name="logits",
                                        kernel_regularizer=regularizer)
     penalty = tf.compat.v1.losses.get_regularization_loss()
+  elif params["layers"] == "total_loss":
+    h = tf.compat.v1.layers.dense(x, 8, tf.nn.relu, name="hidden",
+                                  kernel_regularizer=regularizer)
+    logits = tf.compat.v1.layers.dense(h, models.NUM_CLASSES, name="logits",
+                                       kernel_regularizer=regularizer)
+    tf.compat.v1.losses.sparse_softmax_cross_entropy(
+        labels, logits, reduction=params["reduction"])
+    return _spec(mode, tf.compat.v1.losses.get_total_loss())
   else:
     hidden = tf.keras.layers.Dense(8, "relu", kernel_regularizer=regularizer)
     out = tf.keras.layers.Dense(models.NUM_CLASSES,
@@ -40,6 +48,10 @@ def _model_fn(features, labels, mode, params):
   tower = replicate.current_tower()
   if params["every_tower"] or tower is None or tower.index == 0:
     loss += penalty
+  return _spec(mode, loss)
+
+
+def _spec(mode, loss):
   optimizer = replicate.TowerOptimizer(
       tf.compat.v1.train.GradientDescentOptimizer(0.1))
   train_op = optimizer.minimize(loss, tf.compat.v1.train.get_global_step())
@@ -67,22 +79,54 @@ class RegularizationTest(parameterized.TestCase):
     actual = _train(num_towers, layers, reduction, every_tower=True)
     harness.assert_close_nests(actual, expected)
 
+  @parameterized.product(num_towers=[2, 4],
+                         layers=["v1", "keras", "total_loss"])
+  def test_sum_counts_the_penalty_once(self, num_towers, layers):
+    expected = _train(1, layers, Reduction.SUM, every_tower=True)
+    actual = _train(num_towers, layers, Reduction.SUM, every_tower=True)
+    harness.assert_close_nests(actual, expected)
+
   @parameterized.parameters("v1", "keras")
   def test_sum_with_the_penalty_in_tower_0_matches_one_device(self, layers):
     expected = _train(1, layers, Reduction.SUM, every_tower=True)
     actual = _train(4, layers, Reduction.SUM, every_tower=False)
     harness.assert_close_nests(actual, expected)
 
-  def test_sum_with_the_penalty_in_every_tower_counts_it_per_tower(self):
-    """The documented pitfall: N towers add N penalties under SUM."""
-    plain_losses, _ = _train(1, "v1", Reduction.SUM, every_tower=True)
-    losses, _ = _train(4, "v1", Reduction.SUM, every_tower=True)
-    first_penalty = L2 * sum(
-        np.sum(np.square(harness.initial_value(name, shape, tf.float32)))
-        for name, shape in (("hidden/kernel", (models.NUM_FEATURES, 8)),
-                            ("logits/kernel", (8, models.NUM_CLASSES))))
-    np.testing.assert_allclose(losses[0], plain_losses[0] + 3 * first_penalty,
-                               rtol=1e-5)
+
+def _head_model_fn(features, labels, mode, params):
+  """A v2 head given the Keras layers' penalties as regularization_losses."""
+  dense = tf.keras.layers.Dense(
+      1, name="dense", kernel_regularizer=tf.keras.regularizers.l2(0.5))
+  logits = dense(features["x"])
+  head = tf.estimator.RegressionHead(loss_reduction=params["reduction"])
+  return head.create_estimator_spec(
+      features, mode, logits, labels=labels,
+      optimizer=replicate.TowerOptimizer(tf.keras.optimizers.legacy.SGD(0.1)),
+      trainable_variables=dense.trainable_weights,
+      regularization_losses=dense.losses)
+
+
+class HeadRegularizationTest(parameterized.TestCase):
+  """Eval loss, the head's metrics ('regularization_loss' too) and training
+  of a v2 head with regularization_losses, 7 rows (uneven) per batch."""
+
+  @parameterized.product(num_towers=[2, 4],
+                         reduction=["sum", "sum_over_batch_size"])
+  def test_train_and_eval_match_one_device(self, num_towers, reduction):
+    rng = np.random.RandomState(2)
+    data = ({"x": rng.randn(14, 3).astype(np.float32)},
+            rng.randn(14, 1).astype(np.float32))
+    tower_devices = harness.devices(harness.VIRTUAL_CPUS, num_towers)
+    params = {"reduction": reduction}
+    run = lambda mode, devices=None: mode(
+        _head_model_fn, data, 7, 2, devices, reduction=reduction,
+        params=params)
+    expected = run(harness.evaluate)
+    actual = run(harness.evaluate, tower_devices)
+    self.assertIn("regularization_loss", actual[1])
+    harness.assert_close_nests(actual, expected)
+    harness.assert_close_nests(run(harness.train, tower_devices),
+                               run(harness.train))
 
 
 if __name__ == "__main__":

@@ -268,6 +268,46 @@ class EstimatorUnevenTest(parameterized.TestCase):
                                  atol=5e-6)
 
 
+def _float64_model_fn(features, labels, mode, params):
+  """A float64 model; a tf.reduce_mean loss (weighted by shares) or a Keras
+  loss (the towers' sums over their counts). tf.compat.v1.losses compute in
+  float32 whatever the dtype, on one device too."""
+  hidden = tf.keras.layers.Dense(3, "tanh", dtype="float64", name="hidden")
+  out = tf.keras.layers.Dense(1, dtype="float64", name="out")
+  predictions = out(hidden(features["x"]))
+  if params["loss"] == "reduce_mean":
+    loss = tf.reduce_mean(tf.square(predictions - labels))
+  else:
+    loss = tf.keras.losses.MeanSquaredError()(labels, predictions)
+  optimizer = replicate.TowerOptimizer(
+      tf.compat.v1.train.GradientDescentOptimizer(0.1))
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=optimizer.minimize(
+      loss, tf.compat.v1.train.get_global_step()))
+
+
+class Float64UnevenTest(parameterized.TestCase):
+  """The towers' shares are float64-exact: 7 rows on 2 and 4 towers."""
+
+  @parameterized.product(num_towers=[2, 4], static=[True, False],
+                         loss=["reduce_mean", "keras"])
+  def test_match_one_device_to_float64_rounding(self, num_towers, static,
+                                                loss):
+    rng = np.random.RandomState(4)
+    data = ({"x": rng.randn(14, 2)}, rng.randn(14, 1))
+    run = functools.partial(harness.train, _float64_model_fn, data, 7, 3,
+                            params={"loss": loss}, static=static)
+    expected_losses, expected = run()
+    losses, values = run(harness.devices(harness.VIRTUAL_CPUS, num_towers))
+    # Shards summed in another order and weighted by shares each rounded
+    # once: a few roundings of 2**-53 (1.1e-16) per value, amplified by 3
+    # steps of a small model; 1e-12 leaves room for that and none for a
+    # share rounded through float32 (2**-24, 6e-8: the bug this catches).
+    np.testing.assert_allclose(losses, expected_losses, rtol=1e-12)
+    for name in ("hidden/kernel", "hidden/bias", "out/kernel", "out/bias"):
+      np.testing.assert_allclose(values[name], expected[name], rtol=1e-12,
+                                 atol=1e-14)
+
+
 def _write_initial_checkpoint(model_fn, model_dir):
   with tf.Graph().as_default():
     tf.compat.v1.train.create_global_step()

@@ -1,0 +1,106 @@
+"""What a batch's leaves are, and which tensors read them.
+
+An input_fn may return Python lists (`{'age': [[10.], [20.]]}`, labels
+`[[1], [0]]`): feature columns and heads convert them to tensors, so on one
+device such a list is one value, not a structure of scalars. `as_tensors`
+makes the same conversion before the batch is split, so that the list's
+rows are what the towers share. A list or tuple is a value when it holds
+only numbers, strings, bools, numpy scalars or lists and tuples of those;
+one holding a tensor, a numpy array or a dict is a structure, as
+`tf.nest` sees it.
+"""
+
+import collections.abc
+import copy
+from typing import Any, Tuple
+
+import numpy as np
+import tensorflow as tf
+
+_SCALARS = (int, float, complex, bool, str, bytes, np.generic)
+
+
+def _is_value(sequence) -> bool:
+  """Whether a list or tuple holds only numbers, strings and lists of those."""
+  if hasattr(sequence, "_fields"):   # a namedtuple is always a structure
+    return False
+  pending = [sequence]
+  while pending:
+    items = pending.pop()
+    for item in items:
+      if isinstance(item, (list, tuple)) and not hasattr(item, "_fields"):
+        pending.append(item)
+      elif not isinstance(item, _SCALARS) and not (
+          isinstance(item, np.ndarray) and item.ndim == 0):
+        return False
+  return True
+
+
+def _convert(path: str, value) -> tf.Tensor:
+  try:
+    return tf.convert_to_tensor(value)
+  except (TypeError, ValueError) as e:
+    raise ValueError(
+        f"`{path}` is a Python {type(value).__name__} that TensorFlow cannot "
+        f"convert to a tensor ({e}); give it rows of one length and one type, "
+        "or pass a tf.RaggedTensor or tf.SparseTensor.") from None
+
+
+def _converted(structure, path: str) -> Tuple[Any, bool]:
+  """`structure` with its value lists as tensors, and whether any was."""
+  if isinstance(structure, (list, tuple)):
+    if _is_value(structure):
+      return _convert(path, structure), True
+    items = [_converted(item, f"{path}[{i}]")
+             for i, item in enumerate(structure)]
+    if not any(changed for _, changed in items):
+      return structure, False
+    values = [item for item, _ in items]
+    if hasattr(structure, "_fields"):
+      return type(structure)(*values), True
+    return type(structure)(values), True
+  if isinstance(structure, collections.abc.Mapping):
+    items = {key: _converted(value, f"{path}[{key!r}]")
+             for key, value in structure.items()}
+    if not any(changed for _, changed in items.values()):
+      return structure, False
+    if isinstance(structure, collections.abc.MutableMapping):
+      result = copy.copy(structure)
+      for key, (value, _) in items.items():
+        result[key] = value
+      return result, True
+    return type(structure)({k: v for k, (v, _) in items.items()}), True
+  return structure, False
+
+
+def as_tensors(structure, path: str):
+  """`structure` with every Python list or tuple that is a value a tensor.
+
+  Converted as `tf.convert_to_tensor` converts it (what a feature column or
+  a head does with it on one device); containers on the way are copied,
+  everything else is left as it is.
+
+  Raises:
+    ValueError: a value list TensorFlow cannot convert (rows of different
+      lengths, mixed types), naming it.
+  """
+  return _converted(structure, path)[0]
+
+
+def reads_batch(tensors, inputs) -> bool:
+  """Whether a value of `tensors` (a tensor or a list) is computed from `inputs`.
+
+  `inputs` is any nest of the towers' input tensors (composites included);
+  only data edges count, so a value read from a variable does not.
+  """
+  batch_ops = {t.op for t in tf.nest.flatten(inputs, expand_composites=True)
+               if t is not None}
+  pending, seen = [t.op for t in tf.nest.flatten(tensors)], set()
+  while pending:
+    op = pending.pop()
+    if op in batch_ops:
+      return True
+    if op not in seen:
+      seen.add(op)
+      pending.extend(t.op for t in op.inputs)
+  return False
