@@ -21,6 +21,7 @@ from replicate import _devices
 from replicate import _merge
 from replicate import _context
 from replicate import _batch_norm
+from replicate import _routing
 from replicate import _split
 from replicate import _state
 from replicate import _towers
@@ -245,23 +246,55 @@ def _run_towers(model_fn, features, labels, mode, arguments, devices,
   device_functions = [_devices.tower_device_function(device, choose)
                       for device in devices]
   with _context.replication_scope(replication), \
-      _batch_norm.synchronized(replication):
+      _batch_norm.synchronized(replication), _routing.routed(replication):
     specs = _towers.build_towers(
         replication,
         lambda i: model_fn(**arguments(shards.features[i], shards.labels[i])),
         device_functions)
   _merge.check_same_metrics(specs)
-  _state.combine_state_writes(replication)
   if mode == _ModeKeys.TRAIN:
     _check_optimizer_calls(replication)
+  _state.combine_state_writes(replication)
   return _merge.merge_specs(mode, specs, replication)
 
 
+# Ops of estimators that train without gradients of a loss.
+_GRADIENT_FREE_TRAINING = {
+    "SdcaOptimizer": "LinearClassifier/LinearRegressor with SDCAOptimizer "
+                     "(LinearSDCA)",
+    "SdcaOptimizerV2": "LinearClassifier/LinearRegressor with SDCAOptimizer "
+                       "(LinearSDCA)",
+    "NearestNeighbors": "KMeansClustering",
+    "KmeansPlusPlusInitialization": "KMeansClustering",
+    "KMC2ChainInitialization": "KMeansClustering",
+}
+
+
 def _check_optimizer_calls(replication):
-  """With several towers the update must come from TowerOptimizer."""
-  if not replication.apply_calls:
+  """In TRAIN with several towers an optimizer call must have met the towers.
+
+  Checked before the towers' state writes are combined, so that a model
+  that trains some other way gets this error, not one about its writes.
+  """
+  if replication.apply_calls:
+    return
+  trainers = sorted({_GRADIENT_FREE_TRAINING[op.type]
+                     for op in replication.tower_ops[0]
+                     if op.type in _GRADIENT_FREE_TRAINING})
+  if trainers:
     raise ValueError(
-        f"The model_fn was replicated over {replication.num_towers} towers "
-        "but never called TowerOptimizer.apply_gradients; wrap the optimizer "
-        "in replicate.TowerOptimizer so that the whole batch's gradients are "
-        "applied once.")
+        f"{' and '.join(trainers)} trains without gradients of a loss (its "
+        "update is computed from the whole batch by its own ops), so its "
+        f"TRAIN graph cannot be replicated over {replication.num_towers} "
+        "towers; train it with the unwrapped model_fn (replicate.TowerOptimizer "
+        "does not apply either). Its EVAL and PREDICT graphs replicate.")
+  raise ValueError(
+      f"The model_fn was replicated over {replication.num_towers} towers in "
+      "TRAIN but made no optimizer call the towers could share: replicate "
+      "routes the methods of tf.compat.v1.train.Optimizer and "
+      "tf.keras.optimizers.legacy.Optimizer (minimize, compute_gradients / "
+      "get_gradients, apply_gradients, get_updates) and of their subclasses, "
+      "but not an optimizer whose methods are its own attributes (e.g. a "
+      "mock), nor variables the model_fn updates itself. Wrap the optimizer "
+      "in replicate.TowerOptimizer, which calls its `minimize` / "
+      "`get_updates` once with the whole batch's loss.")

@@ -13,6 +13,7 @@ from typing import Any, Callable, Union
 import tensorflow as tf
 
 from replicate import _gather
+from replicate import _routing
 from replicate import _transform
 from replicate._keras_optimizer import KerasTowerOptimizer
 
@@ -111,6 +112,9 @@ class TowerOptimizer(_Optimizer):
       `gradient_transform` is neither a function nor a list of them.
   """
 
+  # Its calls do their own meeting (see _routing).
+  _replicate_routes_itself = True
+
   def __new__(cls, optimizer_or_optimizer_fn=None, *args, **kwargs):
     if cls is TowerOptimizer and isinstance(optimizer_or_optimizer_fn,
                                             _KerasOptimizer):
@@ -172,6 +176,31 @@ class TowerOptimizer(_Optimizer):
           "wrapper.")
     return optimizer
 
+  def minimize(self, loss, *args, **kwargs):
+    """The wrapped optimizer's own `minimize`, once, on the whole batch's loss.
+
+    Outside replication (or on one device) the call passes unchanged. In
+    towers, tower 0 calls the wrapped `minimize` once with the whole batch's
+    loss (gradients colocated with their forward ops where it takes
+    `colocate_gradients_with_ops`), in its own scopes; every tower gets that
+    update. With a `gradient_transform` the wrapped optimizer's
+    `compute_gradients` and `apply_gradients` are called instead, with the
+    transform between them.
+    """
+    if self._transforms.active:
+      return super().minimize(loss, *args, **kwargs)
+    optimizer = self.optimizer
+    if _gather.replicated() is None:
+      with _routing.direct():
+        return optimizer.minimize(loss, *args, **kwargs)
+    var_list = _routing.argument(optimizer.minimize, args, kwargs, "var_list",
+                                 1)
+    return _routing.once(
+        "TowerOptimizer.minimize", loss, var_list,
+        lambda whole: _routing.call_with_loss(
+            optimizer.minimize, (loss,) + args, kwargs, whole,
+            colocate_gradients_with_ops=True))
+
   def compute_gradients(self, loss, var_list=None, gate_gradients=_GATE_OP,
                         aggregation_method=None,
                         colocate_gradients_with_ops=False, grad_loss=None):
@@ -184,12 +213,13 @@ class TowerOptimizer(_Optimizer):
     optimizer = self.optimizer
 
     def compute(whole_loss, replicated):
-      grads_and_vars = optimizer.compute_gradients(
-          whole_loss, var_list=var_list, gate_gradients=gate_gradients,
-          aggregation_method=aggregation_method,
-          colocate_gradients_with_ops=(replicated or
-                                       colocate_gradients_with_ops),
-          grad_loss=grad_loss)
+      with _routing.direct():
+        grads_and_vars = optimizer.compute_gradients(
+            whole_loss, var_list=var_list, gate_gradients=gate_gradients,
+            aggregation_method=aggregation_method,
+            colocate_gradients_with_ops=(replicated or
+                                         colocate_gradients_with_ops),
+            grad_loss=grad_loss)
       if replicated:
         return _gather.one_device_slices(grads_and_vars)
       return grads_and_vars
@@ -199,9 +229,12 @@ class TowerOptimizer(_Optimizer):
   def apply_gradients(self, grads_and_vars, global_step=None, name=None):
     """Meets the other towers; tower 0's gradients are applied once."""
     optimizer = self.optimizer
-    return _gather.transform_and_apply(
-        grads_and_vars, self._transforms,
-        lambda pairs: optimizer.apply_gradients(pairs, global_step, name))
+
+    def apply(pairs):
+      with _routing.direct():
+        return optimizer.apply_gradients(pairs, global_step, name)
+
+    return _gather.transform_and_apply(grads_and_vars, self._transforms, apply)
 
   def get_slot(self, *args, **kwargs):
     """Forwards to the wrapped optimizer."""
