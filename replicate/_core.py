@@ -254,20 +254,37 @@ def _run_towers(model_fn, features, labels, mode, arguments, devices,
   _merge.check_same_metrics(specs)
   if mode == _ModeKeys.TRAIN:
     _check_optimizer_calls(replication)
-  _state.combine_state_writes(replication)
+  try:
+    _state.combine_state_writes(replication)
+  except ValueError as error:
+    for name, other_modes in _gradient_free_trainers(replication):
+      raise ValueError(
+          f"{name} cannot be replicated in {mode}: {other_modes}.") from error
+    raise
   return _merge.merge_specs(mode, specs, replication)
 
 
-# Ops of estimators that train without gradients of a loss.
+# Ops of estimators that train without gradients of a loss: the estimator,
+# and what replicates of it in EVAL and PREDICT.
+_SDCA = ("LinearClassifier/LinearRegressor with SDCAOptimizer (LinearSDCA)",
+         "its EVAL and PREDICT graphs replicate")
+_KMEANS = ("KMeansClustering",
+           "evaluate and predict with it unwrapped too: its EVAL and PREDICT "
+           "graphs build its cluster initialisation as well, a variable "
+           "write inside a tf.cond that the towers cannot combine")
 _GRADIENT_FREE_TRAINING = {
-    "SdcaOptimizer": "LinearClassifier/LinearRegressor with SDCAOptimizer "
-                     "(LinearSDCA)",
-    "SdcaOptimizerV2": "LinearClassifier/LinearRegressor with SDCAOptimizer "
-                       "(LinearSDCA)",
-    "NearestNeighbors": "KMeansClustering",
-    "KmeansPlusPlusInitialization": "KMeansClustering",
-    "KMC2ChainInitialization": "KMeansClustering",
+    "SdcaOptimizer": _SDCA,
+    "SdcaOptimizerV2": _SDCA,
+    "NearestNeighbors": _KMEANS,
+    "KmeansPlusPlusInitialization": _KMEANS,
+    "KMC2ChainInitialization": _KMEANS,
 }
+
+
+def _gradient_free_trainers(replication):
+  return sorted({_GRADIENT_FREE_TRAINING[op.type]
+                 for op in replication.tower_ops[0]
+                 if op.type in _GRADIENT_FREE_TRAINING})
 
 
 def _check_optimizer_calls(replication):
@@ -278,16 +295,13 @@ def _check_optimizer_calls(replication):
   """
   if replication.apply_calls:
     return
-  trainers = sorted({_GRADIENT_FREE_TRAINING[op.type]
-                     for op in replication.tower_ops[0]
-                     if op.type in _GRADIENT_FREE_TRAINING})
-  if trainers:
+  for name, other_modes in _gradient_free_trainers(replication):
     raise ValueError(
-        f"{' and '.join(trainers)} trains without gradients of a loss (its "
-        "update is computed from the whole batch by its own ops), so its "
-        f"TRAIN graph cannot be replicated over {replication.num_towers} "
-        "towers; train it with the unwrapped model_fn (replicate.TowerOptimizer "
-        "does not apply either). Its EVAL and PREDICT graphs replicate.")
+        f"{name} trains without gradients of a loss (its own ops compute "
+        "the update from the whole batch), so its TRAIN graph cannot be "
+        f"replicated over {replication.num_towers} towers, with or without "
+        "replicate.TowerOptimizer; train it with the unwrapped model_fn; "
+        f"{other_modes}.")
   raise ValueError(
       f"The model_fn was replicated over {replication.num_towers} towers in "
       "TRAIN but made no optimizer call the towers could share: replicate "

@@ -131,21 +131,26 @@ def _one_device_grads(grads, variables):
 
 def call_with_loss(method, args, kwargs, loss, **replace):
   """`method(*args, **kwargs)` with its first argument `loss` and `replace`d
-  arguments it takes (e.g. colocate_gradients_with_ops=True)."""
+  arguments it names (e.g. colocate_gradients_with_ops=True)."""
+  named = (inspect.Parameter.POSITIONAL_OR_KEYWORD,
+           inspect.Parameter.KEYWORD_ONLY)
   try:
     signature = inspect.signature(method)
+    parameters = list(signature.parameters.values())
     bound = signature.bind(*args, **kwargs)
   except (TypeError, ValueError):
-    # A mock or a C-level callable: replace the loss only.
+    parameters = []
+  if not parameters or parameters[0].kind not in (
+      inspect.Parameter.POSITIONAL_ONLY,
+      inspect.Parameter.POSITIONAL_OR_KEYWORD):
+    # A mock or a function of *args: replace the loss only.
     if args:
       return method(loss, *args[1:], **kwargs)
     return method(**dict(kwargs, loss=loss))
-  names = list(signature.parameters)
-  bound.arguments[names[0]] = loss
+  bound.arguments[parameters[0].name] = loss
   for name, value in replace.items():
-    if name in signature.parameters and signature.parameters[name].kind in (
-        inspect.Parameter.POSITIONAL_OR_KEYWORD,
-        inspect.Parameter.KEYWORD_ONLY):
+    if name in signature.parameters and (
+        signature.parameters[name].kind in named):
       bound.arguments[name] = value
   return method(*bound.args, **bound.kwargs)
 
