@@ -3,8 +3,9 @@
 One call reads top-down: resolve devices, split the inputs on the
 consolidation device, build the towers in lockstep (they meet at every
 TowerOptimizer call, batch_sum / batch_concat and synchronised batch norm;
-tower 0 applies the whole batch's gradients), combine the towers' state
-writes, check that an update was applied, merge the specs.
+tower 0 makes the optimizer's call with the whole batch's loss; plain
+optimizers are routed there too, see `_routing`), check that an update was
+applied, combine the towers' state writes, merge the specs.
 """
 
 import contextlib
@@ -41,8 +42,8 @@ def replicate_model_fn(
 
   Each batch of features and labels is split along dimension 0 across the
   devices; the model_fn runs once per device with one shared set of
-  variables; the optimizer, wrapped in `replicate.TowerOptimizer`, applies
-  one device's gradients of the whole batch's loss once. Losses, gradients,
+  variables; the optimizer (as it is, or in `replicate.TowerOptimizer`)
+  is called once per step with the whole batch's loss, as on one device. Losses, gradients,
   metrics and predictions equal
   those of one device on the whole batch, and checkpoints are interchangeable
   with the unwrapped model_fn's.
