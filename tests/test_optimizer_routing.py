@@ -348,3 +348,27 @@ def test_gradient_free_trainers_refused(make, name, other_modes):
       else:
         spec = fn(features, labels, mode, config=estimator.config)
         assert spec.loss is not None
+
+
+@pytest.mark.parametrize("num_towers", [2, 4])
+@pytest.mark.parametrize("dynamic", [True, False])
+def test_unwrapped_keras_loss_scale_optimizer(dynamic, num_towers):
+  # Its get_gradients / apply_gradients are its own (routed overrides).
+  def make():
+    return tf.keras.mixed_precision.LossScaleOptimizer(
+        tf.keras.optimizers.legacy.Adam(0.05), dynamic=dynamic,
+        **({} if dynamic else {"initial_scale": 128.0}))
+  expected = _train(_model_fn(make, "get_updates"), None)
+  _assert_one_device(_train(_model_fn(make, "get_updates"), num_towers),
+                     expected)
+
+
+@pytest.mark.parametrize("num_towers", [2, 4])
+def test_unwrapped_v1_loss_scale_optimizer(num_towers):
+  # Its compute_gradients / apply_gradients are its own (routed overrides).
+  def make():
+    return tf.compat.v1.mixed_precision.MixedPrecisionLossScaleOptimizer(
+        tf.compat.v1.train.AdagradOptimizer(0.3), loss_scale=128.0)
+  expected = _train(_model_fn(make, "v1_minimize"), None)
+  _assert_one_device(_train(_model_fn(make, "v1_minimize"), num_towers),
+                     expected)
