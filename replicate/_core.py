@@ -43,10 +43,10 @@ def replicate_model_fn(
   Each batch of features and labels is split along dimension 0 across the
   devices; the model_fn runs once per device with one shared set of
   variables; the optimizer (as it is, or in `replicate.TowerOptimizer`)
-  is called once per step with the whole batch's loss, as on one device. Losses, gradients,
-  metrics and predictions equal
-  those of one device on the whole batch, and checkpoints are interchangeable
-  with the unwrapped model_fn's.
+  is called once per step with the whole batch's loss, as on one device.
+  Losses, gradients, metrics and predictions equal those of one device on
+  the whole batch, and checkpoints are interchangeable with the unwrapped
+  model_fn's.
 
       est = tf.estimator.Estimator(replicate.replicate_model_fn(model_fn))
 

@@ -86,10 +86,10 @@ class TowerOptimizer(_Optimizer):
   batch) and `get_gradients` / `apply_gradients`; it round-trips through
   `get_config` / `from_config` in memory (`model_to_estimator`); its own
   `clipnorm`, `clipvalue`, `global_clipnorm` and `gradient_transformers` see
-  the whole batch's gradients. A loss-scale optimizer (Keras' `LossScaleOptimizer` or
-  v1's `MixedPrecisionLossScaleOptimizer`) skips a step where the whole
-  batch's gradients are not finite, as one device would; a
-  dynamic loss scale creates variables when it is built, so for an
+  the whole batch's gradients. A loss-scale optimizer (Keras'
+  `LossScaleOptimizer` or v1's `MixedPrecisionLossScaleOptimizer`) skips a
+  step where the whole batch's gradients are not finite, as one device
+  would; a dynamic loss scale creates variables when it is built, so for an
   Estimator pass a function: `TowerOptimizer(lambda: LossScaleOptimizer(
   tf.keras.optimizers.legacy.Adam()))`.
 
@@ -205,8 +205,7 @@ class TowerOptimizer(_Optimizer):
     if _gather.replicated() is None:
       with _routing.direct():
         return optimizer.minimize(loss, *args, **kwargs)
-    var_list = _routing.argument(optimizer.minimize, args, kwargs, "var_list",
-                                 1)
+    var_list = _routing.argument(args, kwargs, "var_list", 1)
     return _routing.once(
         "TowerOptimizer.minimize", loss, var_list,
         lambda whole: _routing.call_with_loss(

@@ -24,7 +24,7 @@ import contextlib
 import functools
 import inspect
 import threading
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import tensorflow as tf
 from absl import logging
@@ -125,7 +125,7 @@ class GraphTape:
 
 
 def _one_device_grads(grads, variables):
-  """`grads` with sparse rows as one device's (see _gather.one_device_slices)."""
+  """`grads`, sparse rows as one device's (_gather.one_device_slices)."""
   return [g for g, _ in _gather.one_device_slices(zip(grads, variables))]
 
 
@@ -155,8 +155,8 @@ def call_with_loss(method, args, kwargs, loss, **replace):
   return method(*bound.args, **bound.kwargs)
 
 
-def argument(method, args, kwargs, name: str, position: int):
-  """The argument `name` (at `position` after the loss) of a call, or None."""
+def argument(args, kwargs, name: str, position: int):
+  """A call's argument `name`, by keyword or at `args[position]`, or None."""
   if name in kwargs:
     return kwargs[name]
   return args[position] if len(args) > position else None
@@ -171,7 +171,7 @@ def _kind(optimizer, method: str) -> str:
 def _v1_minimize(original, optimizer, args, kwargs):
   bound = functools.partial(original, optimizer)
   loss = args[0] if args else kwargs.get("loss")
-  var_list = argument(bound, args, kwargs, "var_list", 2)
+  var_list = argument(args, kwargs, "var_list", 2)
   return once(_kind(optimizer, "minimize"), loss, var_list,
               lambda whole: call_with_loss(
                   bound, args, kwargs, whole,
@@ -181,7 +181,7 @@ def _v1_minimize(original, optimizer, args, kwargs):
 def _v1_compute_gradients(original, optimizer, args, kwargs):
   bound = functools.partial(original, optimizer)
   loss = args[0] if args else kwargs.get("loss")
-  var_list = argument(bound, args, kwargs, "var_list", 1)
+  var_list = argument(args, kwargs, "var_list", 1)
 
   def compute(whole, unused_replicated):
     with colocating():
@@ -214,7 +214,7 @@ def _apply_gradients(original, optimizer, args, kwargs):
 def _keras_get_updates(original, optimizer, args, kwargs):
   bound = functools.partial(original, optimizer)
   loss = args[0] if args else kwargs.get("loss")
-  params = argument(bound, args, kwargs, "params", 1)
+  params = argument(args, kwargs, "params", 1)
   return once(_kind(optimizer, "get_updates"), loss, params,
               lambda whole: call_with_loss(bound, args, kwargs, whole))
 
@@ -222,7 +222,7 @@ def _keras_get_updates(original, optimizer, args, kwargs):
 def _keras_get_gradients(original, optimizer, args, kwargs):
   bound = functools.partial(original, optimizer)
   loss = args[0] if args else kwargs.get("loss")
-  params = tf.nest.flatten(argument(bound, args, kwargs, "params", 1))
+  params = tf.nest.flatten(argument(args, kwargs, "params", 1))
 
   def compute(whole, unused_replicated):
     with colocating():
@@ -236,10 +236,10 @@ def _keras_get_gradients_pass(original, optimizer, args, kwargs):
     return original(optimizer, *args, **kwargs)
   loss = args[0] if args else kwargs["loss"]
   params = tf.nest.flatten(args[1] if len(args) > 1 else kwargs["params"])
-  return colocated_keras_gradients(optimizer, loss, params)
+  return _colocated_keras_gradients(optimizer, loss, params)
 
 
-def colocated_keras_gradients(optimizer, loss, params):
+def _colocated_keras_gradients(optimizer, loss, params):
   """What Keras' OptimizerV2.get_gradients computes, colocated."""
   # `_name` is Keras' private optimizer name; its get_gradients uses it too.
   with tf.name_scope(optimizer._name + "/gradients"):  # pylint: disable=protected-access
@@ -255,9 +255,8 @@ def colocated_keras_gradients(optimizer, loss, params):
 
 
 def _keras_minimize(original, optimizer, args, kwargs):
-  bound = functools.partial(original, optimizer)
   loss = args[0] if args else kwargs.get("loss")
-  var_list = argument(bound, args, kwargs, "var_list", 1)
+  var_list = argument(args, kwargs, "var_list", 1)
   if callable(loss):
     loss = loss()
   if callable(var_list):

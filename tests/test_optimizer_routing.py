@@ -132,7 +132,8 @@ OPTIMIZERS = {
 
 def _counted_run(call, wrapped, num_towers):
   cls, make = OPTIMIZERS[call]
-  make_optimizer = (lambda: replicate.TowerOptimizer(make())) if wrapped else make
+  make_optimizer = ((lambda: replicate.TowerOptimizer(make())) if wrapped
+                    else make)
   cls.losses = []
   result = _train(_model_fn(make_optimizer, call), num_towers)
   return len(cls.losses), result
@@ -372,3 +373,15 @@ def test_unwrapped_v1_loss_scale_optimizer(num_towers):
   expected = _train(_model_fn(make, "v1_minimize"), None)
   _assert_one_device(_train(_model_fn(make, "v1_minimize"), num_towers),
                      expected)
+
+
+def test_routing_is_undone_after_the_towers():
+  v1, keras = tf.compat.v1.train.Optimizer, tf.keras.optimizers.legacy.Optimizer
+  names = ("minimize", "compute_gradients", "apply_gradients", "get_updates",
+           "get_gradients", "iterations")
+  before = {(cls, n): cls.__dict__.get(n)
+            for cls in (v1, keras, _CountingAdagrad) for n in names}
+  with pytest.raises(ValueError, match="no optimizer call"):
+    _train(_model_fn(lambda: _mock_v1_optimizer(), "v1_minimize"), 2)
+  _counted_run("get_updates", False, 2)
+  assert {k: k[0].__dict__.get(k[1]) for k in before} == before
