@@ -3,8 +3,9 @@
 One call reads top-down: resolve devices, split the inputs on the
 consolidation device, build the towers in lockstep (they meet at every
 TowerOptimizer call, batch_sum / batch_concat and synchronised batch norm;
-tower 0 applies the whole batch's gradients), combine the towers' state
-writes, check that an update was applied, merge the specs.
+tower 0 makes the optimizer's call with the whole batch's loss; plain
+optimizers are routed there too, see `_routing`), check that an update was
+applied, combine the towers' state writes, merge the specs.
 """
 
 import contextlib
@@ -21,6 +22,7 @@ from replicate import _devices
 from replicate import _merge
 from replicate import _context
 from replicate import _batch_norm
+from replicate import _routing
 from replicate import _split
 from replicate import _state
 from replicate import _summaries
@@ -42,11 +44,11 @@ def replicate_model_fn(
 
   Each batch of features and labels is split along dimension 0 across the
   devices; the model_fn runs once per device with one shared set of
-  variables; the optimizer, wrapped in `replicate.TowerOptimizer`, applies
-  one device's gradients of the whole batch's loss once. Losses, gradients,
-  metrics and predictions equal
-  those of one device on the whole batch, and checkpoints are interchangeable
-  with the unwrapped model_fn's.
+  variables; the optimizer (as it is, or in `replicate.TowerOptimizer`)
+  is called once per step with the whole batch's loss, as on one device.
+  Losses, gradients, metrics and predictions equal those of one device on
+  the whole batch, and checkpoints are interchangeable with the unwrapped
+  model_fn's.
 
       est = tf.estimator.Estimator(replicate.replicate_model_fn(model_fn))
 
@@ -260,7 +262,7 @@ def _run_towers(model_fn, features, labels, mode, arguments, devices,
   device_functions = [_devices.tower_device_function(device, choose)
                       for device in devices]
   with _context.replication_scope(replication), \
-      _batch_norm.synchronized(replication):
+      _batch_norm.synchronized(replication), _routing.routed(replication):
     specs = _towers.build_towers(
         replication,
         lambda i: model_fn(**arguments.for_tower(
@@ -268,17 +270,63 @@ def _run_towers(model_fn, features, labels, mode, arguments, devices,
         device_functions)
   _merge.check_same_metrics(specs)
   _summaries.combine_scalar_summaries(replication, specs)
-  _state.combine_state_writes(replication, specs)
   if mode == _ModeKeys.TRAIN:
     _check_optimizer_calls(replication)
+  try:
+    _state.combine_state_writes(replication, specs)
+  except ValueError as error:
+    for name, other_modes in _gradient_free_trainers(replication):
+      raise ValueError(
+          f"{name} cannot be replicated in {mode}: {other_modes}.") from error
+    raise
   return _merge.merge_specs(mode, specs, replication)
 
 
+# Ops of estimators that train without gradients of a loss: the estimator,
+# and what replicates of it in EVAL and PREDICT.
+_SDCA = ("LinearClassifier/LinearRegressor with SDCAOptimizer (LinearSDCA)",
+         "its EVAL and PREDICT graphs replicate")
+_KMEANS = ("KMeansClustering",
+           "evaluate and predict with it unwrapped too: its EVAL and PREDICT "
+           "graphs build its cluster initialisation as well, a variable "
+           "write inside a tf.cond that the towers cannot combine")
+_GRADIENT_FREE_TRAINING = {
+    "SdcaOptimizer": _SDCA,
+    "SdcaOptimizerV2": _SDCA,
+    "NearestNeighbors": _KMEANS,
+    "KmeansPlusPlusInitialization": _KMEANS,
+    "KMC2ChainInitialization": _KMEANS,
+}
+
+
+def _gradient_free_trainers(replication):
+  return sorted({_GRADIENT_FREE_TRAINING[op.type]
+                 for op in replication.tower_ops[0]
+                 if op.type in _GRADIENT_FREE_TRAINING})
+
+
 def _check_optimizer_calls(replication):
-  """With several towers the update must come from TowerOptimizer."""
-  if not replication.apply_calls:
+  """In TRAIN with several towers an optimizer call must have met the towers.
+
+  Checked before the towers' state writes are combined, so that a model
+  that trains some other way gets this error, not one about its writes.
+  """
+  if replication.apply_calls:
+    return
+  for name, other_modes in _gradient_free_trainers(replication):
     raise ValueError(
-        f"The model_fn was replicated over {replication.num_towers} towers "
-        "but never called TowerOptimizer.apply_gradients; wrap the optimizer "
-        "in replicate.TowerOptimizer so that the whole batch's gradients are "
-        "applied once.")
+        f"{name} trains without gradients of a loss (its own ops compute "
+        "the update from the whole batch), so its TRAIN graph cannot be "
+        f"replicated over {replication.num_towers} towers, with or without "
+        "replicate.TowerOptimizer; train it with the unwrapped model_fn; "
+        f"{other_modes}.")
+  raise ValueError(
+      f"The model_fn was replicated over {replication.num_towers} towers in "
+      "TRAIN but made no optimizer call the towers could share: replicate "
+      "routes the methods of tf.compat.v1.train.Optimizer and "
+      "tf.keras.optimizers.legacy.Optimizer (minimize, compute_gradients / "
+      "get_gradients, apply_gradients, get_updates) and of their subclasses, "
+      "but not an optimizer whose methods are its own attributes (e.g. a "
+      "mock), nor variables the model_fn updates itself. Wrap the optimizer "
+      "in replicate.TowerOptimizer, which calls its `minimize` / "
+      "`get_updates` once with the whole batch's loss.")

@@ -57,7 +57,7 @@ def whole_batch_gradients(loss, compute: Callable[[Any, bool], Any],
     return compute(loss, False)
 
   def combine(calls):
-    _check_same_variables("TowerOptimizer call", [n for _, n in calls])
+    check_same_variables("TowerOptimizer call", [n for _, n in calls])
     combined = _loss.combine(replication, [l for l, _ in calls])
     result = compute(combined, True)
     replication.whole_batch_gradients.update(
@@ -129,7 +129,7 @@ def transform_and_apply(grads_and_vars, transforms: "_transform.Pipeline",
   state = {}
 
   def combine(towers_grads_and_vars):
-    _check_same_variables("TowerOptimizer.apply_gradients",
+    check_same_variables("TowerOptimizer.apply_gradients",
                           [_variable_names(p) for p in towers_grads_and_vars])
     pairs = _whole_batch_pairs(replication, towers_grads_and_vars)
     state["pairs"] = pairs
@@ -148,7 +148,7 @@ def _variable_names(grads_and_vars):
   return [v.op.name for _, v in grads_and_vars]
 
 
-def _check_same_variables(call: str, names_per_tower: Sequence[Any]):
+def check_same_variables(call: str, names_per_tower: Sequence[Any]):
   """Every tower's call must name the variables tower 0's names."""
   first = names_per_tower[0]
   for tower, names in enumerate(names_per_tower[1:], start=1):

@@ -9,6 +9,7 @@ applies gradients like the v1 TowerOptimizer.
 import tensorflow as tf
 
 from replicate import _gather
+from replicate import _routing
 from replicate import _transform
 
 _KerasOptimizer = tf.keras.optimizers.legacy.Optimizer
@@ -59,10 +60,14 @@ class KerasTowerOptimizer(_KerasOptimizer):
       summed gradients before `optimizer.apply_gradients`.
   """
 
+  # Its calls do their own meeting (see _routing).
+  _replicate_routes_itself = True
+
   def __init__(self, optimizer: _KerasOptimizer,
                gradient_transform: _transform.GradientTransforms = None):
     super().__init__(name=_innermost(optimizer)._name)  # pylint: disable=protected-access
     self._wrapped_keras = optimizer
+    self._gradient_transform = gradient_transform
     self._transforms = _transform.Pipeline(gradient_transform)
 
   @property
@@ -88,7 +93,8 @@ class KerasTowerOptimizer(_KerasOptimizer):
 
     def compute(whole_loss, replicated):
       if not replicated:
-        return optimizer.get_gradients(whole_loss, params)
+        with _routing.direct():
+          return optimizer.get_gradients(whole_loss, params)
       grads = _colocated_gradients(optimizer, whole_loss, params)
       for grad, param in zip(grads, params):
         if grad is None:
@@ -101,37 +107,67 @@ class KerasTowerOptimizer(_KerasOptimizer):
     return _gather.whole_batch_gradients(loss, compute, params)
 
   def get_updates(self, loss, params):
-    """The update op: the whole batch's gradients, applied once."""
+    """The wrapped optimizer's own `get_updates`, once, on the whole batch.
+
+    Outside replication (or on one device) the call passes unchanged. In
+    towers, tower 0 calls the wrapped `get_updates` once with the whole
+    batch's loss (its base `get_gradients` colocated with the forward ops);
+    every tower gets those updates. With a `gradient_transform`, the
+    whole batch's gradients are transformed and applied instead.
+    """
+    optimizer = self._wrapped_keras
+    if not self._transforms.active:
+      if _gather.replicated() is None:
+        with _routing.direct():
+          return optimizer.get_updates(loss, params)
+      return _routing.once("TowerOptimizer.get_updates", loss, params,
+                           lambda whole: optimizer.get_updates(whole, params))
     grads = self.get_gradients(loss, params)
     return [self.apply_gradients(zip(grads, tf.nest.flatten(params)))]
 
   def minimize(self, loss, var_list, grad_loss=None, name=None, tape=None):
-    """Keras' minimize: the whole batch's gradients, applied once.
+    """Keras' minimize: the wrapped optimizer's own, once, on the whole batch.
 
-    Both of Keras' forms work: a tensor `loss` (its `tape` is not needed:
-    the graph has the whole batch's loss) and callables for `loss` and
-    `var_list`.
+    Both of Keras' forms work: a tensor `loss` (in towers its `tape` is not
+    needed: the graph has the whole batch's loss) and callables for `loss`
+    and `var_list`. With a `gradient_transform`, the whole batch's gradients
+    are transformed and applied instead.
     """
+    optimizer = self._wrapped_keras
     if _gather.replicated() is None:
-      grads_and_vars = self._wrapped_keras._compute_gradients(  # pylint: disable=protected-access
-          loss, var_list=var_list, grad_loss=grad_loss, tape=tape)
+      if not self._transforms.active:
+        with _routing.direct():
+          return optimizer.minimize(loss, var_list, grad_loss=grad_loss,
+                                    name=name, tape=tape)
+      with _routing.direct():
+        grads_and_vars = optimizer._compute_gradients(  # pylint: disable=protected-access
+            loss, var_list=var_list, grad_loss=grad_loss, tape=tape)
       return self.apply_gradients(grads_and_vars, name=name)
     if callable(loss):
       loss = loss()
     if callable(var_list):
       var_list = var_list()
     var_list = tf.nest.flatten(var_list)
+    if not self._transforms.active:
+      return _routing.once(
+          "TowerOptimizer.minimize", loss, var_list,
+          lambda whole: optimizer.minimize(
+              whole, var_list, grad_loss=grad_loss, name=name,
+              tape=_routing.GraphTape()))
     grads = _gather.whole_batch_gradients(
         loss, lambda whole_loss, _: _colocated_gradients(
-            self._wrapped_keras, whole_loss, var_list, grad_loss), var_list)
+            optimizer, whole_loss, var_list, grad_loss), var_list)
     return self.apply_gradients(zip(grads, var_list), name=name)
 
   def apply_gradients(self, grads_and_vars, name=None, **kwargs):
     """Meets the other towers; tower 0's gradients are applied once."""
     optimizer = self._wrapped_keras
-    return _gather.transform_and_apply(
-        grads_and_vars, self._transforms,
-        lambda pairs: optimizer.apply_gradients(pairs, name=name, **kwargs))
+
+    def apply(pairs):
+      with _routing.direct():
+        return optimizer.apply_gradients(pairs, name=name, **kwargs)
+
+    return _gather.transform_and_apply(grads_and_vars, self._transforms, apply)
 
   def get_slot(self, var, slot_name):
     """Forwards to the wrapped optimizer."""
@@ -151,5 +187,25 @@ class KerasTowerOptimizer(_KerasOptimizer):
     return self._wrapped_keras.weights
 
   def get_config(self):
-    """Forwards to the wrapped optimizer."""
-    return self._wrapped_keras.get_config()
+    """The wrapped optimizer (class and config) and the gradient transform.
+
+    Keras clones an optimizer with `from_config(get_config())` (e.g.
+    `model_to_estimator`); this config round-trips in memory. It holds a
+    class and, where given, the transform functions, so it is not
+    serialisable to JSON: `gradient_transform` is Python code.
+    """
+    optimizer = self._wrapped_keras
+    return {"optimizer_class": type(optimizer),
+            "optimizer_config": optimizer.get_config(),
+            "gradient_transform": self._gradient_transform}
+
+  @classmethod
+  def from_config(cls, config, custom_objects=None):
+    """A new KerasTowerOptimizer around a clone of the wrapped optimizer."""
+    optimizer_class = config["optimizer_class"]
+    try:
+      optimizer = optimizer_class.from_config(
+          config["optimizer_config"], custom_objects=custom_objects)
+    except TypeError:  # a from_config without custom_objects
+      optimizer = optimizer_class.from_config(config["optimizer_config"])
+    return cls(optimizer, config.get("gradient_transform"))

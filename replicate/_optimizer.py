@@ -13,6 +13,7 @@ from typing import Any, Callable, Union
 import tensorflow as tf
 
 from replicate import _gather
+from replicate import _routing
 from replicate import _transform
 from replicate._keras_optimizer import KerasTowerOptimizer
 
@@ -55,31 +56,40 @@ class _PerGraph:
 
 
 class TowerOptimizer(_Optimizer):
-  """Wraps an optimizer so that replicated towers apply one summed update.
+  """Wraps an optimizer: its own calls, once per step, on the whole batch.
 
-  Use it wherever the model_fn builds its optimizer:
+  `replicate_model_fn` routes plain optimizers itself (see `_routing`); the
+  wrapper is for `gradient_transform`, for optimizers whose methods cannot
+  be routed (a mock whose `minimize` is an instance attribute, a class
+  defined while the towers are built), and to make the routing explicit:
 
       opt = replicate.TowerOptimizer(tf.compat.v1.train.AdamOptimizer(1e-3))
       train_op = opt.minimize(loss, tf.compat.v1.train.get_global_step())
 
-  Inside `replicate_model_fn` with several towers, `compute_gradients`
-  returns, in every tower, one device's gradients of the whole batch's loss
-  (the towers' losses combined, differentiated once, each tower's backward
-  pass on its device), so clipping or scaling them before
-  `apply_gradients` gives one device's result; `apply_gradients` applies
-  tower 0's once. Outside, or with one tower, it passes every call straight
-  to the wrapped optimizer. Gradients computed without `compute_gradients`
-  (e.g. `tf.gradients` of the tower's loss) are the tower's share and are
-  summed over the towers: pass them only with Reduction.SUM.
+  Inside `replicate_model_fn` with several towers, `minimize` calls the
+  wrapped optimizer's own `minimize` once, by tower 0, with the whole
+  batch's loss (the towers' losses combined; gradients colocated with their
+  forward ops where it takes `colocate_gradients_with_ops`), so overrides,
+  subclasses and mocks see what they see on one device, as often; every
+  tower gets that update. `compute_gradients` returns, in every tower, one
+  device's gradients of the whole batch's loss, so clipping or scaling them
+  before `apply_gradients` gives one device's result; `apply_gradients`
+  applies tower 0's once. Outside, or with one tower, every call passes
+  unchanged to the wrapped optimizer's own method. Gradients computed
+  without `compute_gradients` (e.g. `tf.gradients` of the tower's loss) are
+  the tower's share and are summed over the towers: pass them only with
+  Reduction.SUM.
 
   A Keras legacy optimizer (`tf.keras.optimizers.legacy.*`, what the v2
   canned estimators take) gives a Keras optimizer that does the same through
-  `get_updates` / `get_gradients` / `apply_gradients`; its own `clipnorm`,
-  `clipvalue`, `global_clipnorm` and `gradient_transformers` see the whole
-  batch's gradients. A loss-scale optimizer (Keras' `LossScaleOptimizer` or
-  v1's `MixedPrecisionLossScaleOptimizer`) skips a step where the whole
-  batch's gradients are not finite, as one device would; a
-  dynamic loss scale creates variables when it is built, so for an
+  `get_updates` / `minimize` (the wrapped one's own, once, on the whole
+  batch) and `get_gradients` / `apply_gradients`; it round-trips through
+  `get_config` / `from_config` in memory (`model_to_estimator`); its own
+  `clipnorm`, `clipvalue`, `global_clipnorm` and `gradient_transformers` see
+  the whole batch's gradients. A loss-scale optimizer (Keras'
+  `LossScaleOptimizer` or v1's `MixedPrecisionLossScaleOptimizer`) skips a
+  step where the whole batch's gradients are not finite, as one device
+  would; a dynamic loss scale creates variables when it is built, so for an
   Estimator pass a function: `TowerOptimizer(lambda: LossScaleOptimizer(
   tf.keras.optimizers.legacy.Adam()))`.
 
@@ -87,9 +97,12 @@ class TowerOptimizer(_Optimizer):
   scale some, add noise, log their norm) where the model_fn has no place
   between `compute_gradients` and `apply_gradients` (a canned estimator,
   `minimize`), pass `gradient_transform`: a function from the list of
-  (gradient, variable) pairs to the pairs to apply. It runs once per step on
-  the whole batch's gradients, and on one device (or outside
-  `replicate_model_fn`) on that device's, so both give the same result.
+  (gradient, variable) pairs to the pairs to apply. `minimize` and
+  `get_updates` then call the wrapped optimizer's gradient and apply methods
+  with the transform between them, not its own `minimize` / `get_updates`.
+  It runs once per step on the whole batch's gradients, and on one device
+  (or outside `replicate_model_fn`) on that device's, so both give the same
+  result.
 
       opt = replicate.TowerOptimizer(
           tf.compat.v1.train.AdagradOptimizer(0.1),
@@ -110,6 +123,9 @@ class TowerOptimizer(_Optimizer):
     ValueError: the argument is neither an optimizer nor callable, or
       `gradient_transform` is neither a function nor a list of them.
   """
+
+  # Its calls do their own meeting (see _routing).
+  _replicate_routes_itself = True
 
   def __new__(cls, optimizer_or_optimizer_fn=None, *args, **kwargs):
     if cls is TowerOptimizer and isinstance(optimizer_or_optimizer_fn,
@@ -172,6 +188,30 @@ class TowerOptimizer(_Optimizer):
           "wrapper.")
     return optimizer
 
+  def minimize(self, loss, *args, **kwargs):
+    """The wrapped optimizer's own `minimize`, once, on the whole batch's loss.
+
+    Outside replication (or on one device) the call passes unchanged. In
+    towers, tower 0 calls the wrapped `minimize` once with the whole batch's
+    loss (gradients colocated with their forward ops where it takes
+    `colocate_gradients_with_ops`), in its own scopes; every tower gets that
+    update. With a `gradient_transform` the wrapped optimizer's
+    `compute_gradients` and `apply_gradients` are called instead, with the
+    transform between them.
+    """
+    if self._transforms.active:
+      return super().minimize(loss, *args, **kwargs)
+    optimizer = self.optimizer
+    if _gather.replicated() is None:
+      with _routing.direct():
+        return optimizer.minimize(loss, *args, **kwargs)
+    var_list = _routing.argument(args, kwargs, "var_list", 1)
+    return _routing.once(
+        "TowerOptimizer.minimize", loss, var_list,
+        lambda whole: _routing.call_with_loss(
+            optimizer.minimize, (loss,) + args, kwargs, whole,
+            colocate_gradients_with_ops=True))
+
   def compute_gradients(self, loss, var_list=None, gate_gradients=_GATE_OP,
                         aggregation_method=None,
                         colocate_gradients_with_ops=False, grad_loss=None):
@@ -184,12 +224,13 @@ class TowerOptimizer(_Optimizer):
     optimizer = self.optimizer
 
     def compute(whole_loss, replicated):
-      grads_and_vars = optimizer.compute_gradients(
-          whole_loss, var_list=var_list, gate_gradients=gate_gradients,
-          aggregation_method=aggregation_method,
-          colocate_gradients_with_ops=(replicated or
-                                       colocate_gradients_with_ops),
-          grad_loss=grad_loss)
+      with _routing.direct():
+        grads_and_vars = optimizer.compute_gradients(
+            whole_loss, var_list=var_list, gate_gradients=gate_gradients,
+            aggregation_method=aggregation_method,
+            colocate_gradients_with_ops=(replicated or
+                                         colocate_gradients_with_ops),
+            grad_loss=grad_loss)
       if replicated:
         return _gather.one_device_slices(grads_and_vars)
       return grads_and_vars
@@ -199,9 +240,12 @@ class TowerOptimizer(_Optimizer):
   def apply_gradients(self, grads_and_vars, global_step=None, name=None):
     """Meets the other towers; tower 0's gradients are applied once."""
     optimizer = self.optimizer
-    return _gather.transform_and_apply(
-        grads_and_vars, self._transforms,
-        lambda pairs: optimizer.apply_gradients(pairs, global_step, name))
+
+    def apply(pairs):
+      with _routing.direct():
+        return optimizer.apply_gradients(pairs, global_step, name)
+
+    return _gather.transform_and_apply(grads_and_vars, self._transforms, apply)
 
   def get_slot(self, *args, **kwargs):
     """Forwards to the wrapped optimizer."""

@@ -69,6 +69,11 @@ class Pipeline:
           "list, or a list of such functions.")
     self._transforms = transforms
 
+  @property
+  def active(self) -> bool:
+    """Whether there is any transform to run."""
+    return bool(self._transforms)
+
   def prepare(self, grads_and_vars):
     """The gradients as the transforms get them, replicated or not.
 

@@ -99,10 +99,17 @@ class ArgumentErrorsTest(parameterized.TestCase):
 
 class ModelFnErrorsTest(parameterized.TestCase):
 
-  def test_optimizer_not_wrapped_with_several_devices(self):
-    model_fn = _linear_model_fn(lambda loss: _sgd().minimize(loss))
-    with self.assertRaisesRegex(ValueError, "wrap the optimizer in "
-                                "replicate.TowerOptimizer"):
+  def test_optimizer_that_cannot_be_routed(self):
+    # A mock's `minimize` is an attribute of the instance, not a method of
+    # an optimizer class, so the towers cannot share its call.
+    optimizer = tf.compat.v1.test.mock.NonCallableMagicMock(
+        spec=tf.compat.v1.train.Optimizer)
+    optimizer.minimize = tf.compat.v1.test.mock.MagicMock(
+        side_effect=lambda loss, global_step=None: tf.no_op())
+    model_fn = _linear_model_fn(optimizer.minimize)
+    with self.assertRaisesRegex(ValueError, "made no optimizer call the "
+                                "towers could share.*a mock.*Wrap the "
+                                "optimizer in replicate.TowerOptimizer"):
       _call(model_fn)
 
   def test_optimizer_not_wrapped_is_fine_on_one_device(self):
@@ -118,7 +125,7 @@ class ModelFnErrorsTest(parameterized.TestCase):
       return train_op
     with self.assertRaisesRegex(
         ValueError, r"different calls that need the whole batch \(tower 0: "
-        r"TowerOptimizer.compute_gradients, tower 1: finished"):
+        r"TowerOptimizer.minimize, tower 1: finished"):
       _call(_linear_model_fn(optimizer_fn))
 
   def test_towers_updating_different_variables(self):

@@ -414,8 +414,10 @@ class AggregationTest(parameterized.TestCase):
         r"'bn/moving_(mean|variance)' inside a tf.cond.*Python bool"):
       harness.train(model_fn, DATA, 8, 1, tower_devices=_towers(2))
 
-  def test_unwrapped_second_optimizer_is_refused(self):
-    def model_fn(features, labels, mode):
+  def test_unwrapped_second_optimizer_trains_as_one_device(self):
+    # Plain optimizers are routed like TowerOptimizer (see _routing).
+    def model_fn(features, labels, mode, params=None):
+      del params
       logits = _linear(features["x"]) + _linear(features["x"], name="other")
       loss = _loss(labels, logits)
       first = [v for v in tf.compat.v1.trainable_variables()
@@ -429,10 +431,15 @@ class AggregationTest(parameterized.TestCase):
           tf.compat.v1.train.AdagradOptimizer(0.1).minimize(
               loss, var_list=second))
       return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
-    with self.assertRaisesRegex(
-        ValueError, r"ResourceApplyAdagrad.* updates variable 'other/kernel' "
-        r"outside replicate.TowerOptimizer.*wrap the optimizer"):
-      harness.train(model_fn, DATA, 8, 1, tower_devices=_towers(2))
+    expected_losses, expected = harness.train(model_fn, DATA, 8, 2)
+    for num_towers in (2, 4):
+      losses, values = harness.train(model_fn, DATA, 8, 2,
+                                     tower_devices=_towers(num_towers))
+      np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
+      self.assertCountEqual(values, expected)
+      for name, value in expected.items():
+        np.testing.assert_allclose(values[name], value, rtol=1e-5,
+                                   atol=1e-6, err_msg=name)
 
 
 class InitFromCheckpointTest(parameterized.TestCase):

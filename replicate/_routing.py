@@ -1,0 +1,372 @@
+"""Optimizer calls in towers, wrapped in TowerOptimizer or not.
+
+An optimizer's `minimize` (v1) or `get_updates` / `minimize` (Keras) is
+called once per step on one device, with the whole batch's loss. In towers
+every tower makes the call; here the towers meet (see `_lockstep`), their
+losses are combined into the whole batch's (`_loss`), and tower 0 makes the
+optimizer's own call once, with that loss, in its own scopes on the hub
+(`Replication.scopes`, so that state combining skips the update); every
+tower gets that update. `compute_gradients` / `get_gradients` give every
+tower one device's gradients and `apply_gradients` applies tower 0's once
+(see `_gather`).
+
+While towers are built (`routed`), the base classes' methods
+(`tf.compat.v1.train.Optimizer`, `tf.keras.optimizers.legacy.Optimizer`) and
+the overrides of their subclasses that exist then are routed this way when
+called on a tower thread with several towers, so an optimizer needs no
+wrapper. Calls made inside the once-call, by a TowerOptimizer, or anywhere
+else pass straight through. Gradients computed inside the once-call are
+colocated with their forward ops, so each tower's backward pass runs on
+its device.
+"""
+
+import contextlib
+import functools
+import inspect
+import threading
+from typing import Any, Callable
+
+import tensorflow as tf
+from absl import logging
+
+from replicate import _context
+from replicate import _gather
+from replicate import _lockstep
+from replicate import _loss
+from replicate import _transform
+
+_V1 = tf.compat.v1.train.Optimizer
+_KERAS = tf.keras.optimizers.legacy.Optimizer
+_NO_TRANSFORMS = _transform.Pipeline(None)
+_local = threading.local()
+
+
+@contextlib.contextmanager
+def _raised(flag: str):
+  setattr(_local, flag, getattr(_local, flag, 0) + 1)
+  try:
+    yield
+  finally:
+    setattr(_local, flag, getattr(_local, flag) - 1)
+
+
+def direct():
+  """Optimizer calls inside pass straight through (no meeting)."""
+  return _raised("direct")
+
+
+def colocating():
+  """Gradients computed inside are colocated with their forward ops."""
+  return _raised("colocate")
+
+
+def _colocates() -> bool:
+  return bool(getattr(_local, "colocate", 0))
+
+
+def routes():
+  """The replication whose towers this optimizer call meets, or None."""
+  if getattr(_local, "direct", 0) or _lockstep.current_thread() is None:
+    return None
+  return _gather.replicated()
+
+
+def once(kind: str, loss, variables, call: Callable[[Any], Any]):
+  """`call(whole_batch_loss)` once, by tower 0; every tower gets its result.
+
+  Args:
+    kind: the call, for errors (e.g. "Adagrad.get_updates").
+    loss: this tower's loss.
+    variables: the variables the call names (None: unnamed); every tower
+      must name the same.
+    call: makes the optimizer's own call with the whole batch's loss.
+  """
+  replication = _gather.replicated()
+  state = {}
+
+  def combine(calls):
+    _gather.check_same_variables(kind, [names for _, names in calls])
+    state["loss"] = _loss.combine(replication, [l for l, _ in calls])
+    return [state] * len(calls)
+
+  names = None if variables is None else [
+      v.op.name for v in tf.nest.flatten(variables)]
+  shared = _lockstep.meet(kind, (loss, names), combine)
+  if replication.tower.index == 0:
+    with replication.scopes(_context.Scopes.current()), direct(), \
+        colocating():
+      shared["result"] = call(shared["loss"])
+    replication.apply_calls += 1
+  return shared["result"]
+
+
+class GraphTape:
+  """A stand-in for Keras' `tape` in graph mode: colocated tf.gradients.
+
+  Keras' `minimize` of a tensor loss needs a tape that recorded the loss;
+  the whole batch's loss is built after the towers' forward passes, so its
+  gradients come from the graph instead.
+  """
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *unused):
+    return False
+
+  def watch(self, unused_tensor):
+    pass
+
+  def gradient(self, target, sources, output_gradients=None, **unused):
+    sources = tf.nest.flatten(sources)
+    grads = tf.compat.v1.gradients(target, sources, grad_ys=output_gradients,
+                                   colocate_gradients_with_ops=True)
+    return _one_device_grads(grads, sources)
+
+
+def _one_device_grads(grads, variables):
+  """`grads`, sparse rows as one device's (_gather.one_device_slices)."""
+  return [g for g, _ in _gather.one_device_slices(zip(grads, variables))]
+
+
+def call_with_loss(method, args, kwargs, loss, **replace):
+  """`method(*args, **kwargs)` with its first argument `loss` and `replace`d
+  arguments it names (e.g. colocate_gradients_with_ops=True)."""
+  named = (inspect.Parameter.POSITIONAL_OR_KEYWORD,
+           inspect.Parameter.KEYWORD_ONLY)
+  try:
+    signature = inspect.signature(method)
+    parameters = list(signature.parameters.values())
+    bound = signature.bind(*args, **kwargs)
+  except (TypeError, ValueError):
+    parameters = []
+  if not parameters or parameters[0].kind not in (
+      inspect.Parameter.POSITIONAL_ONLY,
+      inspect.Parameter.POSITIONAL_OR_KEYWORD):
+    # A mock or a function of *args: replace the loss only.
+    if args:
+      return method(loss, *args[1:], **kwargs)
+    return method(**dict(kwargs, loss=loss))
+  bound.arguments[parameters[0].name] = loss
+  for name, value in replace.items():
+    if name in signature.parameters and (
+        signature.parameters[name].kind in named):
+      bound.arguments[name] = value
+  return method(*bound.args, **bound.kwargs)
+
+
+def argument(args, kwargs, name: str, position: int):
+  """A call's argument `name`, by keyword or at `args[position]`, or None."""
+  if name in kwargs:
+    return kwargs[name]
+  return args[position] if len(args) > position else None
+
+
+def _kind(optimizer, method: str) -> str:
+  return f"{type(optimizer).__name__}.{method}"
+
+
+# Routes: (original method, optimizer, args after self, kwargs) -> result.
+
+def _v1_minimize(original, optimizer, args, kwargs):
+  bound = functools.partial(original, optimizer)
+  loss = args[0] if args else kwargs.get("loss")
+  var_list = argument(args, kwargs, "var_list", 2)
+  return once(_kind(optimizer, "minimize"), loss, var_list,
+              lambda whole: call_with_loss(
+                  bound, args, kwargs, whole,
+                  colocate_gradients_with_ops=True))
+
+
+def _v1_compute_gradients(original, optimizer, args, kwargs):
+  bound = functools.partial(original, optimizer)
+  loss = args[0] if args else kwargs.get("loss")
+  var_list = argument(args, kwargs, "var_list", 1)
+
+  def compute(whole, unused_replicated):
+    with colocating():
+      return _gather.one_device_slices(call_with_loss(
+          bound, args, kwargs, whole, colocate_gradients_with_ops=True))
+
+  return _gather.whole_batch_gradients(loss, compute, var_list)
+
+
+def _v1_compute_pass(original, optimizer, args, kwargs):
+  if not _colocates():
+    return original(optimizer, *args, **kwargs)
+  return _gather.one_device_slices(call_with_loss(
+      functools.partial(original, optimizer), args, kwargs,
+      args[0] if args else kwargs.get("loss"),
+      colocate_gradients_with_ops=True))
+
+
+def _apply_gradients(original, optimizer, args, kwargs):
+  pairs = list(args[0] if args else kwargs.pop("grads_and_vars"))
+  rest = args[1:]
+
+  def apply(whole_pairs):
+    with direct():
+      return original(optimizer, whole_pairs, *rest, **kwargs)
+
+  return _gather.transform_and_apply(pairs, _NO_TRANSFORMS, apply)
+
+
+def _keras_get_updates(original, optimizer, args, kwargs):
+  bound = functools.partial(original, optimizer)
+  loss = args[0] if args else kwargs.get("loss")
+  params = argument(args, kwargs, "params", 1)
+  return once(_kind(optimizer, "get_updates"), loss, params,
+              lambda whole: call_with_loss(bound, args, kwargs, whole))
+
+
+def _keras_get_gradients(original, optimizer, args, kwargs):
+  bound = functools.partial(original, optimizer)
+  loss = args[0] if args else kwargs.get("loss")
+  params = tf.nest.flatten(argument(args, kwargs, "params", 1))
+
+  def compute(whole, unused_replicated):
+    with colocating():
+      return call_with_loss(bound, args, kwargs, whole)
+
+  return _gather.whole_batch_gradients(loss, compute, params)
+
+
+def _keras_get_gradients_pass(original, optimizer, args, kwargs):
+  if not _colocates() or original is not _BASE_GET_GRADIENTS:
+    return original(optimizer, *args, **kwargs)
+  loss = args[0] if args else kwargs["loss"]
+  params = tf.nest.flatten(args[1] if len(args) > 1 else kwargs["params"])
+  return _colocated_keras_gradients(optimizer, loss, params)
+
+
+def _colocated_keras_gradients(optimizer, loss, params):
+  """What Keras' OptimizerV2.get_gradients computes, colocated."""
+  # `_name` is Keras' private optimizer name; its get_gradients uses it too.
+  with tf.name_scope(optimizer._name + "/gradients"):  # pylint: disable=protected-access
+    grads = tf.compat.v1.gradients(loss, params,
+                                   colocate_gradients_with_ops=True)
+  for grad, param in zip(grads, params):
+    if grad is None:
+      raise ValueError(
+          f"Variable {param} has `None` for gradient. Please make sure that "
+          "all of your ops have a gradient defined (i.e. are "
+          "differentiable).")
+  return _one_device_grads(grads, params)
+
+
+def _keras_minimize(original, optimizer, args, kwargs):
+  loss = args[0] if args else kwargs.get("loss")
+  var_list = argument(args, kwargs, "var_list", 1)
+  if callable(loss):
+    loss = loss()
+  if callable(var_list):
+    var_list = var_list()
+  var_list = tf.nest.flatten(var_list)
+  rest = dict(kwargs)
+  rest.pop("loss", None)
+  rest.pop("var_list", None)
+  rest.pop("tape", None)
+  positional = list(args[2:])
+  if len(positional) >= 3:  # grad_loss, name, tape
+    positional = positional[:2]
+  return once(_kind(optimizer, "minimize"), loss, var_list,
+              lambda whole: original(optimizer, whole, var_list, *positional,
+                                     tape=GraphTape(), **rest))
+
+
+_BASE_GET_GRADIENTS = _KERAS.__dict__["get_gradients"]
+
+# method name -> (route in towers, call elsewhere or None for the original)
+_ROUTES = {
+    _V1: {"minimize": (_v1_minimize, None),
+          "compute_gradients": (_v1_compute_gradients, _v1_compute_pass),
+          "apply_gradients": (_apply_gradients, None)},
+    _KERAS: {"get_updates": (_keras_get_updates, None),
+             "get_gradients": (_keras_get_gradients,
+                               _keras_get_gradients_pass),
+             "minimize": (_keras_minimize, None),
+             "apply_gradients": (_apply_gradients, None)},
+}
+
+
+def _routed_method(original, route, elsewhere):
+  @functools.wraps(original)
+  def method(self, *args, **kwargs):
+    if not getattr(self, "_replicate_routes_itself", False) and (
+        routes() is not None):
+      return route(original, self, args, kwargs)
+    if elsewhere is not None:
+      return elsewhere(original, self, args, kwargs)
+    return original(self, *args, **kwargs)
+  return method
+
+
+def _iterations_property(original: property) -> property:
+  """Keras' `iterations`, where setting the variable it has is a no-op.
+
+  The v2 canned heads set `iterations` to the global step in every tower;
+  an optimizer instance shared by the towers has it after tower 0's.
+  `_iterations` is Keras' private attribute behind the property.
+  """
+  def setter(self, variable):
+    if getattr(self, "_iterations", None) is variable:
+      return
+    original.fset(self, variable)
+  return property(original.fget, setter, original.fdel, original.__doc__)
+
+
+def _subclasses(base):
+  pending, seen = [base], []
+  while pending:
+    cls = pending.pop()
+    if cls in seen:
+      continue
+    seen.append(cls)
+    pending.extend(cls.__subclasses__())
+  return [c for c in seen
+          if not c.__dict__.get("_replicate_routes_itself", False) and
+          not any(b.__dict__.get("_replicate_routes_itself", False)
+                  for b in c.__mro__)]
+
+
+_lock = threading.Lock()
+_installed = {"count": 0, "originals": []}
+
+
+def _install():
+  originals = []
+  for base, methods in _ROUTES.items():
+    for cls in _subclasses(base):
+      for name, (route, elsewhere) in methods.items():
+        original = cls.__dict__.get(name)
+        if inspect.isfunction(original):
+          originals.append((cls, name, original))
+          setattr(cls, name, _routed_method(original, route, elsewhere))
+  iterations = _KERAS.__dict__.get("iterations")
+  if isinstance(iterations, property):
+    originals.append((_KERAS, "iterations", iterations))
+    _KERAS.iterations = _iterations_property(iterations)
+  return originals
+
+
+@contextlib.contextmanager
+def routed(replication: _context.Replication):
+  """Optimizer calls on the towers' threads meet while inside (see above)."""
+  if replication.num_towers == 1:
+    yield
+    return
+  with _lock:
+    if not _installed["count"]:
+      _installed["originals"] = _install()
+      logging.info("replicate: optimizer calls in towers are routed (%d "
+                   "methods)", len(_installed["originals"]))
+    _installed["count"] += 1
+  try:
+    yield
+  finally:
+    with _lock:
+      _installed["count"] -= 1
+      if not _installed["count"]:
+        for cls, name, original in reversed(_installed["originals"]):
+          setattr(cls, name, original)
+        _installed["originals"] = []
