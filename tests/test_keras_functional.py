@@ -188,6 +188,39 @@ def test_functional_model_with_a_keras_optimizer(towers):
                                atol=1e-6, err_msg=name)
 
 
+def _conv_model_fn(features, labels, mode, params):
+  """A functional model whose batch norm Keras fuses (4-D input)."""
+  del params  # unused
+  inputs = tf.keras.Input(shape=(4, 4, 1))
+  x = tf.keras.layers.Conv2D(3, 2, use_bias=False, name="conv")(inputs)
+  x = tf.keras.layers.BatchNormalization(name="bn", momentum=0.5)(x)
+  x = tf.keras.layers.Dense(1, name="out")(tf.keras.layers.Flatten()(x))
+  model = tf.keras.Model(inputs, x)
+  loss = tf.compat.v1.losses.mean_squared_error(
+      labels, model(features["x"], training=True))
+  with tf.control_dependencies(model.get_updates_for(features["x"])):
+    train_op = replicate.TowerOptimizer(
+        tf.compat.v1.train.AdamOptimizer(0.05)).minimize(
+            loss, tf.compat.v1.train.get_global_step())
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+@pytest.mark.parametrize("towers", [2, 4])
+def test_functional_model_with_fused_batch_norm(towers):
+  rng = np.random.RandomState(3)
+  data = ({"x": rng.randn(21, 4, 4, 1).astype(np.float32)},
+          rng.randn(21, 1).astype(np.float32))
+  expected_losses, expected = harness.train(_conv_model_fn, data, 7, STEPS,
+                                            static=False)
+  losses, actual = harness.train(_conv_model_fn, data, 7, STEPS,
+                                 _towers(towers), static=False)
+  _assert_close(losses, expected_losses)
+  for name in expected:
+    np.testing.assert_allclose(actual[name], expected[name], rtol=1e-5,
+                               atol=1e-6, err_msg=name)
+  assert np.all(np.abs(expected["bn/moving_mean"]) > 1e-3)
+
+
 @pytest.mark.parametrize("towers", [2, 4])
 def test_unsynchronised_functional_model_is_the_layers_own(towers):
   """sync_batch_norm=False: each tower's statistics, as the bare layers'."""
