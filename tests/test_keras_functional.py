@@ -5,8 +5,9 @@ layers once on its `tf.keras.Input` placeholder, with the learning phase as
 a tensor `training`, so batch norm's moving-average writes sit inside a
 tf.cond that no step runs; the model_fn then calls the model on the
 features with `training=True` (TRAIN) or False (EVAL, PREDICT). Those
-never-run writes are not refused (issue 20 item 5); writes inside a
-tf.cond the step runs still are. N towers against the unwrapped model_fn
+never-run writes are not refused (issue 20 item 5), nor is any write in a
+tf.cond that nothing fetches; writes inside a tf.cond the step runs (through
+the train_op or a hook's tensors) still are. N towers against the unwrapped model_fn
 on one device, same data and initial weights: every step's loss, every
 trained variable and the moving statistics; eval losses and metrics;
 predictions.
@@ -272,3 +273,46 @@ def test_a_write_in_a_tf_cond_the_step_runs_is_refused():
       ValueError, match=r"If op 'tower_1/model/bn/cond_\d' writes variable "
       r"'bn/moving_(mean|variance)' inside a tf.cond.*Python bool"):
     harness.train(model_fn, _data(8), 8, 1, tower_devices=_towers(2))
+
+
+def _counter_in_a_cond_model_fn(features, labels, mode, params):
+  """A linear model; a counter written in a tf.cond, fetched as `params` say."""
+  counter = tf.compat.v1.get_variable(
+      "counter", [], tf.float32, trainable=False,
+      initializer=tf.compat.v1.zeros_initializer(),
+      aggregation=tf.VariableAggregation.SUM)
+  x = features["x"]
+  count = tf.cond(tf.reduce_sum(x) > -1e9,
+                  lambda: counter.assign_add(tf.reduce_sum(tf.ones_like(x))),
+                  lambda: tf.identity(counter))
+  predictions = tf.compat.v1.layers.dense(x, 1, name="linear")
+  loss = tf.compat.v1.losses.mean_squared_error(labels, predictions)
+  train_op = replicate.TowerOptimizer(
+      tf.compat.v1.train.GradientDescentOptimizer(0.1)).minimize(
+          loss, tf.compat.v1.train.get_global_step())
+  hooks = []
+  if params["fetch"] == "hook":
+    hooks = [tf.compat.v1.train.LoggingTensorHook({"count": count}, 1)]
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op,
+                                    training_hooks=hooks)
+
+
+@pytest.mark.parametrize("towers", [2, 4])
+def test_a_write_in_a_tf_cond_no_fetch_reaches_is_left_alone(towers):
+  params = {"fetch": None}
+  expected_losses, expected = harness.train(
+      _counter_in_a_cond_model_fn, _data(7), 7, STEPS, params=params)
+  losses, actual = harness.train(_counter_in_a_cond_model_fn, _data(7), 7,
+                                 STEPS, _towers(towers), params=params)
+  _assert_close(losses, expected_losses)
+  for name in expected:
+    np.testing.assert_allclose(actual[name], expected[name], rtol=1e-5,
+                               atol=1e-6, err_msg=name)
+  assert expected["counter"] == 0  # on one device too, nothing ran it
+
+
+def test_a_write_in_a_tf_cond_a_hook_fetches_is_refused():
+  with pytest.raises(ValueError, match=r"If op 'tower_1/cond' writes "
+                     r"variable 'counter' inside a tf.cond"):
+    harness.train(_counter_in_a_cond_model_fn, _data(7), 7, 1, _towers(2),
+                  params={"fetch": "hook"})
