@@ -45,6 +45,7 @@ from absl import logging
 
 from replicate import _aggregate
 from replicate import _scalars
+from replicate import _step_ops
 from replicate._context import Replication
 from replicate._variance import add_between_shard_variance
 
@@ -109,8 +110,7 @@ def combine_state_writes(replication: Replication, specs: Sequence = ()):
   """
   variables = _state_variables(replication)
   skip = replication.apply_ops | _initializer_ops(variables.values())
-  for ops in replication.tower_ops[1:]:
-    _check_no_writes_in_functions(ops, variables, skip)
+  _check_no_writes_in_functions(replication, variables, skip, specs)
   writes = [_tower_writes(ops, variables, skip) for ops in replication.tower_ops]
   sinks = _Sinks()
   metrics = _scalars.MetricsOfScalars(replication, specs) if specs else None
@@ -156,14 +156,47 @@ def _is_initializer(op: tf.Operation) -> bool:
   return any(_source(t).type in _RESTORES for t in op.inputs[1:])
 
 
-def _check_no_writes_in_functions(ops, variables, skip):
+def _check_no_writes_in_functions(replication: Replication, variables, skip,
+                                  specs: Sequence):
   """Refuses writes inside tf.cond / tf.while_loop bodies (functions).
 
   Their ops are not in the graph to combine, so every tower would write.
   TensorFlow marks a function call's resource inputs that are only read.
   The summed gradients' apply (in `skip`) runs once, so it may (a
-  loss-scale optimizer applies inside a tf.cond).
+  loss-scale optimizer applies inside a tf.cond). So may a call no step
+  runs: a Keras functional model's layers built on its `Input`. Tower 0's
+  ops are the model's (a later tower's train_op is tower 0's update), so a
+  later tower's write is left alone where neither it nor its counterpart
+  in tower 0 (the same write of the same variable) is run by the step.
   """
+  run = None  # names of the ops the step runs, found on first need
+  first = _function_writes(replication.tower_ops[0], variables, skip)
+  for ops in replication.tower_ops[1:]:
+    for key, (op, variable) in _function_writes(ops, variables, skip).items():
+      counterpart = first.get(key)
+      if specs and counterpart is not None and run is None:
+        run = _step_ops.run_by_the_step(replication.graph, specs)
+      if (run is not None and counterpart is not None and
+          op.name not in run and counterpart[0].name not in run):
+        logging.info("replicate: %s %s (and tower 0's %s) writes %s inside a "
+                     "function no step runs; left alone", op.type, op.name,
+                     counterpart[0].name, variable.op.name)
+        continue
+      raise ValueError(
+          f"{op.type} op {op.name!r} writes variable {variable.op.name!r} "
+          "inside a tf.cond, tf.while_loop or tf.function, where the "
+          "towers' writes cannot be combined; write it outside (e.g. give "
+          "Keras layers a Python bool `training=mode == "
+          "tf.estimator.ModeKeys.TRAIN`, not a tensor).")
+
+
+def _function_writes(ops, variables, skip):
+  """(variable name, n) -> (op, variable): the n-th function call writing it.
+
+  A call writes the resource inputs TensorFlow does not mark read-only.
+  """
+  counts = collections.Counter()
+  writes = {}
   for op in ops:
     if op.name in skip:
       continue
@@ -173,14 +206,13 @@ def _check_no_writes_in_functions(ops, variables, skip):
       continue
     for position, tensor in enumerate(op.inputs):
       variable = variables.get(_source(tensor).name)
-      if (variable is not None and tensor.dtype == tf.resource and
-          position not in read_only):
-        raise ValueError(
-            f"{op.type} op {op.name!r} writes variable {variable.op.name!r} "
-            "inside a tf.cond, tf.while_loop or tf.function, where the "
-            "towers' writes cannot be combined; write it outside (e.g. give "
-            "Keras layers a Python bool `training=mode == "
-            "tf.estimator.ModeKeys.TRAIN`, not a tensor).")
+      if (variable is None or tensor.dtype != tf.resource or
+          position in read_only):
+        continue
+      name = variable.op.name
+      writes[(name, counts[name])] = (op, variable)
+      counts[name] += 1
+  return writes
 
 
 def _tower_writes(ops, variables, skip):
