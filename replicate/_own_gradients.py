@@ -7,8 +7,9 @@ optimizer's `apply_gradients`). On one device that is the gradient of the
 whole batch's loss. While towers are built (`routed`), the public
 `tf.gradients` / `tf.compat.v1.gradients` called on a tower thread with a
 scalar `ys` (each a scalar, no `grad_ys`) is a meeting point of the towers:
-their `ys` are combined into the whole batch's (`_loss`, as the loss is,
-by `loss_reduction`) and differentiated once, each gradient op colocated
+their `ys` are combined into the whole batch's (a sum over the rows is
+added up, any other scalar is combined as the loss is, see `_loss`) and
+differentiated once, each gradient op colocated
 with its forward op. Every tower gets the gradient with respect to each of
 its `xs`: for a shared variable one device's gradient (recorded as the
 whole batch's, so `apply_gradients` applies it once, not summed); for a
@@ -28,8 +29,10 @@ from typing import Any, List
 import tensorflow as tf
 from absl import logging
 
+from replicate import _aggregate
 from replicate import _context
 from replicate import _gather
+from replicate import _inputs
 from replicate import _lockstep
 from replicate import _loss
 from replicate import _routing
@@ -70,6 +73,30 @@ def _key(x):
   return x.ref() if isinstance(x, (tf.Tensor, tf.Variable)) else id(x)
 
 
+def _sums_rows(tensor) -> bool:
+  """Whether a scalar is a `reduce_sum` over all of a tensor's axes."""
+  while tensor.op.type == "Identity":
+    tensor = tensor.op.inputs[0]
+  return tensor.op.type == "Sum" and tensor.op.inputs[0].shape.rank != 0
+
+
+def _combine(replication, terms):
+  """The whole batch's value of the towers' scalars `terms`.
+
+  A sum over the rows (`tf.reduce_sum(logits)`, of a saliency map, say) is
+  one device's summed over the towers, whatever the loss reduction; any
+  other scalar is combined as the loss is (`_loss`).
+  """
+  if (not _aggregate.is_sum(replication.loss_reduction) and
+      all(map(_sums_rows, terms)) and replication.inputs and
+      _inputs.reads_batch(terms, replication.inputs)):
+    logging.info("replicate: tf.gradients of a sum over the rows: the "
+                 "towers' sums are added")
+    with tf.device(replication.hub), tf.name_scope("whole_batch_sum"):
+      return _aggregate.real_sum(terms, replication.validity)
+  return _loss.combine(replication, terms)
+
+
 def _whole_batch(replication, calls):
   """One differentiation of the combined `ys` for every tower's call."""
   counts = {len(call["ys"]) for call in calls}
@@ -77,7 +104,7 @@ def _whole_batch(replication, calls):
     raise ValueError(
         f"tf.gradients was called with {sorted(counts)} scalars in `ys` in "
         "different towers; every tower must differentiate the same terms.")
-  combined = [_loss.combine(replication, [call["ys"][k] for call in calls])
+  combined = [_combine(replication, [call["ys"][k] for call in calls])
               for k in range(counts.pop())]
   union, stops = {}, {}
   for call in calls:
@@ -123,7 +150,6 @@ def _routed(original):
     call = dict(arguments, ys=ys, xs=tf.nest.flatten(arguments["xs"]),
                 stop_gradients=tf.nest.flatten(
                     arguments.get("stop_gradients") or []))
-    call.setdefault("gate_gradients", False)
     return _lockstep.meet(
         _KIND, call, functools.partial(_whole_batch, replication))
 

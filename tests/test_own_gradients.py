@@ -174,12 +174,14 @@ def test_plain_descent_with_own_gradients_equals_one_device(num_towers, batch,
   _assert_same(_train(_plain_model_fn, batch, num_towers, static), expected)
 
 
-def _penalty_model_fn(per_example):
-  """A loss plus a penalty on its gradient with respect to the inputs.
+def _penalty_model_fn(of):
+  """A loss plus a penalty on a gradient with respect to the inputs.
 
-  `per_example`: the gradient of each example's loss (a non-scalar `ys`,
-  each tower's own); else of the scalar loss (the whole batch's, each
-  tower getting its rows).
+  `of`: "loss", the gradient of the scalar (mean) loss, the whole batch's,
+  each tower getting its rows; "sum", of the sum of the examples' losses
+  (a scalar summed over the towers whatever the loss reduction);
+  "per_example", of each example's loss (a non-scalar `ys`, each tower's
+  own).
   """
 
   def model_fn(features, labels, mode, params):
@@ -187,7 +189,8 @@ def _penalty_model_fn(per_example):
     features = dict(features, x=tf.identity(features["x"]))
     losses = _per_example_loss(_logits(features), labels)
     loss = tf.reduce_mean(losses)
-    ys = losses if per_example else loss
+    ys = {"loss": loss, "sum": tf.reduce_sum(losses),
+          "per_example": losses}[of]
     input_grad, = tf.gradients(ys, [features["x"]])
     total = loss + 0.3 * tf.reduce_mean(tf.reduce_sum(tf.square(input_grad),
                                                       axis=1))
@@ -198,13 +201,34 @@ def _penalty_model_fn(per_example):
   return model_fn
 
 
-@pytest.mark.parametrize("per_example", [False, True],
-                         ids=["of_the_loss", "per_example"])
+@pytest.mark.parametrize("of", ["loss", "sum", "per_example"])
 @pytest.mark.parametrize("num_towers", [2, 4])
-def test_gradient_penalty_on_inputs_equals_one_device(num_towers, per_example):
-  model_fn = _penalty_model_fn(per_example)
+def test_gradient_penalty_on_inputs_equals_one_device(num_towers, of):
+  model_fn = _penalty_model_fn(of)
   expected = _train(model_fn, 9)
   _assert_same(_train(model_fn, 9, num_towers), expected)
+
+
+def _saliency_model_fn(features, labels, mode, params):
+  """Predicts the gradient of the first logits' sum with respect to `x`."""
+  del labels, params
+  features = dict(features, x=tf.identity(features["x"]))
+  logits = _logits(features)
+  saliency, = tf.gradients(tf.reduce_sum(logits[:, 0]), [features["x"]])
+  return tf.estimator.EstimatorSpec(
+      mode, predictions={"saliency": saliency, "logits": logits})
+
+
+@pytest.mark.parametrize("batch,static", _BATCHES)
+@pytest.mark.parametrize("num_towers", [2, 4])
+def test_saliency_in_predict_equals_one_device(num_towers, batch, static):
+  features = _data(batch, steps=1)[0]
+  expected = harness.predict(_saliency_model_fn, features, batch, 1,
+                             static=static)
+  actual = harness.predict(
+      _saliency_model_fn, features, batch, 1,
+      harness.devices(harness.VIRTUAL_CPUS, num_towers), static=static)
+  harness.assert_close_nests(actual, expected, rtol=1e-5, atol=1e-6)
 
 
 def _sum_model_fn(grad_ys):
