@@ -130,7 +130,21 @@ def _whole_batch(replication, calls):
           t.ref() for t in tf.nest.flatten(grad, expand_composites=True)
           if isinstance(t, tf.Tensor))
     by_key[_key(x)] = grad
-  return [[by_key[_key(x)] for x in call["xs"]] for call in calls]
+  return [[_phantom_zeros(replication, index, x, by_key[_key(x)])
+           for x in call["xs"]] for index, call in enumerate(calls)]
+
+
+def _phantom_zeros(replication, index: int, x, grad):
+  """Zeros for a tensor of a tower computing on a phantom row (see `_split`).
+
+  Such a tower adds nothing to the whole batch's value, so its tensors have
+  no gradient; it still gets zeros, as the towers holding examples get
+  tensors, so that its model_fn builds as theirs do.
+  """
+  if grad is None and isinstance(x, tf.Tensor) and (
+      replication.is_valid(index) is False):
+    return tf.zeros_like(x)
+  return grad
 
 
 def _routed(original):
