@@ -277,6 +277,24 @@ def test_shares_under_an_averaging_reduction_are_an_error():
     _train(model_fn, 8, 2)
 
 
+def test_gradients_in_one_tower_only_are_an_error():
+  def model_fn(features, labels, mode, params):
+    del params
+    loss = tf.reduce_mean(_per_example_loss(_logits(features), labels))
+    tvars = tf.compat.v1.trainable_variables()
+    if replicate.current_tower().index == 0:
+      norm = tf.linalg.global_norm(tf.gradients(loss, tvars))
+      tf.compat.v1.summary.scalar("gradient_norm", norm)
+    grads = tf.gradients(loss, tvars)
+    train_op = tf.compat.v1.train.GradientDescentOptimizer(0.5).apply_gradients(
+        zip(grads, tvars), tf.compat.v1.train.get_global_step())
+    return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+  with pytest.raises(ValueError, match=r"tower 0: tf.gradients, tower 1: "
+                     r".*apply_gradients.*same order"):
+    _train(model_fn, 8, 2)
+
+
 def test_public_gradients_are_restored_and_library_calls_pass_through():
   originals = (tf.gradients, tf.compat.v1.gradients,
                tf.compat.v2.gradients)
