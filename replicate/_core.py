@@ -22,6 +22,7 @@ from replicate import _devices
 from replicate import _merge
 from replicate import _context
 from replicate import _batch_norm
+from replicate import _own_gradients
 from replicate import _routing
 from replicate import _split
 from replicate import _state
@@ -262,7 +263,8 @@ def _run_towers(model_fn, features, labels, mode, arguments, devices,
   device_functions = [_devices.tower_device_function(device, choose)
                       for device in devices]
   with _context.replication_scope(replication), \
-      _batch_norm.synchronized(replication), _routing.routed(replication):
+      _batch_norm.synchronized(replication), _routing.routed(replication), \
+      _own_gradients.routed(replication):
     specs = _towers.build_towers(
         replication,
         lambda i: model_fn(**arguments.for_tower(

@@ -17,6 +17,7 @@ import tensorflow as tf
 
 from replicate import _aggregate
 from replicate import _context
+from replicate import _inputs
 from replicate import _lockstep
 from replicate import _loss
 from replicate import _transform
@@ -160,24 +161,45 @@ def check_same_variables(call: str, names_per_tower: Sequence[Any]):
 
 
 def _whole_batch_pairs(replication, towers_grads_and_vars):
-  """Per variable: tower 0's gradient if it is the whole batch's, else the sum.
+  """Per variable, the gradient one device would apply.
 
-  A gradient that `compute_gradients` returned, or that the model_fn
-  computed from one (clipped, scaled), is already the whole batch's, and
-  the same in every tower. One the model_fn computed itself (e.g. with
-  `tf.gradients` of its loss) is its tower's share, so the towers' are
-  summed, as with Reduction.SUM.
+  A gradient of the whole batch's loss (`compute_gradients`, or the
+  model_fn's own `tf.gradients` of a scalar, see `_own_gradients`), or one
+  the model_fn computed from it (clipped, scaled), is the same in every
+  tower: tower 0's is applied. So is one that reads no batch input (e.g.
+  computed from the variables alone). Any other is its tower's share of a
+  gradient taken per tower (e.g. `tf.gradients` with `grad_ys`, or of
+  per-example losses): under Reduction.SUM the shares add up to one
+  device's gradient and are summed; under an averaging reduction they do
+  not, which is an error naming the fix.
   """
   derived = _derived_from(replication.whole_batch_gradients,
                           [g for g, _ in towers_grads_and_vars[0]])
   pairs = []
   for index, (grad, variable) in enumerate(towers_grads_and_vars[0]):
-    if grad is None or _is_derived(grad, derived):
+    if grad is None or _is_derived(grad, derived) or (
+        replication.inputs and not _inputs.reads_batch(
+            _components(grad), replication.inputs)):
       pairs.append((grad, variable))
       continue
+    if not _aggregate.is_sum(replication.loss_reduction):
+      raise ValueError(
+          f"The gradient for {variable.op.name} handed to apply_gradients "
+          "was taken in each tower, not of the whole batch's loss (e.g. "
+          "tf.gradients with grad_ys, of a non-scalar ys, or a "
+          f"GradientTape); under loss_reduction={replication.loss_reduction!r} "
+          "the towers' gradients do not add up to one device's. Take it with "
+          "the optimizer's compute_gradients (or tf.gradients of the scalar "
+          "loss, no grad_ys), or use Reduction.SUM with a loss that sums "
+          "over the batch.")
     grads = [tower[index][0] for tower in towers_grads_and_vars]
     pairs.extend(_aggregate.sum_gradients([[(g, variable)] for g in grads]))
   return pairs
+
+
+def _components(grad):
+  return [grad.values, grad.indices] if isinstance(
+      grad, tf.IndexedSlices) else [grad]
 
 
 def _op(grad) -> tf.Operation:

@@ -75,10 +75,11 @@ class TowerOptimizer(_Optimizer):
   device's gradients of the whole batch's loss, so clipping or scaling them
   before `apply_gradients` gives one device's result; `apply_gradients`
   applies tower 0's once. Outside, or with one tower, every call passes
-  unchanged to the wrapped optimizer's own method. Gradients computed
-  without `compute_gradients` (e.g. `tf.gradients` of the tower's loss) are
-  the tower's share and are summed over the towers: pass them only with
-  Reduction.SUM.
+  unchanged to the wrapped optimizer's own method. Gradients the model_fn
+  takes with `tf.gradients` of its scalar loss are the whole batch's too
+  (see `_own_gradients`); ones taken per tower (`grad_ys`, a non-scalar
+  `ys`) are summed over the towers under Reduction.SUM and refused under
+  an averaging reduction.
 
   A Keras legacy optimizer (`tf.keras.optimizers.legacy.*`, what the v2
   canned estimators take) gives a Keras optimizer that does the same through
