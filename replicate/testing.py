@@ -204,7 +204,7 @@ _COMBINED = (_V2.DNNLinearCombinedClassifier, _V2.DNNLinearCombinedRegressor,
 def replicated(
     estimator_fn: Callable[..., tf.compat.v1.estimator.Estimator],
     num_towers: int = 2,
-    wrap_optimizers: bool = True,
+    wrap_optimizers: bool = False,
 ) -> Callable[..., tf.compat.v1.estimator.Estimator]:
   """A canned estimator's constructor, building it replicated on N virtual CPUs.
 
@@ -221,13 +221,14 @@ def replicated(
   warm start and config; its session config gets N CPU devices (the rest of
   it kept), so no `virtual_cpus` call is needed.
 
-  With `wrap_optimizers` (README's two lines), the arguments named
-  `optimizer`, `dnn_optimizer` and `linear_optimizer` (given, or
-  `estimator_fn`'s defaults) are wrapped in `replicate.TowerOptimizer`: an
-  optimizer or a function as it is, a name (or None for a linear model) as
-  the optimizer the canned estimator builds from it, same class and learning
-  rate, built anew in each graph. Without it only the model_fn is wrapped and
-  the canned estimator builds and uses its optimizer unwrapped.
+  Only the model_fn is wrapped by default: the canned estimator builds and
+  uses its optimizer as on one device (optimizers are routed through the
+  towers). With `wrap_optimizers`, the arguments named `optimizer`,
+  `dnn_optimizer` and `linear_optimizer` (given, or `estimator_fn`'s
+  defaults) are wrapped in `replicate.TowerOptimizer`: an optimizer or a
+  function as it is, a name (or None for a linear model) as the optimizer
+  the canned estimator builds from it, same class and learning rate, built
+  anew in each graph (what a mock optimizer set on the instance needs).
 
   Args:
     estimator_fn: a canned estimator class (`tf.estimator.DNNClassifier`,

@@ -95,7 +95,7 @@ def test_an_optimizer_given_is_wrapped_as_it_is(tmp_path):
   given = tf.keras.optimizers.legacy.SGD(0.5)
   made = []
   make = testing.replicated(lambda **kw: made.append(kw) or
-                            _V2.LinearRegressor(**kw))
+                            _V2.LinearRegressor(**kw), wrap_optimizers=True)
   make(feature_columns=_columns(), optimizer=given,
        model_dir=str(tmp_path))
   wrapped = made[0]["optimizer"]
