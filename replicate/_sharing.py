@@ -10,9 +10,11 @@ import copy
 import re
 
 import tensorflow as tf
+from absl import logging
 # Variable-scope name counters have no public accessor.
 from tensorflow.python.ops import variable_scope as variable_scope_lib  # pylint: disable=g-direct-tensorflow-import
 
+from replicate import _devices
 from replicate._context import Replication
 
 
@@ -87,6 +89,31 @@ def _without_root(name: str, root: str) -> str:
   return re.sub(r"(^|/)" + re.escape(root), r"\1", name)
 
 
+def _is_trainable(kwargs) -> bool:
+  """Whether a variable being created is trained (read by the forward pass)."""
+  trainable = kwargs.get("trainable")
+  if trainable is None:
+    return kwargs.get("synchronization") != tf.VariableSynchronization.ON_READ
+  return bool(trainable)
+
+
+def _cache_device(replication: Replication):
+  """Where trained variables on another task are read once per step, or None.
+
+  Worked out from where the input split was placed (see
+  `_devices.cache_device`).
+  """
+  if not replication.hub:
+    return None
+  device = _devices.cache_device(replication.graph,
+                                 replication.split_op_names, replication.hub)
+  if device is not None:
+    logging.info(
+        "replicate: towers on a cluster task; trained variables of other "
+        "tasks are read once per step onto %s (caching_device)", device)
+  return device
+
+
 def variable_creator(replication: Replication, index: int, name_root: str):
   """Returns a creator giving towers after the first tower 0's variables.
 
@@ -100,6 +127,8 @@ def variable_creator(replication: Replication, index: int, name_root: str):
   """
   counts = collections.Counter()
   created = replication.created[index]
+  # Later towers get tower 0's variables and create no trained ones.
+  cache = _cache_device(replication) if index == 0 else None
 
   def creator(next_creator, **kwargs):
     if replication.unshared:
@@ -120,6 +149,9 @@ def variable_creator(replication: Replication, index: int, name_root: str):
             f"create (tower 0 created {len(replication.created[0])} "
             "variables); every tower must build the same model, so make the "
             "model_fn create the same variables in every call.")
+    if (cache is not None and _is_trainable(kwargs) and
+        kwargs.get("caching_device") is None):
+      kwargs["caching_device"] = _devices.caching_device_function(cache)
     variable = next_creator(**kwargs)
     created[key] = variable
     return variable
