@@ -15,8 +15,9 @@ ps->worker) as bytes per step and as a multiple of the minimum:
   layers): what the unwrapped model_fn sends (the rows one device reads and
   their gradient, the dense variables once).
 
-Each variant also reports its loss and variables after `--steps` steps, so
-the caller can check them against the unwrapped model_fn's.
+With --values_dir each variant also writes its losses and variables after
+the steps (`MODEL_TOWERS.npz`, towers 0 for the unwrapped model_fn), so the
+caller can check them against the unwrapped model_fn's.
 
   PYTHONPATH=. .venv/bin/python benchmarks/traffic.py --towers=1,2,4
 """
@@ -42,7 +43,8 @@ flags.DEFINE_list("towers", ["1", "2", "4"], "Tower counts N (plain always).")
 flags.DEFINE_integer("cpus", 4, "CPU devices of the worker.")
 flags.DEFINE_integer("batch_size", 64, "Global batch.")
 flags.DEFINE_integer("steps", 2, "Steps before the traced one.")
-flags.DEFINE_boolean("values", False, "Report the loss and variables too.")
+flags.DEFINE_string("values_dir", None,
+                    "Where each variant's losses and variables go (.npz).")
 flags.DEFINE_string("result_file", None, "Where the JSON goes (else stdout).")
 
 _VOCAB, _EMBEDDING = 20000, 64
@@ -138,9 +140,9 @@ def _transfers(run_metadata) -> Dict[str, int]:
 
 
 def measure(cluster: Cluster, model: str, towers: Optional[int],
-            batch_size: int, steps: int, values: bool,
+            batch_size: int, steps: int, values_dir: Optional[str],
             traces: int = 3) -> Dict:
-  """Trains `steps` steps, traces one more; bytes per direction (and values).
+  """Trains `steps` steps, traces `traces` more; bytes per direction.
 
   towers=None: the unwrapped model_fn; else replicate_model_fn over the
   worker's first `towers` CPUs.
@@ -183,20 +185,20 @@ def measure(cluster: Cluster, model: str, towers: Optional[int],
                 "parameter_bytes": parameters,
                 **{d: max(t[d] for t in traced) for d in traced[0]},
                 "traced": traced}
-      if values:
-        result["losses"] = [float(l) for l in losses]
-        result["variables"] = {v.op.name: session.run(v).tolist()
-                               for v in variables}
+      if values_dir:
+        np.savez(os.path.join(values_dir, f"{model}_{towers or 0}.npz"),
+                 losses=np.array(losses),
+                 **{v.op.name: session.run(v) for v in variables})
   return result
 
 
 def run(models: List[str], towers: List[int], cpus: int, batch_size: int,
-        steps: int, values: bool) -> List[Dict]:
+        steps: int, values_dir: Optional[str]) -> List[Dict]:
   """Every model: plain, then each tower count; ratios to the minimum."""
   cluster = Cluster(cpus)
   rows = []
   for model in models:
-    plain = measure(cluster, model, None, batch_size, steps, values)
+    plain = measure(cluster, model, None, batch_size, steps, values_dir)
     # Dense: one read and one gradient of every parameter. Sparse: what the
     # unwrapped model_fn sends.
     minimum = ({d: plain["parameter_bytes"]
@@ -204,7 +206,7 @@ def run(models: List[str], towers: List[int], cpus: int, batch_size: int,
                if model == "mlp" else
                {d: plain[d] for d in ("worker_to_ps", "ps_to_worker")})
     for result in [plain] + [
-        measure(cluster, model, n, batch_size, steps, values)
+        measure(cluster, model, n, batch_size, steps, values_dir)
         for n in towers]:
       for direction, least in minimum.items():
         result[f"{direction}_ratio"] = result[direction] / least
@@ -226,7 +228,7 @@ def _table(rows: List[Dict]) -> str:
 def main(argv):
   del argv
   rows = run(FLAGS.models, [int(n) for n in FLAGS.towers], FLAGS.cpus,
-             FLAGS.batch_size, FLAGS.steps, FLAGS.values)
+             FLAGS.batch_size, FLAGS.steps, FLAGS.values_dir)
   if FLAGS.result_file:
     with open(FLAGS.result_file, "w") as f:
       json.dump(rows, f)
