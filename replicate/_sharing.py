@@ -97,6 +97,19 @@ def _is_trainable(kwargs) -> bool:
   return bool(trainable)
 
 
+def _is_resource(kwargs) -> bool:
+  """Whether a variable being created is a resource variable.
+
+  A reference variable's cached copy is what its gathers read too
+  (`tf.gather` converts it to a tensor), so caching it would send a whole
+  embedding table each step instead of the rows: those are left alone.
+  """
+  use_resource = kwargs.get("use_resource")
+  if use_resource is None:
+    return tf.compat.v1.resource_variables_enabled()
+  return bool(use_resource)
+
+
 def _cache_device(replication: Replication):
   """Where trained variables on another task are read once per step, or None.
 
@@ -150,7 +163,7 @@ def variable_creator(replication: Replication, index: int, name_root: str):
             "variables); every tower must build the same model, so make the "
             "model_fn create the same variables in every call.")
     if (cache is not None and _is_trainable(kwargs) and
-        kwargs.get("caching_device") is None):
+        _is_resource(kwargs) and kwargs.get("caching_device") is None):
       kwargs["caching_device"] = _devices.caching_device_function(cache)
     variable = next_creator(**kwargs)
     created[key] = variable
