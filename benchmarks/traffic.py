@@ -13,7 +13,9 @@ ps->worker) as bytes per step and as a multiple of the minimum:
   per variable per step, each the parameters' bytes;
 - `embedding` (a 20000x64 table gathered by the batch's ids, then dense
   layers): what the unwrapped model_fn sends (the rows one device reads and
-  their gradient, the dense variables once).
+  their gradient, the dense variables once);
+- `ema` (784-32-10 with an ExponentialMovingAverage of the weights after
+  the train_op), for its values: the averages must see the updated weights.
 
 With --values_dir each variant also writes its losses and variables after
 the steps (`MODEL_TOWERS.npz`, towers 0 for the unwrapped model_fn), so the
@@ -38,7 +40,8 @@ import tensorflow as tf
 import replicate
 
 FLAGS = flags.FLAGS
-flags.DEFINE_list("models", ["mlp", "embedding"], "Models: mlp, embedding.")
+flags.DEFINE_list("models", ["mlp", "embedding"],
+                  "Models: mlp, embedding, ema (for the values only).")
 flags.DEFINE_list("towers", ["1", "2", "4"], "Tower counts N (plain always).")
 flags.DEFINE_integer("cpus", 4, "CPU devices of the worker.")
 flags.DEFINE_integer("batch_size", 64, "Global batch.")
@@ -69,6 +72,9 @@ def _dense(x, units, name, seed, activation=None):
 
 
 def _logits(model: str, features):
+  if model == "ema":
+    return _dense(_dense(features["x"], 32, "hidden", 1, tf.nn.relu), 10,
+                  "logits", 2)
   if model == "mlp":
     h = _dense(features["x"], 512, "hidden1", 1, tf.nn.relu)
     h = _dense(h, 512, "hidden2", 2, tf.nn.relu)
@@ -90,13 +96,18 @@ def model_fn(features, labels, mode, params):
       tf.compat.v1.train.MomentumOptimizer(0.05, 0.9))
   train_op = optimizer.minimize(
       loss, tf.compat.v1.train.get_global_step())
+  if params["model"] == "ema":
+    weights = tf.compat.v1.trainable_variables()
+    with tf.control_dependencies([train_op]):
+      train_op = tf.compat.v1.train.ExponentialMovingAverage(0.5).apply(
+          weights)
   return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
 
 
 def _data(model: str, batch_size: int):
   rng = np.random.RandomState(_SEED)
   y = rng.randint(0, 10, size=batch_size).astype(np.int32)
-  if model == "mlp":
+  if model != "embedding":
     return {"x": rng.randn(batch_size, 784).astype(np.float32)}, y
   # Distinct ids per example, so one device's rows are 4 * batch_size.
   ids = rng.choice(_VOCAB, size=(batch_size, 4), replace=False)
@@ -164,8 +175,9 @@ def measure(cluster: Cluster, model: str, towers: Optional[int],
     parameters = sum(
         v.shape.num_elements() * v.dtype.size
         for v in tf.compat.v1.trainable_variables())
-    variables = tf.compat.v1.trainable_variables()
-    init = tf.compat.v1.global_variables_initializer()
+    variables = tf.compat.v1.global_variables()  # slots and step too
+    init = [tf.compat.v1.global_variables_initializer(),
+            tf.compat.v1.local_variables_initializer()]
     # Soft placement off: every op must place where it asked to be.
     config = tf.compat.v1.ConfigProto(allow_soft_placement=False)
     with tf.compat.v1.Session(cluster.target, config=config) as session:

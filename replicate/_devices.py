@@ -353,7 +353,7 @@ def _variable_source(tensor: tf.Tensor) -> Optional[tf.Operation]:
   while True:
     op = tensor.op
     if op.type in _VALUE_FORWARDING_OPS and op.inputs:
-      if _other_task(op.device, op.inputs[0].op.device):
+      if other_task(op.device, op.inputs[0].op.device):
         return None
       tensor = op.inputs[0]
     elif op.type == "Placeholder" and _captured(tensor) is not None:
@@ -375,14 +375,15 @@ def _task(device: str):
   return spec.job, spec.replica, spec.task
 
 
-def _other_task(device: str, other: str) -> bool:
+def other_task(device: str, other: str) -> bool:
   """Whether both devices name a job and their tasks differ."""
   return bool(_task(device)[0] and _task(other)[0]) and (
       _task(device) != _task(other))
 
 
+
 def cache_device(graph: tf.Graph, op_names, hub: str) -> Optional[str]:
-  """Where a parameter-server variable's one read per step goes, or None.
+  """Where a parameter-server variable's one read per step is, or None.
 
   The consolidation device as the outer device functions placed it (the
   ops in `op_names` were built under `tf.device(hub)`, e.g. Estimator's
@@ -398,25 +399,3 @@ def cache_device(graph: tf.Graph, op_names, hub: str) -> Optional[str]:
                                                  hub_spec.device_index):
       return device if spec.job else None
   return None
-
-
-def caching_device_function(device: str) -> Callable[[tf.Operation], str]:
-  """A variable's `caching_device`: its reads on another task go to `device`.
-
-  TensorFlow builds the cached read (an Identity of the variable's read)
-  under this function, and a variable's `read_value()` too. An op taking the
-  variable's handle or reference runs where the variable lives; the cached
-  copy goes to `device` when the variable lives on another task (a
-  parameter server), so that the towers read it once per step over the
-  network, and stays with the variable otherwise.
-  """
-  def device_function(op):
-    variable_device = _variable_device(op)
-    if variable_device is not None:
-      return variable_device
-    source = _variable_source(op.inputs[0]) if op.inputs else None
-    if source is None or _other_task(source.device, device):
-      return device
-    return source.device
-
-  return device_function

@@ -89,27 +89,6 @@ def _without_root(name: str, root: str) -> str:
   return re.sub(r"(^|/)" + re.escape(root), r"\1", name)
 
 
-def _is_trainable(kwargs) -> bool:
-  """Whether a variable being created is trained (read by the forward pass)."""
-  trainable = kwargs.get("trainable")
-  if trainable is None:
-    return kwargs.get("synchronization") != tf.VariableSynchronization.ON_READ
-  return bool(trainable)
-
-
-def _is_resource(kwargs) -> bool:
-  """Whether a variable being created is a resource variable.
-
-  A reference variable's cached copy is what its gathers read too
-  (`tf.gather` converts it to a tensor), so caching it would send a whole
-  embedding table each step instead of the rows: those are left alone.
-  """
-  use_resource = kwargs.get("use_resource")
-  if use_resource is None:
-    return tf.compat.v1.resource_variables_enabled()
-  return bool(use_resource)
-
-
 def _cache_device(replication: Replication):
   """Where trained variables on another task are read once per step, or None.
 
@@ -122,9 +101,65 @@ def _cache_device(replication: Replication):
                                  replication.split_op_names, replication.hub)
   if device is not None:
     logging.info(
-        "replicate: towers on a cluster task; trained variables of other "
-        "tasks are read once per step onto %s (caching_device)", device)
+        "replicate: towers on cluster task %s; trained variables of other "
+        "tasks are read once per step there", device)
   return device
+
+
+def _after_writes_possible() -> bool:
+  """Whether a read made now may be ordered after a write of the step.
+
+  That is a read under control dependencies (an EMA of the weights after
+  the train_op), in this graph or one a function body is built in.
+  """
+  graph = tf.compat.v1.get_default_graph()
+  while graph is not None:
+    # The active control dependencies have no public accessor.
+    if graph._current_control_dependencies():  # pylint: disable=protected-access
+      return True
+    graph = getattr(graph, "outer_graph", None)
+  return False
+
+
+def _is_resource(variable) -> bool:
+  """Whether `variable` is a resource variable (reference ones have no handle).
+
+  A reference variable's gathers read its value (`tf.gather` converts it),
+  so one copy of it would send a whole embedding table instead of rows.
+  """
+  handle = getattr(variable, "handle", None)
+  return isinstance(handle, tf.Tensor) and handle.dtype == tf.resource
+
+
+def read_once_per_step(variable, device: str) -> None:
+  """Makes the towers share one read of `variable` per step, on `device`.
+
+  For a trained resource variable on another task than the towers (a
+  parameter server): its value (what `tf.convert_to_tensor` and every op
+  taking the variable read) becomes one copy on the towers' task, made at
+  the start of the step, instead of one read over the network per tower.
+  TensorFlow adds the towers' gradient contributions where that copy is
+  (gradients are colocated with their ops), so one summed gradient crosses
+  the network too. A read that may come after a write of the same step
+  (under control dependencies) reads afresh, as on one device, and so do
+  `read_value()` and gathers (`sparse_read`: an embedding's rows). This is
+  what `caching_device` does, but decided once the variable's device is
+  known, and without the stale reads after writes.
+  """
+  if not (_is_resource(variable) and variable.trainable and
+          _devices.other_task(variable.device, device)):
+    return
+  fresh = variable.value
+  with tf.init_scope(), tf.compat.v1.device(None), tf.device(device):
+    # Named after the variable, as its own reads are.
+    with tf.name_scope(variable.op.name + "/"):
+      cached = tf.identity(fresh(), name="read_once_per_step")
+
+  def value():
+    return fresh() if _after_writes_possible() else cached
+
+  # Tensor conversion calls the variable's own `value`.
+  variable.value = value
 
 
 def variable_creator(replication: Replication, index: int, name_root: str):
@@ -162,10 +197,9 @@ def variable_creator(replication: Replication, index: int, name_root: str):
             f"create (tower 0 created {len(replication.created[0])} "
             "variables); every tower must build the same model, so make the "
             "model_fn create the same variables in every call.")
-    if (cache is not None and _is_trainable(kwargs) and
-        _is_resource(kwargs) and kwargs.get("caching_device") is None):
-      kwargs["caching_device"] = _devices.caching_device_function(cache)
     variable = next_creator(**kwargs)
+    if cache is not None:
+      read_once_per_step(variable, cache)
     created[key] = variable
     return variable
 

@@ -7,8 +7,10 @@ on a cluster, sessions without soft placement. Every trainer must read each
 variable once per step and send one gradient per variable, whatever the
 towers: the dense MLP's bytes per direction are its parameters' bytes, the
 embedding model's what the unwrapped model_fn sends (the rows it gathers,
-their gradient rows, the dense variables once). Losses and trained
-variables are one device's (the unwrapped model_fn on the same cluster).
+their gradient rows, the dense variables once). Losses and variables
+(optimizer slots included) are one device's (the unwrapped model_fn on the
+same cluster), and so is an average of the weights taken after the
+train_op: it sees the updated weights, not the step's one shared read.
 """
 
 import json
@@ -36,6 +38,7 @@ def traffic(tmp_path_factory):
   proc = subprocess.run(
       [sys.executable, os.path.join(_ROOT, "benchmarks", "traffic.py"),
        "--towers=" + ",".join(map(str, TOWERS)), "--batch_size=30",
+       "--models=mlp,embedding,ema",
        f"--result_file={out / 'rows.json'}", f"--values_dir={out}"],
       capture_output=True, text=True, timeout=240, cwd=_ROOT, env=env)
   assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
@@ -58,7 +61,7 @@ def test_each_trainer_sends_and_reads_what_one_device_does(traffic, model,
     assert plain["ps_to_worker_ratio"] <= _MAX_RATIO, plain
 
 
-@pytest.mark.parametrize("model", ["mlp", "embedding"])
+@pytest.mark.parametrize("model", ["mlp", "embedding", "ema"])
 @pytest.mark.parametrize("towers", TOWERS)
 def test_losses_and_variables_are_one_devices(traffic, model, towers):
   _, out = traffic
