@@ -347,19 +347,24 @@ def _variable_source(tensor: tf.Tensor) -> Optional[tf.Operation]:
 
   Inside a function body (a cond's branch, a loop's body) a captured
   variable is a placeholder; its source is the captured outer tensor's. A
-  copy on another task (a variable's cached read, see `caching_device`) is
-  a value of its own, not the variable.
+  copy on another task (the towers' one read per step of a parameter
+  server's variable, see `_sharing.read_once_per_step`) is a value of its
+  own, not the variable.
   """
+  copies = []
   while True:
     op = tensor.op
     if op.type in _VALUE_FORWARDING_OPS and op.inputs:
-      if other_task(op.device, op.inputs[0].op.device):
-        return None
+      copies.append(op.device)
       tensor = op.inputs[0]
     elif op.type == "Placeholder" and _captured(tensor) is not None:
       tensor = _captured(tensor)
+    elif op.type in _STATEFUL_VARIABLE_OPS:
+      if any(other_task(device, op.device) for device in copies):
+        return None
+      return op
     else:
-      return op if op.type in _STATEFUL_VARIABLE_OPS else None
+      return None
 
 
 def _captured(tensor: tf.Tensor) -> Optional[tf.Tensor]:
