@@ -386,7 +386,6 @@ def other_task(device: str, other: str) -> bool:
       _task(device) != _task(other))
 
 
-
 def cache_device(graph: tf.Graph, op_names, hub: str) -> Optional[str]:
   """Where a parameter-server variable's one read per step is, or None.
 
