@@ -8,6 +8,7 @@ Towers after the first get tower 0's variables back from a variable creator
 import collections
 import copy
 import re
+from typing import Optional
 
 import tensorflow as tf
 from absl import logging
@@ -89,7 +90,7 @@ def _without_root(name: str, root: str) -> str:
   return re.sub(r"(^|/)" + re.escape(root), r"\1", name)
 
 
-def _cache_device(replication: Replication):
+def _cache_device(replication: Replication) -> Optional[str]:
   """Where trained variables on another task are read once per step, or None.
 
   Worked out from where the input split was placed (see
