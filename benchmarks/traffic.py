@@ -15,7 +15,11 @@ ps->worker) as bytes per step and as a multiple of the minimum:
   layers): what the unwrapped model_fn sends (the rows one device reads and
   their gradient, the dense variables once);
 - `ema` (784-32-10 with an ExponentialMovingAverage of the weights after
-  the train_op), for its values: the averages must see the updated weights.
+  the train_op), for its values: the averages must see the updated weights;
+- `lstm` (a Keras LSTM(32) over the image's 28 rows: a loop that reads its
+  variables at every time step) and `bn` (a conv with Keras batch
+  normalization, moving statistics written each step): dense, their
+  parameters' bytes are the minimum.
 
 With --values_dir each variant also writes its losses and variables after
 the steps (`MODEL_TOWERS.npz`, towers 0 for the unwrapped model_fn), so the
@@ -41,7 +45,7 @@ import replicate
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("models", ["mlp", "embedding"],
-                  "Models: mlp, embedding, ema (for the values only).")
+                  "Models: mlp, embedding, lstm, bn, ema (for the values).")
 flags.DEFINE_list("towers", ["1", "2", "4"], "Tower counts N (plain always).")
 flags.DEFINE_integer("cpus", 4, "CPU devices of the worker.")
 flags.DEFINE_integer("batch_size", 64, "Global batch.")
@@ -71,7 +75,26 @@ def _dense(x, units, name, seed, activation=None):
       kernel_initializer=tf.compat.v1.glorot_uniform_initializer(seed=seed))
 
 
+def _keras_logits(model: str, x):
+  """A Keras LSTM over the image's rows, or a conv with Keras batch norm."""
+  glorot = tf.keras.initializers.GlorotUniform
+  x = tf.reshape(x, [-1, 28, 28])
+  if model == "lstm":
+    h = tf.keras.layers.LSTM(
+        32, name="lstm", kernel_initializer=glorot(1),
+        recurrent_initializer=tf.keras.initializers.Orthogonal(seed=2))(x)
+  else:
+    h = tf.keras.layers.Conv2D(8, 3, strides=2, name="conv",
+                               kernel_initializer=glorot(3))(x[..., None])
+    h = tf.keras.layers.BatchNormalization(name="bn")(h, training=True)
+    h = tf.keras.layers.Flatten()(h)
+  return tf.keras.layers.Dense(10, name="logits",
+                               kernel_initializer=glorot(4))(h)
+
+
 def _logits(model: str, features):
+  if model in ("lstm", "bn"):
+    return _keras_logits(model, features["x"])
   if model == "ema":
     return _dense(_dense(features["x"], 32, "hidden", 1, tf.nn.relu), 10,
                   "logits", 2)
@@ -94,8 +117,11 @@ def model_fn(features, labels, mode, params):
   loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
   optimizer = replicate.TowerOptimizer(
       tf.compat.v1.train.MomentumOptimizer(0.05, 0.9))
-  train_op = optimizer.minimize(
-      loss, tf.compat.v1.train.get_global_step())
+  # Batch norm's moving statistics (none elsewhere).
+  with tf.control_dependencies(
+      tf.compat.v1.get_collection(tf.compat.v1.GraphKeys.UPDATE_OPS)):
+    train_op = optimizer.minimize(
+        loss, tf.compat.v1.train.get_global_step())
   if params["model"] == "ema":
     weights = tf.compat.v1.trainable_variables()
     with tf.control_dependencies([train_op]):
@@ -215,7 +241,7 @@ def run(models: List[str], towers: List[int], cpus: int, batch_size: int,
     # unwrapped model_fn sends.
     minimum = ({d: plain["parameter_bytes"]
                 for d in ("worker_to_ps", "ps_to_worker")}
-               if model == "mlp" else
+               if model != "embedding" else
                {d: plain[d] for d in ("worker_to_ps", "ps_to_worker")})
     for result in [plain] + [
         measure(cluster, model, n, batch_size, steps, values_dir)
