@@ -346,16 +346,25 @@ def _variable_source(tensor: tf.Tensor) -> Optional[tf.Operation]:
   """The variable op whose handle, reference or value `tensor` is, or None.
 
   Inside a function body (a cond's branch, a loop's body) a captured
-  variable is a placeholder; its source is the captured outer tensor's.
+  variable is a placeholder; its source is the captured outer tensor's. A
+  copy on another task (the towers' one read per step of a parameter
+  server's variable, see `_sharing.read_once_per_step`) is a value of its
+  own, not the variable.
   """
+  copies = []
   while True:
     op = tensor.op
     if op.type in _VALUE_FORWARDING_OPS and op.inputs:
+      copies.append(op.device)
       tensor = op.inputs[0]
     elif op.type == "Placeholder" and _captured(tensor) is not None:
       tensor = _captured(tensor)
+    elif op.type in _STATEFUL_VARIABLE_OPS:
+      if any(other_task(device, op.device) for device in copies):
+        return None
+      return op
     else:
-      return op if op.type in _STATEFUL_VARIABLE_OPS else None
+      return None
 
 
 def _captured(tensor: tf.Tensor) -> Optional[tf.Tensor]:
@@ -363,4 +372,34 @@ def _captured(tensor: tf.Tensor) -> Optional[tf.Tensor]:
   for external, internal in getattr(tensor.graph, "captures", ()):
     if internal is tensor:
       return external if isinstance(external, tf.Tensor) else None
+  return None
+
+
+def _task(device: str):
+  spec = tf.DeviceSpec.from_string(device or "")
+  return spec.job, spec.replica, spec.task
+
+
+def other_task(device: str, other: str) -> bool:
+  """Whether both devices name a job and their tasks differ."""
+  return bool(_task(device)[0] and _task(other)[0]) and (
+      _task(device) != _task(other))
+
+
+def cache_device(graph: tf.Graph, op_names, hub: str) -> Optional[str]:
+  """Where a parameter-server variable's one read per step is, or None.
+
+  The consolidation device as the outer device functions placed it (the
+  ops in `op_names` were built under `tf.device(hub)`, e.g. Estimator's
+  `replica_device_setter` adds '/job:worker/task:0'). None where the towers'
+  devices name no job: one machine without a cluster, where variables are
+  on the towers' own machine and nothing is cached.
+  """
+  hub_spec = tf.DeviceSpec.from_string(hub)
+  for name in sorted(op_names):
+    device = graph.get_operation_by_name(name).device
+    spec = tf.DeviceSpec.from_string(device or "")
+    if (spec.device_type, spec.device_index) == (hub_spec.device_type,
+                                                 hub_spec.device_index):
+      return device if spec.job else None
   return None

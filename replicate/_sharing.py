@@ -8,11 +8,14 @@ Towers after the first get tower 0's variables back from a variable creator
 import collections
 import copy
 import re
+from typing import Optional
 
 import tensorflow as tf
+from absl import logging
 # Variable-scope name counters have no public accessor.
 from tensorflow.python.ops import variable_scope as variable_scope_lib  # pylint: disable=g-direct-tensorflow-import
 
+from replicate import _devices
 from replicate._context import Replication
 
 
@@ -87,6 +90,79 @@ def _without_root(name: str, root: str) -> str:
   return re.sub(r"(^|/)" + re.escape(root), r"\1", name)
 
 
+def _cache_device(replication: Replication) -> Optional[str]:
+  """Where trained variables on another task are read once per step, or None.
+
+  Worked out from where the input split was placed (see
+  `_devices.cache_device`).
+  """
+  if not replication.hub:
+    return None
+  device = _devices.cache_device(replication.graph,
+                                 replication.split_op_names, replication.hub)
+  if device is not None:
+    logging.info(
+        "replicate: towers on cluster task %s; trained variables of other "
+        "tasks are read once per step there", device)
+  return device
+
+
+def _after_writes_possible() -> bool:
+  """Whether a read made now may be ordered after a write of the step.
+
+  That is a read under control dependencies (an EMA of the weights after
+  the train_op), in this graph or one a function body is built in.
+  """
+  graph = tf.compat.v1.get_default_graph()
+  while graph is not None:
+    # The active control dependencies have no public accessor.
+    if graph._current_control_dependencies():  # pylint: disable=protected-access
+      return True
+    graph = getattr(graph, "outer_graph", None)
+  return False
+
+
+def _is_resource(variable) -> bool:
+  """Whether `variable` is a resource variable (reference ones have no handle).
+
+  A reference variable's gathers read its value (`tf.gather` converts it),
+  so one copy of it would send a whole embedding table instead of rows.
+  """
+  handle = getattr(variable, "handle", None)
+  return isinstance(handle, tf.Tensor) and handle.dtype == tf.resource
+
+
+def read_once_per_step(variable, device: str) -> None:
+  """Makes the towers share one read of `variable` per step, on `device`.
+
+  For a trained resource variable on another task than the towers (a
+  parameter server): its value (what `tf.convert_to_tensor` and every op
+  taking the variable read) becomes one copy on the towers' task, made at
+  the start of the step, instead of one read over the network per tower.
+  TensorFlow adds the towers' gradient contributions where that copy is
+  (gradients are colocated with their ops), so one summed gradient crosses
+  the network too. A read that may come after a write of the same step
+  (under control dependencies) reads afresh, as on one device, and so do
+  `read_value()` and gathers (`sparse_read`: an embedding's rows). This is
+  what `caching_device` does, but decided once the variable's device is
+  known, and without the stale reads after writes.
+  """
+  if not (_is_resource(variable) and variable.trainable and
+          _devices.other_task(variable.device, device)):
+    return
+  fresh = variable.value
+  with tf.init_scope(), tf.compat.v1.device(None), tf.device(device):
+    # Named after the variable, as its own reads are.
+    with tf.name_scope(variable.op.name + "/"):
+      cached = tf.identity(fresh(), name="read_once_per_step")
+
+  def value():
+    return fresh() if _after_writes_possible() else cached
+
+  # Tensor conversion calls the variable's own `value`.
+  variable.value = value
+
+
 def variable_creator(replication: Replication, index: int, name_root: str):
   """Returns a creator giving towers after the first tower 0's variables.
 
@@ -100,6 +176,8 @@ def variable_creator(replication: Replication, index: int, name_root: str):
   """
   counts = collections.Counter()
   created = replication.created[index]
+  # Later towers get tower 0's variables and create no trained ones.
+  cache = _cache_device(replication) if index == 0 else None
 
   def creator(next_creator, **kwargs):
     if replication.unshared:
@@ -121,6 +199,8 @@ def variable_creator(replication: Replication, index: int, name_root: str):
             "variables); every tower must build the same model, so make the "
             "model_fn create the same variables in every call.")
     variable = next_creator(**kwargs)
+    if cache is not None:
+      read_once_per_step(variable, cache)
     created[key] = variable
     return variable
 
