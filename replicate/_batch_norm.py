@@ -11,9 +11,9 @@ mean (two passes, as `tf.nn.moments` and the fused kernel do), and the hub
 merges them into the whole batch's (Chan et al.'s pairwise update: no
 cancellation between large sums). Gradients run back through the merge to
 every tower. A layer Keras would fuse still normalises with the fused
-kernel, in inference mode, given the whole batch's statistics (see
-`_normalisation_parameters` for how their gradients flow), and updates
-its moving statistics as the fused kernel would (Bessel-corrected
+kernel, in inference mode, given the whole batch's statistics (their
+gradients, which that kernel does not give, written out on the hub), and
+updates its moving statistics as the fused kernel would (Bessel-corrected
 variance). Layers with `virtual_batch_size` keep their own statistics
 (their ghost batches do not follow the towers' shards), and so does a
 fused layer whose `training` is a tensor rather than a Python bool (its
@@ -89,11 +89,11 @@ def _shard_count(x, axes):
 
 
 def _shard_moments(x, axes, count):
-  """This shard's mean and sum of squared distances from it (keepdims).
+  """This shard's [mean, sum of squared distances from it] (keepdims shape).
 
-  A custom gradient: dx = dmean / count + 2 (x - mean) dm2, three
-  elementwise ops where automatic differentiation of the reductions and
-  the squared difference builds about fifteen.
+  Two passes, as the fused kernel. A custom gradient, d x = dmean / count
+  + 2 (x - mean) dm2: four ops where automatic differentiation of the
+  reductions builds about fifteen.
   """
   axes_t = tf.constant(axes, tf.int32)
 
@@ -103,74 +103,92 @@ def _shard_moments(x, axes, count):
     m2 = tf.reduce_sum(tf.math.squared_difference(x, mean), axes_t,
                        keepdims=True)
 
-    def grad(dmean, dm2):
-      parts = []
-      if dm2 is not None:
-        parts.append((x - mean) * (2.0 * dm2))
-      if dmean is not None:
-        parts.append(dmean / count)
-      if not parts:
-        return tf.zeros_like(x)
-      return parts[0] if len(parts) == 1 else parts[0] + parts[1]
+    def grad(dstats):
+      dmean, dm2 = tf.unstack(dstats)
+      return (x - mean) * (2.0 * dm2) + dmean / count
 
-    return (mean, m2), grad
+    return tf.stack([mean, m2]), grad
 
   return moments(x)
 
 
-def _merged(replication, shards):
-  """The whole batch's (mean, variance, count) from every tower's moments.
+def _merged(replication, shards, head, args):
+  """The whole batch's statistics from every tower's shard moments.
 
-  Chan et al.'s update: the whole batch's squared distances are the
-  shards' own plus each shard's count times its mean's squared distance
-  from the whole batch's mean. Every term is a sum of squares (no
-  difference of large sums), so float32 keeps the two-pass accuracy.
-  A tower computing on a phantom row (see _split) counts nothing.
+  `shards`: per tower (its [mean, m2] stack, its count). Chan et al.'s
+  update: the whole batch's squared distances are the shards' own plus
+  each shard's count times its mean's squared distance from the whole
+  batch's mean, every term a sum of squares (no difference of large sums),
+  so float32 keeps the two-pass accuracy. A tower computing on a phantom
+  row (see _split) counts nothing.
+
+  `head(mean, variance, count, *args)` -> (outputs, backward) builds what
+  the layer needs from the (keepdims) statistics, and `backward(*doutputs)`
+  -> (dmean, dvariance, *dargs). The merge and `head` are one custom
+  gradient, written out: automatic differentiation of this per-channel
+  arithmetic (broadcast reductions, gated tuples) builds ten times the ops.
+  `args` (tower 0's) are `head`'s further differentiable inputs. Returns
+  `head`'s outputs.
   """
   kept = [(shard, ok) for shard, ok in zip(shards, replication.validity)
           if ok is not False]
-  rank = kept[0][0][0].shape.rank
-  counts = [shard[2] for shard, _ in kept]
-  means = [shard[0] for shard, _ in kept]
-  m2s = [shard[1] for shard, _ in kept]
+  rank = kept[0][0][0].shape.rank - 1
+  counts = [shard[1] for shard, _ in kept]
+  stats = [shard[0] for shard, _ in kept]
+  dtype = stats[0].dtype
   if all(ok is True for _, ok in kept) and all(
       isinstance(c, float) for c in counts):
-    dtype = means[0].dtype.as_numpy_dtype
     count = sum(counts)
-    counts = np.reshape(np.array(counts, dtype), [-1] + [1] * rank)
+    counts = np.reshape(np.array(counts, dtype.as_numpy_dtype),
+                        [-1] + [1] * rank)
   else:
     oks = [ok for _, ok in kept]
-    counts = [_aggregate.gate(tf.cast(c, means[0].dtype), ok)
+    counts = [_aggregate.gate(tf.cast(c, dtype), ok)
               for c, ok in zip(counts, oks)]
-    means = [_aggregate.gate(m, ok) for m, ok in zip(means, oks)]
-    m2s = [_aggregate.gate(m, ok) for m, ok in zip(m2s, oks)]
+    stats = [_aggregate.gate(t, ok) for t, ok in zip(stats, oks)]
     counts = tf.reshape(tf.stack(counts), [-1] + [1] * rank)
     count = tf.reduce_sum(counts)
-  means = tf.stack(means)
-  mean = tf.reduce_sum(counts * means, 0) / count
-  between = tf.reduce_sum(counts * tf.math.squared_difference(means, mean), 0)
-  variance = (tf.add_n(m2s) + between) / count
-  return mean, variance, count
+  stacked = stats[0][None] if len(stats) == 1 else tf.stack(stats)
+
+  def merge(stacked, *args):
+    means, m2s = tf.unstack(stacked, axis=1)
+    mean = tf.reduce_sum(counts * means, 0) / count
+    distance = means - mean
+    variance = (tf.reduce_sum(m2s + counts * tf.square(distance), 0) /
+                count)
+    outputs, backward = head(mean, variance, count, *args)
+
+    def grad(*doutputs):
+      dmean, dvariance, *dargs = backward(*doutputs)
+      # d mean / d mean_i = n_i / n; d variance / d mean_i = 2 n_i (mean_i
+      # - mean) / n (the whole mean's own term sums to zero); d variance /
+      # d m2_i = 1 / n.
+      dmeans = (counts / count) * (dmean + 2.0 * distance * dvariance)
+      dm2s = tf.broadcast_to(dvariance / count, _shape(dmeans))
+      return [tf.stack([dmeans, dm2s], axis=1)] + list(dargs)
+
+    return outputs, grad
+
+  return tf.custom_gradient(merge)(stacked, *args)
 
 
-def _meet(x, axes, extra, finish):
+def _meet(x, axes, args, head):
   """Meets the other towers with this shard's moments of `x` over `axes`.
 
-  `finish(mean, variance, count, extra)` runs once, on the hub, with the
-  whole batch's statistics (keepdims shape) and tower 0's `extra`; every
-  tower gets its result.
+  `head` (see `_merged`) runs once, on the hub, with the whole batch's
+  statistics and tower 0's `args`; every tower gets its outputs.
   """
   replication = _context.current_replication()
   count = _shard_count(x, axes)
-  mean, m2 = _shard_moments(x, axes, count)
+  stats = _shard_moments(x, axes, count)
 
   def combine(values):
     with tf.device(replication.hub), tf.name_scope("sync_batch_norm"):
-      stats = _merged(replication, [v[:3] for v in values])
-      result = finish(*stats, values[0][3])
+      result = _merged(replication, [v[:2] for v in values], head,
+                       values[0][2])
     return [result] * len(values)
 
-  return _lockstep.meet(_MEETING, (mean, m2, count, extra), combine)
+  return _lockstep.meet(_MEETING, (stats, count, args), combine)
 
 
 def _moments(original):
@@ -185,14 +203,27 @@ def _moments(original):
       return mean, variance
     axes = list(reduction_axes)
 
-    def finish(mean, variance, count, extra):
-      del count, extra
+    def head(mean, variance, count):
+      del count
       if keep_dims:
-        return mean, variance
-      return tf.squeeze(mean, axes), tf.squeeze(variance, axes)
+        return (mean, variance), lambda dmean, dvariance: (
+            _zero_if_none(dmean, mean), _zero_if_none(dvariance, variance))
+      shape = _shape(mean)
+      return (tf.squeeze(mean, axes), tf.squeeze(variance, axes)), (
+          lambda dmean, dvariance: (
+              tf.reshape(_zero_if_none(dmean, mean), shape),
+              tf.reshape(_zero_if_none(dvariance, variance), shape)))
 
-    return _meet(inputs, axes, None, finish)
+    return _meet(inputs, axes, (), head)
   return calculate_mean_and_var
+
+
+def _shape(t):
+  return t.shape.as_list() if t.shape.is_fully_defined() else tf.shape(t)
+
+
+def _zero_if_none(gradient, like):
+  return tf.zeros_like(like) if gradient is None else gradient
 
 
 def _learning_phase(training) -> bool:
@@ -223,27 +254,6 @@ def _fused(original):
   return fused_batch_norm
 
 
-def _normalisation_parameters(mean, variance, gamma, beta, epsilon):
-  """(scale, offset, mean, variance) for the fused kernel in inference mode.
-
-  In inference mode the kernel treats its mean and variance as constants
-  (no gradient flows to them). It gets them held constant here, with
-  `scale = gamma * r / stop_gradient(r)` (r = rsqrt(variance + epsilon))
-  and `offset = beta + (stop_gradient(mean) - mean) * gamma * r`: exactly
-  gamma and beta in value (x / x and x - x are exact), so the kernel
-  computes what it computes on one device, while their gradients carry
-  d/dmean = -sum(dy) gamma r and d/dvariance = -sum(dy xhat) gamma r^2 / 2,
-  the statistics' part of one device's gradient. Built once per layer on
-  the hub, so each tower adds no op for it.
-  """
-  held_mean = tf.stop_gradient(mean)
-  r = tf.math.rsqrt(variance + epsilon)
-  gamma_r = gamma * r
-  scale = gamma * (r / tf.stop_gradient(r))
-  offset = beta + (held_mean - mean) * gamma_r
-  return scale, offset, held_mean, tf.stop_gradient(variance)
-
-
 def _fused_whole_batch(layer, inputs, axes):
   """The fused kernel's training step, on the whole batch's statistics."""
   # pylint: disable=protected-access
@@ -258,22 +268,35 @@ def _fused_whole_batch(layer, inputs, axes):
                                             ("beta", layer.center, tf.zeros)))
   epsilon = max(layer.epsilon, _FUSED_MIN_EPSILON)
 
-  def finish(mean, variance, count, tower0_params):
-    """On the hub: the kernel's parameters, the moving statistics' inputs."""
+  def head(mean, variance, count, gamma, beta):
+    """On the hub: the kernel's inputs and the moving statistics' values."""
+    shape = _shape(mean)
     mean, variance = tf.reshape(mean, [-1]), tf.reshape(variance, [-1])
-    normalisation = _normalisation_parameters(mean, variance, *tower0_params,
-                                              epsilon)
+    r = tf.math.rsqrt(variance + epsilon)
     # The fused kernel's moving variance is Bessel-corrected.
     if isinstance(count, float):
       corrected = variance * (count / max(count - 1.0, 1.0))
     else:
       corrected = variance * count / tf.maximum(count - 1.0, 1.0)
-    return normalisation, tf.stop_gradient(mean), tf.stop_gradient(corrected)
 
-  (scale, offset, held_mean, held_variance), mean, corrected = _meet(
-      x, axes, params, finish)
+    def backward(dscale, doffset, *unused):
+      # The kernel in inference mode holds mean and variance constant; one
+      # device's gradient also runs through them: y = gamma (x - mean) r +
+      # beta gives d/dmean = -sum(dy) gamma r = -doffset gamma r and
+      # d/dvariance = -sum(dy (x - mean) r) gamma r^2 / 2 = -dscale gamma
+      # r^2 / 2 (dscale, doffset: the kernel's gradients of scale, offset).
+      del unused
+      dscale = _zero_if_none(dscale, gamma)
+      doffset = _zero_if_none(doffset, beta)
+      gamma_r = gamma * r
+      return (tf.reshape(-doffset * gamma_r, shape),
+              tf.reshape(-0.5 * dscale * gamma_r * r, shape), dscale, doffset)
+
+    return (gamma, beta, mean, variance, corrected), backward
+
+  scale, offset, mean, variance, corrected = _meet(x, axes, params, head)
   outputs, _, _ = tf.compat.v1.nn.fused_batch_norm(
-      inputs, scale, offset, mean=held_mean, variance=held_variance,
+      inputs, scale, offset, mean=mean, variance=variance,
       epsilon=epsilon, data_format=layer._data_format, is_training=False)
   momentum = tf.convert_to_tensor(layer.momentum)
   size = tf.shape(inputs)[0] if layer._support_zero_size_input() else None
