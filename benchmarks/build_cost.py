@@ -51,6 +51,9 @@ FLAGS = flags.FLAGS
 flags.DEFINE_list("towers", ["1", "2", "4"], "Tower counts N.")
 flags.DEFINE_list("variants", ["sync", "unsync", "mirrored"],
                   "Besides plain: sync, unsync, mirrored.")
+flags.DEFINE_list("measures", ["model_fn", "estimator"],
+                  "model_fn (the call under a graph), estimator (to the "
+                  "first hook's begin()).")
 flags.DEFINE_bool("quick", False, "A small batch-norm CNN instead of ResNet50.")
 flags.DEFINE_integer("batch_size", 32, "Global batch (static shape).")
 flags.DEFINE_integer("repeats", 3, "Timed builds per graph.", lower_bound=1)
@@ -202,14 +205,17 @@ def _profile(spec: str):
 
 
 def _runs(towers: List[int]) -> List[Tuple[str, str, int]]:
-  runs = [("model_fn", "plain", 1)]
-  for n in towers:
-    runs += [("model_fn", v, n) for v in ("sync", "unsync")
-             if v in FLAGS.variants]
-  runs.append(("estimator", "plain", 1))
-  for n in towers:
-    runs += [("estimator", v, n) for v in ("sync", "mirrored")
-             if v in FLAGS.variants]
+  runs = []
+  if "model_fn" in FLAGS.measures:
+    runs.append(("model_fn", "plain", 1))
+    for n in towers:
+      runs += [("model_fn", v, n) for v in ("sync", "unsync")
+               if v in FLAGS.variants]
+  if "estimator" in FLAGS.measures:
+    runs.append(("estimator", "plain", 1))
+    for n in towers:
+      runs += [("estimator", v, n) for v in ("sync", "mirrored")
+               if v in FLAGS.variants]
   return runs
 
 
