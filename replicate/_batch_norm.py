@@ -4,25 +4,33 @@ On one device a batch-norm layer in training normalises with the batch's
 mean and variance, and its gradients run through them. A tower sees only
 its shard, so while the towers are built for training, Keras'
 `BatchNormalization` (which `tf.compat.v1.layers.batch_normalization` and
-the canned DNN estimators' `batch_norm=True` use too) computes its moments
-from `replicate.batch_sum` of the towers' partial sums: the whole batch's
-mean and variance, in two passes as `tf.nn.moments` computes them, and
-differentiable through every tower. A layer Keras would fuse gets the same
-arithmetic as the fused kernel (biased variance to normalise, Bessel-
-corrected variance for the moving average). Layers with
-`virtual_batch_size` keep their own statistics (their ghost batches do not
-follow the towers' shards), and so does a fused layer whose `training` is
-a tensor rather than a Python bool (its kernel runs inside a tf.cond).
+the canned DNN estimators' `batch_norm=True` use too) takes its moments
+from one meeting of the towers per layer (see `_lockstep`): each tower
+computes its shard's count, mean and sum of squared distances from that
+mean (two passes, as `tf.nn.moments` and the fused kernel do), and the hub
+merges them into the whole batch's (Chan et al.'s pairwise update: no
+cancellation between large sums). Gradients run back through the merge to
+every tower. A layer Keras would fuse still normalises with the fused
+kernel, in inference mode, given the whole batch's statistics (their
+gradients, which that kernel does not give, written out on the hub), and
+updates its moving statistics as the fused kernel would (Bessel-corrected
+variance). Layers with `virtual_batch_size` keep their own statistics
+(their ghost batches do not follow the towers' shards), and so does a
+fused layer whose `training` is a tensor rather than a Python bool (its
+kernel runs inside a tf.cond).
 """
 
 import contextlib
 import threading
 
+import numpy as np
 import tensorflow as tf
 from absl import logging
 
+from replicate import _aggregate
 from replicate import _collectives
 from replicate import _context
+from replicate import _lockstep
 
 try:
   # Keras' batch normalization has no public hook for its moments; these
@@ -34,6 +42,9 @@ except ImportError:
 
 _lock = threading.Lock()
 _installed = {"count": 0, "originals": None}
+# tf.compat.v1.nn.fused_batch_norm raises a smaller epsilon to this.
+_FUSED_MIN_EPSILON = 1.001e-5
+_MEETING = "synchronised batch normalization"
 
 
 def _whole_batch(layer, axes) -> bool:
@@ -48,7 +59,8 @@ def whole_batch_moments(x, axes, keep_dims: bool, weights=None):
 
   Two passes, as `tf.nn.moments` / `tf.nn.weighted_moments`: the mean, then
   the mean squared distance from it (the mean held constant for the
-  gradient), each a sum over the towers.
+  gradient), each a sum over the towers. Used for masked layers; unmasked
+  ones take the leaner `_shard_moments` / `_merged` route.
   """
   axes = list(axes)
   ones = tf.ones_like(x) if weights is None else tf.broadcast_to(
@@ -68,18 +80,160 @@ def whole_batch_moments(x, axes, keep_dims: bool, weights=None):
   return mean, variance, count
 
 
+def _shard_count(x, axes):
+  """Values per statistic in this tower's shard: a float where static."""
+  dims = [x.shape[a] for a in axes]
+  if all(d is not None for d in dims):
+    return float(np.prod(dims))
+  return tf.cast(tf.reduce_prod(tf.gather(tf.shape(x), axes)), x.dtype)
+
+
+def _shard_moments(x, axes, count):
+  """This shard's [mean, sum of squared distances from it] (keepdims shape).
+
+  Two passes, as the fused kernel. A custom gradient, d x = dmean / count
+  + 2 (x - mean) dm2: four ops where automatic differentiation of the
+  reductions builds about fifteen.
+  """
+  axes_t = tf.constant(axes, tf.int32)
+
+  @tf.custom_gradient
+  def moments(x):
+    mean = tf.reduce_mean(x, axes_t, keepdims=True)
+    m2 = tf.reduce_sum(tf.math.squared_difference(x, mean), axes_t,
+                       keepdims=True)
+
+    def grad(dstats):
+      dmean, dm2 = tf.unstack(dstats)
+      return (x - mean) * (2.0 * dm2) + dmean / count
+
+    return tf.stack([mean, m2]), grad
+
+  return moments(x)
+
+
+def _merged(replication, shards, head, args):
+  """The whole batch's statistics from every tower's shard moments.
+
+  `shards`: per tower (its [mean, m2] stack, its count). Chan et al.'s
+  update: the whole batch's squared distances are the shards' own plus
+  each shard's count times its mean's squared distance from the whole
+  batch's mean, every term a sum of squares (no difference of large sums),
+  so float32 keeps the two-pass accuracy. A tower computing on a phantom
+  row (see _split) counts nothing.
+
+  `head(mean, variance, count, *args)` -> (outputs, backward) builds what
+  the layer needs from the (keepdims) statistics, and `backward(*doutputs)`
+  -> (dmean, dvariance, *dargs). The merge and `head` are one custom
+  gradient, written out: automatic differentiation of this per-channel
+  arithmetic (broadcast reductions, gated tuples) builds ten times the ops.
+  `args` (tower 0's) are `head`'s further differentiable inputs. Returns
+  `head`'s outputs.
+  """
+  kept = [(shard, ok) for shard, ok in zip(shards, replication.validity)
+          if ok is not False]
+  rank = kept[0][0][0].shape.rank - 1
+  counts = [shard[1] for shard, _ in kept]
+  stats = [shard[0] for shard, _ in kept]
+  dtype = stats[0].dtype
+  if all(ok is True for _, ok in kept) and all(
+      isinstance(c, float) for c in counts):
+    count = sum(counts)
+    counts = np.reshape(np.array(counts, dtype.as_numpy_dtype),
+                        [-1] + [1] * rank)
+  else:
+    oks = [ok for _, ok in kept]
+    counts = [_aggregate.gate(tf.cast(c, dtype), ok)
+              for c, ok in zip(counts, oks)]
+    stats = [_aggregate.gate(t, ok) for t, ok in zip(stats, oks)]
+    counts = tf.reshape(tf.stack(counts), [-1] + [1] * rank)
+    count = tf.reduce_sum(counts)
+  stacked = stats[0][None] if len(stats) == 1 else tf.stack(stats)
+
+  def merge(stacked, *args):
+    means, m2s = tf.unstack(stacked, axis=1)
+    mean = tf.reduce_sum(counts * means, 0) / count
+    distance = means - mean
+    variance = (tf.reduce_sum(m2s + counts * tf.square(distance), 0) /
+                count)
+    outputs, backward = head(mean, variance, count, *args)
+
+    def grad(*doutputs):
+      dmean, dvariance, *dargs = backward(*doutputs)
+      # d mean / d mean_i = n_i / n; d variance / d mean_i = 2 n_i (mean_i
+      # - mean) / n (the whole mean's own term sums to zero); d variance /
+      # d m2_i = 1 / n.
+      dmeans = (counts / count) * (dmean + 2.0 * distance * dvariance)
+      dm2s = tf.broadcast_to(dvariance / count, _shape(dmeans))
+      return [tf.stack([dmeans, dm2s], axis=1)] + list(dargs)
+
+    return outputs, grad
+
+  return tf.custom_gradient(merge)(stacked, *args)
+
+
+def _meet(x, axes, args, head):
+  """Meets the other towers with this shard's moments of `x` over `axes`.
+
+  `head` (see `_merged`) runs once, on the hub, with the whole batch's
+  statistics and tower 0's `args`; every tower gets its outputs.
+  """
+  replication = _context.current_replication()
+  count = _shard_count(x, axes)
+  stats = _shard_moments(x, axes, count)
+
+  def combine(values):
+    with tf.device(replication.hub), tf.name_scope("sync_batch_norm"):
+      result = _merged(replication, [v[:2] for v in values], head,
+                       values[0][2])
+    return [result] * len(values)
+
+  return _lockstep.meet(_MEETING, (stats, count, args), combine)
+
+
 def _moments(original):
   def calculate_mean_and_var(layer, inputs, reduction_axes, keep_dims,
                              mask=None):
     if not _whole_batch(layer, reduction_axes):
       return original(layer, inputs, reduction_axes, keep_dims, mask=mask)
-    weights = None
     if mask is not None:
       weights = tf.expand_dims(tf.cast(mask, inputs.dtype), axis=-1)
-    mean, variance, _ = whole_batch_moments(inputs, reduction_axes, keep_dims,
-                                            weights)
-    return mean, variance
+      mean, variance, _ = whole_batch_moments(inputs, reduction_axes,
+                                              keep_dims, weights)
+      return mean, variance
+    axes = list(reduction_axes)
+
+    def head(mean, variance, count):
+      del count
+      if keep_dims:
+        return (mean, variance), lambda dmean, dvariance: (
+            _zero_if_none(dmean, mean), _zero_if_none(dvariance, variance))
+      shape = _shape(mean)
+      return (tf.squeeze(mean, axes), tf.squeeze(variance, axes)), (
+          lambda dmean, dvariance: (
+              tf.reshape(_zero_if_none(dmean, mean), shape),
+              tf.reshape(_zero_if_none(dvariance, variance), shape)))
+
+    return _meet(inputs, axes, (), head)
   return calculate_mean_and_var
+
+
+def _shape(t):
+  return t.shape.as_list() if t.shape.is_fully_defined() else tf.shape(t)
+
+
+def _zero_if_none(gradient, like):
+  return tf.zeros_like(like) if gradient is None else gradient
+
+
+def _learning_phase(training) -> bool:
+  """Whether `training` is Keras' learning-phase placeholder.
+
+  A functional Keras model built in a graph first calls its layers on its
+  `Input`s with that placeholder: ops that never run in training.
+  """
+  return (isinstance(training, tf.Tensor) and
+          training.op.name.split("/")[-1].startswith("keras_learning_phase"))
 
 
 def _fused(original):
@@ -89,30 +243,61 @@ def _fused(original):
     axes = [a for a in range(rank) if a != channel % rank]
     training_value = _control_flow_util.constant_value(training)
     if not _whole_batch(layer, axes) or training_value is not True:
-      if training_value is None and _whole_batch(layer, axes):
+      if (training_value is None and _whole_batch(layer, axes) and
+          not _learning_phase(training)):
         logging.warning(
             "replicate: %s has a tensor `training`; it normalises with each "
             "tower's statistics (pass a Python bool for the whole batch's)",
             layer.name)
       return original(layer, inputs, mask, training)
-    return _fused_whole_batch(layer, inputs, axes, channel % rank)
+    return _fused_whole_batch(layer, inputs, axes)
   return fused_batch_norm
 
 
-def _fused_whole_batch(layer, inputs, axes, channel):
-  """What the fused kernel computes in training, on the whole batch."""
+def _fused_whole_batch(layer, inputs, axes):
+  """The fused kernel's training step, on the whole batch's statistics."""
   # pylint: disable=protected-access
   dtype = layer._param_dtype
-  x = tf.cast(inputs, dtype)
-  mean, variance, count = whole_batch_moments(x, axes, keep_dims=False)
-  shape = [1] * inputs.shape.rank
-  shape[channel] = -1
-  reshape = lambda t: None if t is None else tf.reshape(t, shape)
-  outputs = tf.nn.batch_normalization(
-      x, reshape(mean), reshape(variance),
-      reshape(layer.beta if layer.center else None),
-      reshape(layer.gamma if layer.scale else None), layer.epsilon)
-  corrected = variance * count / tf.maximum(count - 1.0, 1.0)
+  x = inputs if inputs.dtype == dtype else tf.cast(inputs, dtype)
+  params = None
+  if _context.current_replication().tower.index == 0:
+    # The hub normalises with tower 0's reads: the other towers read none.
+    params = tuple(tf.convert_to_tensor(
+        getattr(layer, name) if used else fill(layer._param_shape, dtype))
+                   for name, used, fill in (("gamma", layer.scale, tf.ones),
+                                            ("beta", layer.center, tf.zeros)))
+  epsilon = max(layer.epsilon, _FUSED_MIN_EPSILON)
+
+  def head(mean, variance, count, gamma, beta):
+    """On the hub: the kernel's inputs and the moving statistics' values."""
+    shape = _shape(mean)
+    mean, variance = tf.reshape(mean, [-1]), tf.reshape(variance, [-1])
+    r = tf.math.rsqrt(variance + epsilon)
+    # The fused kernel's moving variance is Bessel-corrected.
+    if isinstance(count, float):
+      corrected = variance * (count / max(count - 1.0, 1.0))
+    else:
+      corrected = variance * count / tf.maximum(count - 1.0, 1.0)
+
+    def backward(dscale, doffset, *unused):
+      # The kernel in inference mode holds mean and variance constant; one
+      # device's gradient also runs through them: y = gamma (x - mean) r +
+      # beta gives d/dmean = -sum(dy) gamma r = -doffset gamma r and
+      # d/dvariance = -sum(dy (x - mean) r) gamma r^2 / 2 = -dscale gamma
+      # r^2 / 2 (dscale, doffset: the kernel's gradients of scale, offset).
+      del unused
+      dscale = _zero_if_none(dscale, gamma)
+      doffset = _zero_if_none(doffset, beta)
+      gamma_r = gamma * r
+      return (tf.reshape(-doffset * gamma_r, shape),
+              tf.reshape(-0.5 * dscale * gamma_r * r, shape), dscale, doffset)
+
+    return (gamma, beta, mean, variance, corrected), backward
+
+  scale, offset, mean, variance, corrected = _meet(x, axes, params, head)
+  outputs, _, _ = tf.compat.v1.nn.fused_batch_norm(
+      inputs, scale, offset, mean=mean, variance=variance,
+      epsilon=epsilon, data_format=layer._data_format, is_training=False)
   momentum = tf.convert_to_tensor(layer.momentum)
   size = tf.shape(inputs)[0] if layer._support_zero_size_input() else None
   layer.add_update(lambda: layer._assign_moving_average(
@@ -120,7 +305,7 @@ def _fused_whole_batch(layer, inputs, axes, channel):
   layer.add_update(lambda: layer._assign_moving_average(
       layer.moving_variance, corrected, momentum, size))
   # pylint: enable=protected-access
-  return tf.cast(outputs, inputs.dtype)
+  return outputs
 
 
 @contextlib.contextmanager

@@ -133,7 +133,9 @@ class _Segments:
 
   def start(self):
     self._view.resume()
-    self._mark = len(self._graph.get_operations())
+    # The graph's op counter: ops are numbered 1, 2, ... as created and
+    # never removed, so this is len(get_operations()) without the list.
+    self._mark = self._graph.version
 
   def end(self):
     self.ops.extend(self._graph.get_operations()[self._mark:])

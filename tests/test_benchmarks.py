@@ -140,3 +140,29 @@ def test_windows_taken_in_turn_give_a_ratio_per_window():
   table = report.markdown(list(rows.values()), [], _settings(1, "windows"))
   assert "| mlp | 2 | replicate_shared | 60 | 1.20 (1.20–1.20) |" in table
   assert "| +40 |" in table
+
+
+def test_build_cost_quick_reports_ops_and_ratios(tmp_path):
+  # benchmarks/build_cost.py on its small batch-norm CNN: every row, one
+  # tower builds the unwrapped graph, and synchronised batch norm stays
+  # within 1.2x the ops of unsynchronised (timings are not asserted).
+  out = tmp_path / "build.json"
+  proc = subprocess.run(
+      [sys.executable, os.path.join(_BENCHMARKS, "build_cost.py"), "--quick",
+       "--towers=1,2", "--repeats=1", f"--result_file={out}"],
+      capture_output=True, text=True, timeout=300, cwd=_ROOT,
+      env=common.worker_env())
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  rows = {(r["measure"], r["variant"], r["towers"]): r
+          for r in json.loads(out.read_text())["rows"]}
+  assert sorted(rows) == sorted(
+      [("model_fn", "plain", 1)] +
+      [("model_fn", v, n) for v in ("sync", "unsync") for n in (1, 2)] +
+      [("estimator", "plain", 1)] +
+      [("estimator", v, n) for v in ("sync", "mirrored") for n in (1, 2)])
+  plain = rows[("model_fn", "plain", 1)]["ops"]
+  assert rows[("model_fn", "sync", 1)]["ops"] == plain
+  assert (rows[("model_fn", "sync", 2)]["ops"] <=
+          1.2 * rows[("model_fn", "unsync", 2)]["ops"])
+  assert all(r["build_s"] > 0 and r["x_plain_s"] > 0 for r in rows.values())
+  assert "| model_fn | sync | 2 |" in proc.stdout
