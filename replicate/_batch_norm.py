@@ -21,7 +21,6 @@ kernel runs inside a tf.cond).
 """
 
 import contextlib
-import threading
 
 import numpy as np
 import tensorflow as tf
@@ -31,6 +30,7 @@ from replicate import _aggregate
 from replicate import _collectives
 from replicate import _context
 from replicate import _lockstep
+from replicate import _patches
 
 try:
   # Keras' batch normalization has no public hook for its moments; these
@@ -40,8 +40,6 @@ try:
 except ImportError:
   _keras_bn = None
 
-_lock = threading.Lock()
-_installed = {"count": 0, "originals": None}
 # tf.compat.v1.nn.fused_batch_norm raises a smaller epsilon to this.
 _FUSED_MIN_EPSILON = 1.001e-5
 _MEETING = "synchronised batch normalization"
@@ -308,6 +306,20 @@ def _fused_whole_batch(layer, inputs, axes):
   return outputs
 
 
+def _install() -> _patches.Patched:
+  base = _keras_bn.BatchNormalizationBase
+  # pylint: disable=protected-access
+  originals = [(base, "_calculate_mean_and_var", base._calculate_mean_and_var),
+               (base, "_fused_batch_norm", base._fused_batch_norm)]
+  base._calculate_mean_and_var = _moments(originals[0][2])
+  base._fused_batch_norm = _fused(originals[1][2])
+  # pylint: enable=protected-access
+  return originals
+
+
+_PATCHES = _patches.Patches("Keras batch norm's moments", _install)
+
+
 @contextlib.contextmanager
 def synchronized(replication: _context.Replication):
   """Batch norm built inside uses the whole batch's statistics (see above)."""
@@ -315,22 +327,5 @@ def synchronized(replication: _context.Replication):
       _keras_bn is None):
     yield
     return
-  base = _keras_bn.BatchNormalizationBase
-  with _lock:
-    if not _installed["count"]:
-      # pylint: disable=protected-access
-      _installed["originals"] = (base._calculate_mean_and_var,
-                                 base._fused_batch_norm)
-      base._calculate_mean_and_var = _moments(_installed["originals"][0])
-      base._fused_batch_norm = _fused(_installed["originals"][1])
-      # pylint: enable=protected-access
-    _installed["count"] += 1
-  try:
+  with _PATCHES.applied():
     yield
-  finally:
-    with _lock:
-      _installed["count"] -= 1
-      if not _installed["count"]:
-        # pylint: disable=protected-access
-        base._calculate_mean_and_var, base._fused_batch_norm = (
-            _installed["originals"])

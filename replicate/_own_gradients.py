@@ -23,7 +23,6 @@ this leaves alone) pass straight through.
 import contextlib
 import functools
 import inspect
-import threading
 from typing import Any, List
 
 import tensorflow as tf
@@ -35,6 +34,7 @@ from replicate import _gather
 from replicate import _inputs
 from replicate import _lockstep
 from replicate import _loss
+from replicate import _patches
 from replicate import _routing
 
 _ORIGINAL_V1 = tf.compat.v1.gradients
@@ -170,18 +170,17 @@ def _routed(original):
   return gradients
 
 
-_lock = threading.Lock()
-_installed = {"count": 0, "originals": []}
-
-
-def _install():
+def _install() -> _patches.Patched:
   originals = []
   for module in _api_modules():
     function = module.__dict__.get("gradients")
     if function is _ORIGINAL_V1 or function is _ORIGINAL_V2:
-      originals.append((module, function))
+      originals.append((module, "gradients", function))
       setattr(module, "gradients", _routed(function))
   return originals
+
+
+_PATCHES = _patches.Patches("tf.gradients in towers", _install)
 
 
 @contextlib.contextmanager
@@ -190,18 +189,5 @@ def routed(replication: _context.Replication):
   if replication.num_towers == 1:
     yield
     return
-  with _lock:
-    if not _installed["count"]:
-      _installed["originals"] = _install()
-      logging.info("replicate: tf.gradients in towers is routed (%d API "
-                   "modules)", len(_installed["originals"]))
-    _installed["count"] += 1
-  try:
+  with _PATCHES.applied():
     yield
-  finally:
-    with _lock:
-      _installed["count"] -= 1
-      if not _installed["count"]:
-        for module, original in reversed(_installed["originals"]):
-          setattr(module, "gradients", original)
-        _installed["originals"] = []

@@ -33,6 +33,7 @@ from replicate import _context
 from replicate import _gather
 from replicate import _lockstep
 from replicate import _loss
+from replicate import _patches
 from replicate import _transform
 
 _V1 = tf.compat.v1.train.Optimizer
@@ -329,11 +330,7 @@ def _subclasses(base):
                   for b in c.__mro__)]
 
 
-_lock = threading.Lock()
-_installed = {"count": 0, "originals": []}
-
-
-def _install():
+def _install() -> _patches.Patched:
   originals = []
   for base, methods in _ROUTES.items():
     for cls in _subclasses(base):
@@ -349,24 +346,14 @@ def _install():
   return originals
 
 
+_PATCHES = _patches.Patches("optimizer calls in towers", _install)
+
+
 @contextlib.contextmanager
 def routed(replication: _context.Replication):
   """Optimizer calls on the towers' threads meet while inside (see above)."""
   if replication.num_towers == 1:
     yield
     return
-  with _lock:
-    if not _installed["count"]:
-      _installed["originals"] = _install()
-      logging.info("replicate: optimizer calls in towers are routed (%d "
-                   "methods)", len(_installed["originals"]))
-    _installed["count"] += 1
-  try:
+  with _PATCHES.applied():
     yield
-  finally:
-    with _lock:
-      _installed["count"] -= 1
-      if not _installed["count"]:
-        for cls, name, original in reversed(_installed["originals"]):
-          setattr(cls, name, original)
-        _installed["originals"] = []

@@ -113,7 +113,7 @@ def test_no_graph_or_library_state_is_left_behind(runs):
   # No tower thread outlives its model_fn call; batch norm is unpatched.
   assert not [t for t in threading.enumerate()
               if t.name.startswith("replicate-tower-")]
-  assert not _batch_norm._installed["count"]  # pylint: disable=protected-access
+  assert not _batch_norm._PATCHES.installed  # pylint: disable=protected-access
 
 
 def test_memory_stays_flat(runs):

@@ -1,0 +1,56 @@
+"""Attributes patched while towers are built, and put back after.
+
+Optimizer methods, `tf.gradients` and Keras batch norm's moments are
+routed through the towers' meeting points only while a replicated model_fn
+builds its towers. Several model_fns may build at once (threads, nested
+graphs), so each set of patches is installed by the first to enter and
+restored by the last to leave.
+"""
+
+import contextlib
+import threading
+from typing import Any, Callable, List, Tuple
+
+from absl import logging
+
+# (owner, attribute name, original value), as an install function sets them.
+Patched = List[Tuple[Any, str, Any]]
+
+
+class Patches:
+  """One set of patches, installed while any builder is inside `applied()`.
+
+  Args:
+    what: what the patches route, for the log line.
+    install: sets the patched attributes and returns what they were.
+  """
+
+  def __init__(self, what: str, install: Callable[[], Patched]):
+    self._what = what
+    self._install = install
+    self._lock = threading.Lock()
+    self._count = 0
+    self._originals: Patched = []
+
+  @property
+  def installed(self) -> bool:
+    """Whether some builder is inside `applied()` now."""
+    return self._count > 0
+
+  @contextlib.contextmanager
+  def applied(self):
+    with self._lock:
+      if not self._count:
+        self._originals = self._install()
+        logging.info("replicate: %s routed (%d attributes)", self._what,
+                     len(self._originals))
+      self._count += 1
+    try:
+      yield
+    finally:
+      with self._lock:
+        self._count -= 1
+        if not self._count:
+          for owner, name, original in reversed(self._originals):
+            setattr(owner, name, original)
+          self._originals = []
