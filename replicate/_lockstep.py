@@ -155,9 +155,10 @@ def _combine(threads: Sequence[_TowerThread]):
         for i, kind in enumerate(kinds))
     raise ValueError(
         f"The towers made different calls that need the whole batch "
-        f"({described}); every tower must call replicate.batch_sum, "
-        "batch_concat and TowerOptimizer methods in the same order, so that "
-        "each call can see every tower's value.")
+        f"({described}); every tower must make the same optimizer calls, "
+        "tf.gradients calls of a scalar, and replicate.batch_sum and "
+        "batch_concat calls in the same order (not only in one tower), so "
+        "that each call can see every tower's value.")
   meetings = [t.meeting for t in threads]
   results = meetings[0].combine([m.value for m in meetings])
   for meeting, result in zip(meetings, results):
