@@ -1,8 +1,8 @@
 """replicate: run a TensorFlow Estimator model_fn on every local device.
 
-Wrap a model_fn once with `replicate_model_fn` and its optimizer with
-`TowerOptimizer`; each batch is split across the devices and the result
-equals one device's. `replicate.testing` checks that your own model_fn
+Wrap a model_fn once with `replicate_model_fn` (its optimizers are routed
+as they are; `TowerOptimizer` adds gradient transforms); each batch is
+split across the devices and the result equals one device's. `replicate.testing` checks that your own model_fn
 does, on virtual CPU devices.
 """
 

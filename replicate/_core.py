@@ -2,10 +2,11 @@
 
 One call reads top-down: resolve devices, split the inputs on the
 consolidation device, build the towers in lockstep (they meet at every
-TowerOptimizer call, batch_sum / batch_concat and synchronised batch norm;
-tower 0 makes the optimizer's call with the whole batch's loss; plain
-optimizers are routed there too, see `_routing`), check that an update was
-applied, combine the towers' state writes, merge the specs.
+optimizer call, wrapped or routed by `_routing`, at `tf.gradients` of a
+scalar (`_own_gradients`), batch_sum / batch_concat and synchronised batch
+norm; tower 0 makes the optimizer's call with the whole batch's loss),
+combine loss summaries, check that an update was applied, combine the
+towers' state writes, merge the specs.
 """
 
 import contextlib
