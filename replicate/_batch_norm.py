@@ -20,7 +20,6 @@ fused layer whose `training` is a tensor rather than a Python bool (its
 kernel runs inside a tf.cond).
 """
 
-import contextlib
 
 import numpy as np
 import tensorflow as tf
@@ -320,12 +319,8 @@ def _install() -> _patches.Patched:
 _PATCHES = _patches.Patches("Keras batch norm's moments", _install)
 
 
-@contextlib.contextmanager
 def synchronized(replication: _context.Replication):
   """Batch norm built inside uses the whole batch's statistics (see above)."""
-  if (not replication.sync_batch_norm or replication.num_towers == 1 or
-      _keras_bn is None):
-    yield
-    return
-  with _PATCHES.applied():
-    yield
+  return _PATCHES.applied(replication.sync_batch_norm and
+                          replication.num_towers > 1 and
+                          _keras_bn is not None)

@@ -71,6 +71,16 @@ def whole_batch_gradients(loss, compute: Callable[[Any, bool], Any],
   return _lockstep.meet(_COMPUTE, (loss, names), combine)
 
 
+def require_gradients(grads, variables):
+  """Keras' own error for a variable without a gradient, as on one device."""
+  for grad, variable in zip(grads, variables):
+    if grad is None:
+      raise ValueError(
+          f"Variable {variable} has `None` for gradient. Please make sure "
+          "that all of your ops have a gradient defined (i.e. are "
+          "differentiable).")
+
+
 def one_device_slices(grads_and_vars):
   """Sparse gradients with the rows one device's would have.
 

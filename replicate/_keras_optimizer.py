@@ -96,12 +96,7 @@ class KerasTowerOptimizer(_KerasOptimizer):
         with _routing.direct():
           return optimizer.get_gradients(whole_loss, params)
       grads = _colocated_gradients(optimizer, whole_loss, params)
-      for grad, param in zip(grads, params):
-        if grad is None:
-          raise ValueError(
-              f"Variable {param} has `None` for gradient. Please make sure "
-              "that all of your ops have a gradient defined (i.e. are "
-              "differentiable).")
+      _gather.require_gradients(grads, params)
       return grads
 
     return _gather.whole_batch_gradients(loss, compute, params)

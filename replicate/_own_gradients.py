@@ -20,7 +20,6 @@ TensorFlow's (optimizers call `gradients.gradients`, a module function
 this leaves alone) pass straight through.
 """
 
-import contextlib
 import functools
 import inspect
 from typing import Any, List
@@ -183,11 +182,6 @@ def _install() -> _patches.Patched:
 _PATCHES = _patches.Patches("tf.gradients in towers", _install)
 
 
-@contextlib.contextmanager
 def routed(replication: _context.Replication):
   """`tf.gradients` calls on the towers' threads meet while inside."""
-  if replication.num_towers == 1:
-    yield
-    return
-  with _PATCHES.applied():
-    yield
+  return _PATCHES.applied(replication.num_towers > 1)

@@ -38,7 +38,11 @@ class Patches:
     return self._count > 0
 
   @contextlib.contextmanager
-  def applied(self):
+  def applied(self, needed: bool = True):
+    """Installed inside (by the first builder to enter), unless not needed."""
+    if not needed:
+      yield
+      return
     with self._lock:
       if not self._count:
         self._originals = self._install()

@@ -246,12 +246,7 @@ def _colocated_keras_gradients(optimizer, loss, params):
   with tf.name_scope(optimizer._name + "/gradients"):  # pylint: disable=protected-access
     grads = tf.compat.v1.gradients(loss, params,
                                    colocate_gradients_with_ops=True)
-  for grad, param in zip(grads, params):
-    if grad is None:
-      raise ValueError(
-          f"Variable {param} has `None` for gradient. Please make sure that "
-          "all of your ops have a gradient defined (i.e. are "
-          "differentiable).")
+  _gather.require_gradients(grads, params)
   return _one_device_grads(grads, params)
 
 
@@ -349,11 +344,6 @@ def _install() -> _patches.Patched:
 _PATCHES = _patches.Patches("optimizer calls in towers", _install)
 
 
-@contextlib.contextmanager
 def routed(replication: _context.Replication):
   """Optimizer calls on the towers' threads meet while inside (see above)."""
-  if replication.num_towers == 1:
-    yield
-    return
-  with _PATCHES.applied():
-    yield
+  return _PATCHES.applied(replication.num_towers > 1)
