@@ -109,7 +109,54 @@ def _shard_moments(x, axes, count):
   return moments(x)
 
 
-def _merged(replication, shards, head, args):
+_KERNEL_MOMENTS_GRADIENT = "ReplicateShardMomentsOfFusedBatchNorm"
+
+
+def _kernel_moments(x, data_format: str, epsilon: float):
+  """This shard's [mean, Bessel-corrected variance] from one fused kernel.
+
+  The kernel in training mode computes its batch's moments in the passes it
+  makes anyway (its normalised output goes unused: the layer normalises
+  with the whole batch's statistics), cheaper than reductions. The hub
+  turns the variance into a sum of squared distances (times n - 1).
+  Returns a [2, channels] stack.
+  """
+  channels = x.shape[1 if data_format.startswith("NC") else -1]
+  with tf.compat.v1.get_default_graph().gradient_override_map(
+      {"FusedBatchNormV3": _KERNEL_MOMENTS_GRADIENT}):
+    _, mean, corrected = tf.compat.v1.nn.fused_batch_norm(
+        x, tf.ones([channels], x.dtype), tf.zeros([channels], x.dtype),
+        epsilon=epsilon, data_format=data_format, is_training=True)
+  return tf.stack([mean, corrected])
+
+
+@tf.RegisterGradient(_KERNEL_MOMENTS_GRADIENT)
+def _kernel_moments_gradient(op, unused_dy, dmean, dcorrected, *unused):
+  """d x = dmean / n + 2 (x - mean) dcorrected / (n - 1): an affine map.
+
+  The fused kernel in inference mode computes it in one op (given variance
+  1 - epsilon it divides by 1) where elementwise ops take four.
+  """
+  x, mean = op.inputs[0], op.outputs[1]
+  data_format = op.get_attr("data_format").decode()
+  epsilon = op.get_attr("epsilon")
+  channel = 1 if data_format.startswith("NC") else x.shape.rank - 1
+  axes = [a for a in range(x.shape.rank) if a != channel]
+  count = _shard_count(x, axes)
+  bessel = (max(count - 1.0, 1.0) if isinstance(count, float) else
+            tf.maximum(count - 1.0, 1.0))
+  dmean = _zero_if_none(dmean, mean)
+  dcorrected = _zero_if_none(dcorrected, mean)
+  dx, _, _ = tf.compat.v1.nn.fused_batch_norm(
+      x, dcorrected * (2.0 / bessel) if isinstance(bessel, float) else
+      dcorrected * 2.0 / bessel, dmean / count, mean=mean,
+      variance=tf.constant(np.full(x.shape[channel], 1.0 - epsilon),
+                           x.dtype),
+      epsilon=epsilon, data_format=data_format, is_training=False)
+  return dx, None, None, None, None
+
+
+def _merged(replication, shards, head, args, corrected=False):
   """The whole batch's statistics from every tower's shard moments.
 
   `shards`: per tower (its [mean, m2] stack, its count). Chan et al.'s
@@ -124,8 +171,10 @@ def _merged(replication, shards, head, args):
   -> (dmean, dvariance, *dargs). The merge and `head` are one custom
   gradient, written out: automatic differentiation of this per-channel
   arithmetic (broadcast reductions, gated tuples) builds ten times the ops.
-  `args` (tower 0's) are `head`'s further differentiable inputs. Returns
-  `head`'s outputs.
+  `args` (tower 0's) are `head`'s further differentiable inputs. With
+  `corrected`, each shard's second statistic is its Bessel-corrected
+  variance (see `_kernel_moments`), times n_i - 1 here. Returns `head`'s
+  outputs.
   """
   kept = [(shard, ok) for shard, ok in zip(shards, replication.validity)
           if ok is not False]
@@ -146,9 +195,14 @@ def _merged(replication, shards, head, args):
     counts = tf.reshape(tf.stack(counts), [-1] + [1] * rank)
     count = tf.reduce_sum(counts)
   stacked = stats[0][None] if len(stats) == 1 else tf.stack(stats)
+  if corrected:
+    factors = (np.maximum(counts - 1.0, 0.0) if isinstance(counts, np.ndarray)
+               else tf.maximum(counts - 1.0, 0.0))
 
   def merge(stacked, *args):
     means, m2s = tf.unstack(stacked, axis=1)
+    if corrected:
+      m2s = m2s * factors
     mean = tf.reduce_sum(counts * means, 0) / count
     distance = means - mean
     variance = (tf.reduce_sum(m2s + counts * tf.square(distance), 0) /
@@ -161,7 +215,10 @@ def _merged(replication, shards, head, args):
       # - mean) / n (the whole mean's own term sums to zero); d variance /
       # d m2_i = 1 / n.
       dmeans = (counts / count) * (dmean + 2.0 * distance * dvariance)
-      dm2s = tf.broadcast_to(dvariance / count, _shape(dmeans))
+      if corrected:
+        dm2s = (dvariance / count) * factors
+      else:
+        dm2s = tf.broadcast_to(dvariance / count, _shape(dmeans))
       return [tf.stack([dmeans, dm2s], axis=1)] + list(dargs)
 
     return outputs, grad
@@ -169,20 +226,24 @@ def _merged(replication, shards, head, args):
   return tf.custom_gradient(merge)(stacked, *args)
 
 
-def _meet(x, axes, args, head):
+def _meet(x, axes, args, head, fused_format=None, epsilon=None):
   """Meets the other towers with this shard's moments of `x` over `axes`.
 
   `head` (see `_merged`) runs once, on the hub, with the whole batch's
-  statistics and tower 0's `args`; every tower gets its outputs.
+  statistics and tower 0's `args`; every tower gets its outputs. With
+  `fused_format` (a data format), the fused kernel computes the moments.
   """
   replication = _context.current_replication()
   count = _shard_count(x, axes)
-  stats = _shard_moments(x, axes, count)
+  if fused_format:
+    stats = _kernel_moments(x, fused_format, epsilon)
+  else:
+    stats = _shard_moments(x, axes, count)
 
   def combine(values):
     with tf.device(replication.hub), tf.name_scope("sync_batch_norm"):
       result = _merged(replication, [v[:2] for v in values], head,
-                       values[0][2])
+                       values[0][2], corrected=bool(fused_format))
     return [result] * len(values)
 
   return _lockstep.meet(_MEETING, (stats, count, args), combine)
@@ -266,9 +327,10 @@ def _fused_whole_batch(layer, inputs, axes):
   epsilon = max(layer.epsilon, _FUSED_MIN_EPSILON)
 
   def head(mean, variance, count, gamma, beta):
-    """On the hub: the kernel's inputs and the moving statistics' values."""
-    shape = _shape(mean)
-    mean, variance = tf.reshape(mean, [-1]), tf.reshape(variance, [-1])
+    """On the hub: the kernel's inputs and the moving statistics' values.
+
+    `mean` and `variance` are per channel (`_kernel_moments`' shape).
+    """
     r = tf.math.rsqrt(variance + epsilon)
     # The fused kernel's moving variance is Bessel-corrected.
     if isinstance(count, float):
@@ -286,12 +348,12 @@ def _fused_whole_batch(layer, inputs, axes):
       dscale = _zero_if_none(dscale, gamma)
       doffset = _zero_if_none(doffset, beta)
       gamma_r = gamma * r
-      return (tf.reshape(-doffset * gamma_r, shape),
-              tf.reshape(-0.5 * dscale * gamma_r * r, shape), dscale, doffset)
+      return -doffset * gamma_r, -0.5 * dscale * gamma_r * r, dscale, doffset
 
     return (gamma, beta, mean, variance, corrected), backward
 
-  scale, offset, mean, variance, corrected = _meet(x, axes, params, head)
+  scale, offset, mean, variance, corrected = _meet(
+      x, axes, params, head, layer._data_format, epsilon)
   outputs, _, _ = tf.compat.v1.nn.fused_batch_norm(
       inputs, scale, offset, mean=mean, variance=variance,
       epsilon=epsilon, data_format=layer._data_format, is_training=False)
