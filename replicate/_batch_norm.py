@@ -6,13 +6,14 @@ its shard, so while the towers are built for training, Keras'
 `BatchNormalization` (which `tf.compat.v1.layers.batch_normalization` and
 the canned DNN estimators' `batch_norm=True` use too) takes its moments
 from one meeting of the towers per layer (see `_lockstep`): each tower
-computes its shard's count, mean and sum of squared distances from that
-mean (two passes, as `tf.nn.moments` and the fused kernel do), and the hub
-merges them into the whole batch's (Chan et al.'s pairwise update: no
+brings its shard's count, mean and sum of squared distances from that mean
+(two passes, as `tf.nn.moments` and the fused kernel make them), and the
+hub merges them into the whole batch's (Chan et al.'s pairwise update: no
 cancellation between large sums). Gradients run back through the merge to
-every tower. A layer Keras would fuse still normalises with the fused
-kernel, in inference mode, given the whole batch's statistics (their
-gradients, which that kernel does not give, written out on the hub), and
+every tower. A layer Keras would fuse gets its shard moments from the fused
+kernel in training mode, normalises with the fused kernel in inference
+mode given the whole batch's statistics (the gradients that kernel does
+not give, written out on the hub and per tower, are kernel calls too), and
 updates its moving statistics as the fused kernel would (Bessel-corrected
 variance). Layers with `virtual_batch_size` keep their own statistics
 (their ghost batches do not follow the towers' shards), and so does a

@@ -382,13 +382,16 @@ def assert_replicates(
   The towers are virtual CPU devices of one session (no GPU needed).
   `input_fn` must give the same batches on every call (seed any shuffle),
   and the model must be deterministic (no dropout while comparing). Batch
-  normalization in training normalises each tower's shard by its own
-  statistics, so its training is close to one device's, not equal: check
-  such a model with `modes=('eval', 'predict')`. Values
+  normalization in training is compared too: the towers use the whole
+  batch's statistics (`sync_batch_norm`, the default). Values
   are close when |towers - one device| <= atol + rtol × |one device|:
   towers sum in another order, so float32 results differ in the last bits;
   raise the tolerances for long runs or optimizers such as Adam, which
-  magnify tiny differences in near-zero gradients.
+  magnify tiny differences in near-zero gradients, and for wide batch-norm
+  models: the gradient of a layer that feeds batch norm is a small
+  difference of large sums, whose rounding shows (one step of a conv net
+  at batch 256 moves its first kernel 3e-4 apart relatively, as much as
+  TensorFlow's oneDNN and Eigen kernels differ on one device).
 
   Args:
     model_fn: an Estimator model_fn (your own, or `canned.model_fn`), or an
