@@ -123,12 +123,14 @@ def _kernel_moments(x, data_format: str, epsilon: float):
   Returns a [2, channels] stack.
   """
   channels = x.shape[1 if data_format.startswith("NC") else -1]
+  ones = tf.ones([channels], x.dtype)  # scale and offset: y goes unused
+  empty = tf.constant([], x.dtype)
   with tf.compat.v1.get_default_graph().gradient_override_map(
       {"FusedBatchNormV3": _KERNEL_MOMENTS_GRADIENT}):
-    _, mean, corrected = tf.compat.v1.nn.fused_batch_norm(
-        x, tf.ones([channels], x.dtype), tf.zeros([channels], x.dtype),
+    moments = tf.raw_ops.FusedBatchNormV3(
+        x=x, scale=ones, offset=ones, mean=empty, variance=empty,
         epsilon=epsilon, data_format=data_format, is_training=True)
-  return tf.stack([mean, corrected])
+  return tf.stack([moments.batch_mean, moments.batch_variance])
 
 
 @tf.RegisterGradient(_KERNEL_MOMENTS_GRADIENT)
@@ -185,9 +187,13 @@ def _merged(replication, shards, head, args, corrected=False):
   dtype = stats[0].dtype
   if all(ok is True for _, ok in kept) and all(
       isinstance(c, float) for c in counts):
+    # Static shards: each shard's weights are constants.
     count = sum(counts)
-    counts = np.reshape(np.array(counts, dtype.as_numpy_dtype),
-                        [-1] + [1] * rank)
+    counts = np.reshape(np.array(counts, np.float64), [-1] + [1] * rank)
+    weights = tf.constant(counts / count, dtype)
+    m2_weights = tf.constant(
+        (np.maximum(counts - 1.0, 0.0) if corrected else np.ones_like(counts))
+        / count, dtype)
   else:
     oks = [ok for _, ok in kept]
     counts = [_aggregate.gate(tf.cast(c, dtype), ok)
@@ -195,31 +201,26 @@ def _merged(replication, shards, head, args, corrected=False):
     stats = [_aggregate.gate(t, ok) for t, ok in zip(stats, oks)]
     counts = tf.reshape(tf.stack(counts), [-1] + [1] * rank)
     count = tf.reduce_sum(counts)
+    weights = counts / count
+    m2_weights = (tf.maximum(counts - 1.0, 0.0) if corrected else
+                  tf.ones_like(counts)) / count
   stacked = stats[0][None] if len(stats) == 1 else tf.stack(stats)
-  if corrected:
-    factors = (np.maximum(counts - 1.0, 0.0) if isinstance(counts, np.ndarray)
-               else tf.maximum(counts - 1.0, 0.0))
 
   def merge(stacked, *args):
     means, m2s = tf.unstack(stacked, axis=1)
-    if corrected:
-      m2s = m2s * factors
-    mean = tf.reduce_sum(counts * means, 0) / count
+    mean = tf.reduce_sum(weights * means, 0)
     distance = means - mean
-    variance = (tf.reduce_sum(m2s + counts * tf.square(distance), 0) /
-                count)
+    variance = tf.reduce_sum(m2s * m2_weights + weights * tf.square(distance),
+                             0)
     outputs, backward = head(mean, variance, count, *args)
 
     def grad(*doutputs):
       dmean, dvariance, *dargs = backward(*doutputs)
       # d mean / d mean_i = n_i / n; d variance / d mean_i = 2 n_i (mean_i
       # - mean) / n (the whole mean's own term sums to zero); d variance /
-      # d m2_i = 1 / n.
-      dmeans = (counts / count) * (dmean + 2.0 * distance * dvariance)
-      if corrected:
-        dm2s = (dvariance / count) * factors
-      else:
-        dm2s = tf.broadcast_to(dvariance / count, _shape(dmeans))
+      # d m2_i = 1 / n (times n_i - 1 for a corrected variance).
+      dmeans = weights * (dmean + 2.0 * distance * dvariance)
+      dm2s = dvariance * m2_weights
       return [tf.stack([dmeans, dm2s], axis=1)] + list(dargs)
 
     return outputs, grad

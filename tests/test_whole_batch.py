@@ -253,7 +253,7 @@ def _graph_ops(model_fn, towers, params, **replicate_kwargs):
 def test_synchronised_batch_norm_adds_few_ops(params, towers):
   # A conv, one batch-norm layer, a dense head. Whole-batch statistics take
   # one meeting per layer, the hub's merge and its gradient written out:
-  # fused, 480 ops against 434 unsynchronised at 2 towers, 764 against 732
+  # fused, 467 ops against 434 unsynchronised at 2 towers, 747 against 732
   # at 4 (two batch_sums and automatic differentiation built 660 and 1174).
   synced = _graph_ops(_batch_norm_model_fn, towers, params)
   unsynced = _graph_ops(_batch_norm_model_fn, towers, params,
