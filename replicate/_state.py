@@ -8,7 +8,9 @@ variable into one write per step, combined by the variable's declared
 `tf.VariableAggregation` as `tf.distribute` defines it:
 
 - MEAN: the towers' values (assign) or changes (assign_add/sub, scatter
-  add/sub) weighted by their share of the batch;
+  add/sub) weighted by their share of the batch (tower 0's where every
+  tower computes its value alike from the same tensors, as synchronised
+  batch norm's moving statistics);
 - SUM: the towers' changes added up (an assign adds up `value - old`);
 - ONLY_FIRST_REPLICA: tower 0's write;
 - NONE: a running maximum or minimum (an assign of `tf.maximum` of the
@@ -307,6 +309,8 @@ def _feed_combined(replication, group: List[_Write], aggregation):
           mean and first.kind is _Kind.SCATTER_ADD) else None
       _set_rows(first, *_concatenated_rows(replication, group, weights))
       return
+    if mean and _written_alike(group):
+      return  # Any weighted mean of one value is that value: tower 0's.
     if mean:
       add_between_shard_variance(
           [w.op for w in group], _weights(replication),
@@ -322,6 +326,47 @@ def _feed_combined(replication, group: List[_Write], aggregation):
       combined = _real_sum(replication, values)
     # Ops have no public way to change an input once built.
     first.op._update_input(1, combined)  # pylint: disable=protected-access
+
+
+# Ops `_computed_alike` compares per write before it gives up (and the
+# towers' writes are combined).
+_ALIKE_BUDGET = 64
+
+
+def _written_alike(group: List[_Write]) -> bool:
+  """Whether every tower writes what tower 0 writes, computed alike.
+
+  Synchronised batch norm hands every tower the hub's statistics, so each
+  tower's moving-average write is the same arithmetic on the same tensors:
+  combining them would only add ops (and a rounding).
+  """
+  value = group[0].op.inputs[1]
+  return all(w.kind is group[0].kind and
+             _computed_alike(value, w.op.inputs[1], [_ALIKE_BUDGET])
+             for w in group[1:])
+
+
+def _computed_alike(a: tf.Tensor, b: tf.Tensor, budget: List[int]) -> bool:
+  """Whether `a` and `b` are one value: the same tensor, or the same
+  deterministic op (type and attributes; reads of one variable with the same
+  control inputs) of inputs computed alike. Looks at `budget[0]` ops at most.
+  """
+  if a is b:
+    return True
+  op_a, op_b = a.op, b.op
+  budget[0] -= 1
+  if (budget[0] < 0 or a.value_index != b.value_index or
+      op_a.type != op_b.type or len(op_a.inputs) != len(op_b.inputs)):
+    return False
+  if op_a.type in _READS:
+    if op_a.control_inputs != op_b.control_inputs:
+      return False
+  elif op_a.op_def.is_stateful:
+    return False
+  attrs = [{k: v for k, v in op.node_def.attr.items() if not k.startswith("_")}
+           for op in (op_a, op_b)]
+  return attrs[0] == attrs[1] and all(
+      _computed_alike(x, y, budget) for x, y in zip(op_a.inputs, op_b.inputs))
 
 
 def _extremum_of_old_value(write: _Write) -> Optional[str]:

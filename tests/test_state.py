@@ -77,6 +77,17 @@ def _assert_equal_to_one_device(model_fn, num_towers, batch, steps, static,
   return values, expected
 
 
+def _train_graph_ops(model_fn, num_towers, params, **replicate_kwargs):
+  """Names of the ops of a TRAIN graph built on `num_towers` towers."""
+  with tf.Graph().as_default() as graph:
+    tf.compat.v1.train.create_global_step()
+    features, labels = harness.batches(DATA, 8)
+    replicate.replicate_model_fn(
+        model_fn, devices=_towers(num_towers), **replicate_kwargs)(
+            features, labels, tf.estimator.ModeKeys.TRAIN, params)
+    return [op.name for op in graph.get_operations()]
+
+
 # Cases: (towers, batch, static); 10 on 4 towers and 7 on 2 are uneven.
 _SHAPES = (dict(num_towers=2, batch=8, static=True),
            dict(num_towers=4, batch=10, static=False),
@@ -152,6 +163,35 @@ class BatchNormTest(parameterized.TestCase):
     self.assertGreater(np.abs(shard_mean["bn/moving_variance"] -
                               expected["bn/moving_variance"]).max(), 1e-2)
     self.assertEqual(sorted(values), sorted(plain))  # same variables, names
+
+  @parameterized.product(fused=(False, True), num_towers=(2, 4))
+  def test_synchronised_moving_statistics_are_tower_zeros_writes(
+      self, fused, num_towers):
+    # Every tower writes the hub's statistics: nothing to combine. Per-tower
+    # statistics are combined (weighted means, between-shard variance).
+    params = {"layers": "keras", "fused": fused}
+    synced = _train_graph_ops(_batch_norm_model_fn, num_towers, params)
+    unsynced = _train_graph_ops(_batch_norm_model_fn, num_towers, params,
+                                sync_batch_norm=False)
+    self.assertEqual([n for n in synced if "combined_writes" in n], [])
+    self.assertNotEqual([n for n in unsynced if "combined_writes" in n], [])
+
+  def test_mean_writes_of_random_values_are_combined(self):
+
+    def model_fn(features, labels, mode, params):
+      del params  # unused
+      noise = tf.compat.v1.get_variable(
+          "noise", [5], initializer=tf.compat.v1.zeros_initializer(),
+          trainable=False, aggregation=MEAN)
+      update = noise.assign(tf.random.uniform([5], seed=1))
+      loss = _loss(labels, _linear(features["x"]))
+      with tf.control_dependencies([update]):
+        train_op = _minimize(loss)
+      return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+    # Alike ops, but a random op's towers may draw different values.
+    names = _train_graph_ops(model_fn, 2, None)
+    self.assertNotEqual([n for n in names if "combined_writes" in n], [])
 
   def test_reduce_variance_with_mean_aggregation_is_one_devices(self):
 
