@@ -261,6 +261,46 @@ def test_synchronised_batch_norm_adds_few_ops(params, towers):
   assert synced <= 1.2 * unsynced, (synced, unsynced)
 
 
+def _wide_batch_norm_model_fn(features, labels, mode, params):
+  """A conv and a fused Keras batch norm on 10x10x16 maps; no ReLU or pool,
+  whose ties rounding could break either way."""
+  del params  # unused
+  x = tf.keras.layers.Conv2D(
+      16, 3, use_bias=False, name="conv",
+      kernel_initializer=tf.keras.initializers.GlorotUniform(1))(features["x"])
+  x = tf.keras.layers.BatchNormalization(name="bn")(x, training=mode == TRAIN)
+  logits = tf.keras.layers.Dense(
+      3, name="logits", kernel_initializer=tf.keras.initializers.GlorotUniform(
+          2))(tf.reshape(x, [-1, 10 * 10 * 16]))
+  if mode == tf.estimator.ModeKeys.PREDICT:
+    return tf.estimator.EstimatorSpec(mode, predictions={"logits": logits})
+  loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
+  optimizer = replicate.TowerOptimizer(
+      tf.compat.v1.train.MomentumOptimizer(0.1, 0.9))
+  with tf.control_dependencies(
+      tf.compat.v1.get_collection(tf.compat.v1.GraphKeys.UPDATE_OPS)):
+    train_op = optimizer.minimize(loss, tf.compat.v1.train.get_global_step())
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+@pytest.mark.parametrize("static", [True, False])
+def test_fused_batch_norm_on_wider_maps_is_one_devices(static):
+  # 1,600 values per channel and shard (the unit tests' maps have 4): the
+  # size at which TensorFlow's CPU kernels (oneDNN on x86) take their
+  # vectorised paths, for the shard moments and their gradient too.
+  rng = np.random.RandomState(0)
+  images = (rng.randn(64, 12, 12, 3) * 2 + 1).astype(np.float32)
+  labels = rng.randint(0, 3, 64).astype(np.int64)
+
+  def input_fn():
+    return tf.data.Dataset.from_tensor_slices(
+        ({"x": images}, labels)).repeat().batch(32, drop_remainder=static)
+
+  replicate.testing.assert_replicates(
+      _wide_batch_norm_model_fn, input_fn, towers=(2, 4), steps=3,
+      modes=("train", "eval"))
+
+
 # Keras optimizers in a custom model_fn.
 
 def _keras_model_fn(features, labels, mode, params):
