@@ -32,7 +32,7 @@ FLAGS = flags.FLAGS
 flags.DEFINE_list("variants", ["plain", "replicate_shared",
                                "replicate_round_robin", "mirrored"],
                   "Variants to trace.")
-flags.DEFINE_string("workload", "mlp", "mlp or cnn.")
+flags.DEFINE_string("workload", "mlp", "mlp, cnn or cnn_bn.")
 flags.DEFINE_list("towers", ["2", "4"], "Tower counts.")
 flags.DEFINE_integer("batch_size", 256, "Global batch.")
 flags.DEFINE_integer("trace_steps", 10, "Traced steps per run.")
