@@ -96,20 +96,16 @@ def _shard_moments(x, axes, count):
   reductions builds about fifteen.
   """
   axes_t = tf.constant(axes, tf.int32)
+  mean = tf.reduce_mean(x, axes_t, keepdims=True)
+  m2 = tf.reduce_sum(tf.math.squared_difference(x, mean), axes_t,
+                     keepdims=True)
+  stats = tf.stack([mean, m2])
 
-  @tf.custom_gradient
-  def moments(x):
-    mean = tf.reduce_mean(x, axes_t, keepdims=True)
-    m2 = tf.reduce_sum(tf.math.squared_difference(x, mean), axes_t,
-                       keepdims=True)
+  def grad(dstats):
+    dmean, dm2 = tf.unstack(_zero_if_none(dstats, stats))
+    return [(x - mean) * (2.0 * dm2) + dmean / count]
 
-    def grad(dstats):
-      dmean, dm2 = tf.unstack(dstats)
-      return (x - mean) * (2.0 * dm2) + dmean / count
-
-    return tf.stack([mean, m2]), grad
-
-  return moments(x)
+  return _with_gradient([stats], [x], grad)[0]
 
 
 _KERNEL_MOMENTS_GRADIENT = "ReplicateShardMomentsOfFusedBatchNorm"
@@ -153,8 +149,7 @@ def _kernel_moments_gradient(op, unused_dy, dmean, dcorrected, *unused):
   dmean = _zero_if_none(dmean, mean)
   dcorrected = _zero_if_none(dcorrected, mean)
   dx, _, _ = tf.compat.v1.nn.fused_batch_norm(
-      x, dcorrected * (2.0 / bessel) if isinstance(bessel, float) else
-      dcorrected * 2.0 / bessel, dmean / count, mean=mean,
+      x, dcorrected * (2.0 / bessel), dmean / count, mean=mean,
       variance=tf.constant(np.full(x.shape[channel], 1.0 - epsilon),
                            x.dtype),
       epsilon=epsilon, data_format=data_format, is_training=False)
@@ -227,9 +222,9 @@ def _merged(replication, shards, head, args, corrected=False):
   return _with_gradient(outputs, [stacked, *args], grad)
 
 
-_HUB_GRADIENT = "ReplicateSynchronisedBatchNormHub"
-# Per graph, the hub ops' gradient functions by the name of their IdentityN.
-_HUB_BACKWARDS = weakref.WeakKeyDictionary()
+_WRITTEN_OUT_GRADIENT = "ReplicateBatchNormWrittenOutGradient"
+# Per graph, written-out gradient functions by the name of their IdentityN.
+_BACKWARDS = weakref.WeakKeyDictionary()
 
 
 def _with_gradient(outputs, inputs, backward):
@@ -237,21 +232,21 @@ def _with_gradient(outputs, inputs, backward):
 
   `backward(*doutputs)` -> the gradients of `inputs`. What
   `tf.custom_gradient` does in a graph, without its per-call bookkeeping
-  (it watches for variables; a third of the hub's build time): one IdentityN
+  (it watches for variables: a third of the hub's build time): one IdentityN
   whose registered gradient looks `backward` up.
   """
   outputs, inputs = list(outputs), list(inputs)
   graph = outputs[0].graph
-  with graph.gradient_override_map({"IdentityN": _HUB_GRADIENT}):
+  with graph.gradient_override_map({"IdentityN": _WRITTEN_OUT_GRADIENT}):
     passed = tf.raw_ops.IdentityN(input=outputs + inputs)
-  _HUB_BACKWARDS.setdefault(graph, {})[passed[0].op.name] = (
+  _BACKWARDS.setdefault(graph, {})[passed[0].op.name] = (
       backward, len(outputs))
   return passed[:len(outputs)]
 
 
-@tf.RegisterGradient(_HUB_GRADIENT)
-def _hub_gradient(op, *doutputs):
-  backward, num_outputs = _HUB_BACKWARDS[op.graph][op.name]
+@tf.RegisterGradient(_WRITTEN_OUT_GRADIENT)
+def _written_out_gradient(op, *doutputs):
+  backward, num_outputs = _BACKWARDS[op.graph][op.name]
   # The outputs' own inputs (the forward arithmetic) get no gradient: the
   # inputs get `backward`'s.
   return [None] * num_outputs + list(backward(*doutputs[:num_outputs]))
