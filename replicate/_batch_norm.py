@@ -22,6 +22,8 @@ kernel runs inside a tf.cond).
 """
 
 
+import contextlib
+import threading
 import weakref
 
 import numpy as np
@@ -43,7 +45,7 @@ except ImportError:
   _keras_bn = None
 
 # tf.compat.v1.nn.fused_batch_norm raises a smaller epsilon to this.
-_FUSED_MIN_EPSILON = 1.001e-5
+FUSED_MIN_EPSILON = 1.001e-5
 _MEETING = "synchronised batch normalization"
 
 
@@ -252,7 +254,7 @@ def _written_out_gradient(op, *doutputs):
   return [None] * num_outputs + list(backward(*doutputs[:num_outputs]))
 
 
-def _meet(x, axes, args, head, fused_format=None, epsilon=None):
+def meet(x, axes, args, head, fused_format=None, epsilon=None):
   """Meets the other towers with this shard's moments of `x` over `axes`.
 
   `head` (see `_merged`) runs once, on the hub, with the whole batch's
@@ -275,31 +277,58 @@ def _meet(x, axes, args, head, fused_format=None, epsilon=None):
   return _lockstep.meet(_MEETING, (stats, count, args), combine)
 
 
+def moments_head(axes, keep_dims: bool):
+  """A `meet` head giving (mean, variance), squeezed over `axes` unless kept."""
+  def head(mean, variance, count):
+    del count
+    if keep_dims:
+      return (mean, variance), lambda dmean, dvariance: (
+          _zero_if_none(dmean, mean), _zero_if_none(dvariance, variance))
+    shape = _shape(mean)
+    return (tf.squeeze(mean, axes), tf.squeeze(variance, axes)), (
+        lambda dmean, dvariance: (
+            tf.reshape(_zero_if_none(dmean, mean), shape),
+            tf.reshape(_zero_if_none(dvariance, variance), shape)))
+  return head
+
+
 def _moments(original):
   def calculate_mean_and_var(layer, inputs, reduction_axes, keep_dims,
                              mask=None):
     if not _whole_batch(layer, reduction_axes):
-      return original(layer, inputs, reduction_axes, keep_dims, mask=mask)
+      with keras_decides():
+        return original(layer, inputs, reduction_axes, keep_dims, mask=mask)
     if mask is not None:
       weights = tf.expand_dims(tf.cast(mask, inputs.dtype), axis=-1)
       mean, variance, _ = whole_batch_moments(inputs, reduction_axes,
                                               keep_dims, weights)
       return mean, variance
     axes = list(reduction_axes)
-
-    def head(mean, variance, count):
-      del count
-      if keep_dims:
-        return (mean, variance), lambda dmean, dvariance: (
-            _zero_if_none(dmean, mean), _zero_if_none(dvariance, variance))
-      shape = _shape(mean)
-      return (tf.squeeze(mean, axes), tf.squeeze(variance, axes)), (
-          lambda dmean, dvariance: (
-              tf.reshape(_zero_if_none(dmean, mean), shape),
-              tf.reshape(_zero_if_none(dvariance, variance), shape)))
-
-    return _meet(inputs, axes, (), head)
+    return meet(inputs, axes, (), moments_head(axes, keep_dims))
   return calculate_mean_and_var
+
+
+_local = threading.local()
+
+
+@contextlib.contextmanager
+def keras_decides():
+  """Inside, Keras' layer keeps the statistics it chose (see `_nn_batch_norm`).
+
+  A layer left to its own statistics (ghost batches, a tensor `training`)
+  calls `tf.nn.moments` / `fused_batch_norm` itself.
+  """
+  before = getattr(_local, "keras", False)
+  _local.keras = True
+  try:
+    yield
+  finally:
+    _local.keras = before
+
+
+def in_keras_layer() -> bool:
+  """Whether a Keras layer that keeps its own statistics is being built."""
+  return getattr(_local, "keras", False)
 
 
 def _shape(t):
@@ -333,7 +362,8 @@ def _fused(original):
             "replicate: %s has a tensor `training`; it normalises with each "
             "tower's statistics (pass a Python bool for the whole batch's)",
             layer.name)
-      return original(layer, inputs, mask, training)
+      with keras_decides():
+        return original(layer, inputs, mask, training)
     return _fused_whole_batch(layer, inputs, axes)
   return fused_batch_norm
 
@@ -342,7 +372,6 @@ def _fused_whole_batch(layer, inputs, axes):
   """The fused kernel's training step, on the whole batch's statistics."""
   # pylint: disable=protected-access
   dtype = layer._param_dtype
-  x = inputs if inputs.dtype == dtype else tf.cast(inputs, dtype)
   params = None
   if _context.current_replication().tower.index == 0:
     # The hub normalises with tower 0's reads: the other towers read none.
@@ -350,39 +379,9 @@ def _fused_whole_batch(layer, inputs, axes):
         getattr(layer, name) if used else fill(layer._param_shape, dtype))
                    for name, used, fill in (("gamma", layer.scale, tf.ones),
                                             ("beta", layer.center, tf.zeros)))
-  epsilon = max(layer.epsilon, _FUSED_MIN_EPSILON)
-
-  def head(mean, variance, count, gamma, beta):
-    """On the hub: the kernel's inputs and the moving statistics' values.
-
-    `mean` and `variance` are per channel (`_kernel_moments`' shape).
-    """
-    r = tf.math.rsqrt(variance + epsilon)
-    # The fused kernel's moving variance is Bessel-corrected.
-    if isinstance(count, float):
-      corrected = variance * (count / max(count - 1.0, 1.0))
-    else:
-      corrected = variance * count / tf.maximum(count - 1.0, 1.0)
-
-    def backward(dscale, doffset, *unused):
-      # The kernel in inference mode holds mean and variance constant; one
-      # device's gradient also runs through them: y = gamma (x - mean) r +
-      # beta gives d/dmean = -sum(dy) gamma r = -doffset gamma r and
-      # d/dvariance = -sum(dy (x - mean) r) gamma r^2 / 2 = -dscale gamma
-      # r^2 / 2 (dscale, doffset: the kernel's gradients of scale, offset).
-      del unused
-      dscale = _zero_if_none(dscale, gamma)
-      doffset = _zero_if_none(doffset, beta)
-      gamma_r = gamma * r
-      return -doffset * gamma_r, -0.5 * dscale * gamma_r * r, dscale, doffset
-
-    return (gamma, beta, mean, variance, corrected), backward
-
-  scale, offset, mean, variance, corrected = _meet(
-      x, axes, params, head, layer._data_format, epsilon)
-  outputs, _, _ = tf.compat.v1.nn.fused_batch_norm(
-      inputs, scale, offset, mean=mean, variance=variance,
-      epsilon=epsilon, data_format=layer._data_format, is_training=False)
+  outputs, mean, corrected = fused_whole_batch(
+      inputs, params, max(layer.epsilon, FUSED_MIN_EPSILON),
+      layer._data_format, axes)
   momentum = tf.convert_to_tensor(layer.momentum)
   size = tf.shape(inputs)[0] if layer._support_zero_size_input() else None
   layer.add_update(lambda: layer._assign_moving_average(
@@ -391,6 +390,58 @@ def _fused_whole_batch(layer, inputs, axes):
       layer.moving_variance, corrected, momentum, size))
   # pylint: enable=protected-access
   return outputs
+
+
+def fused_whole_batch(inputs, params, epsilon: float, data_format: str,
+                      axes):
+  """The fused kernel in training, normalising with the whole batch's moments.
+
+  `params`: tower 0's (scale, offset), float32 for half-precision inputs
+  (the other towers' are not read: pass None). Returns (outputs, the batch
+  mean, the Bessel-corrected batch variance), as the kernel in training
+  mode does (and, as its gradient, passing no gradient back from the
+  returned statistics).
+  """
+  dtype = (params[0].dtype if params is not None else
+           tf.float32 if inputs.dtype in (tf.float16, tf.bfloat16) else
+           inputs.dtype)
+  x = inputs if inputs.dtype == dtype else tf.cast(inputs, dtype)
+
+  def head(mean, variance, count, gamma, beta):
+    """On the hub: the kernel's inputs and the batch statistics' values.
+
+    `mean` and `variance` are per channel (`_kernel_moments`' shape).
+    """
+    r = tf.math.rsqrt(variance + epsilon)
+    # The fused kernel's batch variance output is Bessel-corrected.
+    if isinstance(count, float):
+      bessel = count / max(count - 1.0, 1.0)
+    else:
+      bessel = count / tf.maximum(count - 1.0, 1.0)
+    corrected = variance * bessel
+
+    def backward(dscale, doffset, *unused):
+      # The kernel in inference mode holds mean and variance constant; one
+      # device's gradient also runs through them: y = gamma (x - mean) r +
+      # beta gives d/dmean = -sum(dy) gamma r = -doffset gamma r and
+      # d/dvariance = -sum(dy (x - mean) r) gamma r^2 / 2 = -dscale gamma
+      # r^2 / 2 (dscale, doffset: the kernel's gradients of scale, offset).
+      # The returned batch statistics pass no gradient, as the training
+      # kernel's gradient in TensorFlow ignores them.
+      del unused
+      dscale = _zero_if_none(dscale, gamma)
+      doffset = _zero_if_none(doffset, beta)
+      gamma_r = gamma * r
+      return -doffset * gamma_r, -0.5 * dscale * gamma_r * r, dscale, doffset
+
+    return (gamma, beta, mean, variance, corrected), backward
+
+  scale, offset, mean, variance, corrected = meet(
+      x, axes, params, head, data_format, epsilon)
+  outputs, _, _ = tf.compat.v1.nn.fused_batch_norm(
+      inputs, scale, offset, mean=mean, variance=variance,
+      epsilon=epsilon, data_format=data_format, is_training=False)
+  return outputs, mean, corrected
 
 
 def _install() -> _patches.Patched:

@@ -21,6 +21,7 @@ from replicate import _aggregate
 from replicate import _cluster
 from replicate import _devices
 from replicate import _merge
+from replicate import _nn_batch_norm
 from replicate import _context
 from replicate import _batch_norm
 from replicate import _own_gradients
@@ -73,9 +74,11 @@ def replicate_model_fn(
       spreads them over the towers' devices.
     sync_batch_norm: whether batch normalization in training (Keras
       `BatchNormalization`, `tf.compat.v1.layers.batch_normalization`, the
-      canned DNN estimators' `batch_norm=True`) normalises with the whole
-      batch's statistics, as on one device (default), or with each tower's
-      shard's (False: fewer meeting points, not one device's result).
+      canned DNN estimators' `batch_norm=True`, and `tf.nn.moments`,
+      `tf.nn.weighted_moments` and `tf.compat.v1.nn.fused_batch_norm` in
+      training over the batch axis 0) normalises with the whole batch's
+      statistics, as on one device (default), or with each tower's shard's
+      (False: fewer meeting points, not one device's result).
 
   Returns:
     A model_fn `(features, labels, mode, params=None, config=None)`.
@@ -264,8 +267,9 @@ def _run_towers(model_fn, features, labels, mode, arguments, devices,
   device_functions = [_devices.tower_device_function(device, choose)
                       for device in devices]
   with _context.replication_scope(replication), \
-      _batch_norm.synchronized(replication), _routing.routed(replication), \
-      _own_gradients.routed(replication):
+      _batch_norm.synchronized(replication), \
+      _nn_batch_norm.synchronized(replication), \
+      _routing.routed(replication), _own_gradients.routed(replication):
     specs = _towers.build_towers(
         replication,
         lambda i: model_fn(**arguments.for_tower(

@@ -227,6 +227,143 @@ def test_batch_norm_training_is_one_devices(params, towers, batch, static):
                       params=params, image=params["input"] != "dense")
 
 
+def _raw_batch_norm_model_fn(features, labels, mode, params):
+  """Batch norm written with tf.nn ops, as tf-slim and tf.contrib wrote it:
+  its own moving statistics, updated through UPDATE_OPS."""
+  form = params["form"]
+  x = features["x"]
+  if form.startswith(("fused", "moments")):
+    x = tf.compat.v1.layers.conv2d(x, 3, 2, name="conv")
+    if form == "fused_nchw":
+      x = tf.transpose(x, [0, 3, 1, 2])
+  else:
+    x = tf.compat.v1.layers.dense(x, 4, name="hidden")
+  channels = x.shape[1 if form == "fused_nchw" else -1]
+  aggregation = params.get("aggregation", tf.VariableAggregation.MEAN)
+
+  def variable(name, value, trainable):
+    return tf.compat.v1.get_variable(
+        name, [channels], initializer=tf.compat.v1.constant_initializer(value),
+        trainable=trainable, aggregation=aggregation)
+
+  gamma, beta = variable("gamma", 1.5, True), variable("beta", 0.1, True)
+  moving_mean = variable("moving_mean", 0.0, False)
+  moving_variance = variable("moving_variance", 1.0, False)
+  decay = 0.9
+  if form.startswith("fused"):
+    if form == "fused_average":
+      # The kernel moves the running statistics itself.
+      x, mean, variance = tf.compat.v1.nn.fused_batch_norm(
+          x, gamma, beta, moving_mean, moving_variance, epsilon=1e-3,
+          is_training=True, exponential_avg_factor=1.0 - decay)
+      updates = [moving_mean.assign(mean), moving_variance.assign(variance)]
+    else:
+      x, mean, variance = tf.compat.v1.nn.fused_batch_norm(
+          x, gamma, beta, epsilon=1e-3,
+          data_format="NCHW" if form == "fused_nchw" else "NHWC")
+  else:
+    if form == "weighted":
+      weights = features["mask"][:, None] + 0.5
+      mean, variance = tf.nn.weighted_moments(x, [0], weights)
+    elif form == "moments_keep_dims":
+      mean, variance = tf.compat.v1.nn.moments(x, [0, 1, 2], keep_dims=True)
+      mean, variance = tf.squeeze(mean), tf.squeeze(variance)
+    else:
+      mean, variance = tf.nn.moments(x, [0, 1, 2] if form == "moments"
+                                     else [-2])
+    x = tf.nn.batch_normalization(x, mean, variance, beta, gamma, 1e-3)
+  if form != "fused_average":
+    updates = [tf.compat.v1.assign_sub(moving, (moving - value) * (1 - decay))
+               for moving, value in ((moving_mean, mean),
+                                     (moving_variance, variance))]
+  for update in updates:
+    tf.compat.v1.add_to_collection(tf.compat.v1.GraphKeys.UPDATE_OPS, update)
+  logits = tf.compat.v1.layers.dense(tf.compat.v1.layers.flatten(x), 3,
+                                     name="logits")
+  loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
+  if form == "fused_stats_in_loss":
+    # TensorFlow's gradient of the training kernel passes none back from
+    # the batch statistics it returns: neither do the towers.
+    loss += 0.1 * tf.reduce_sum(tf.square(mean)) + 0.1 * tf.reduce_sum(
+        variance)
+  return _spec(mode, loss)
+
+
+RAW_BATCH_NORMS = ["fused", "fused_nchw", "fused_average",
+                   "fused_stats_in_loss", "moments", "moments_keep_dims",
+                   "dense", "weighted"]
+
+
+@pytest.mark.parametrize("towers,batch,static", SHAPES, ids=SHAPE_IDS)
+@pytest.mark.parametrize("form", RAW_BATCH_NORMS)
+def test_tf_nn_batch_norm_training_is_one_devices(form, towers, batch,
+                                                  static):
+  # tf.compat.v1.nn.fused_batch_norm in training, tf.nn.moments,
+  # tf.compat.v1.nn.moments and tf.nn.weighted_moments over the batch axis:
+  # the whole batch's statistics, its moving averages and gradients.
+  _assert_one_devices(_raw_batch_norm_model_fn, towers, batch, static,
+                      params={"form": form}, image=form != "dense" and
+                      form != "weighted")
+
+
+def test_tf_nn_batch_norm_moving_statistics_need_no_aggregation():
+  # Every tower writes the hub's statistics, computed from no input of its
+  # own: tower 0's write is one device's, declared aggregation or not
+  # (tf-slim declares none).
+  for form in ("fused", "moments"):
+    _assert_one_devices(
+        _raw_batch_norm_model_fn, 2, 8, True, image=True,
+        params={"form": form, "aggregation": tf.VariableAggregation.NONE})
+
+
+def test_tf_nn_moments_off_the_batch_axis_do_not_meet():
+  # Moments over the features of each row (layer norm) are each row's: no
+  # meeting, no ops on the hub.
+  def model_fn(features, labels, mode, params):
+    del params  # unused
+    x = tf.compat.v1.layers.dense(features["x"], 4, name="hidden")
+    mean, variance = tf.nn.moments(x, [-1], keepdims=True)
+    x = (x - mean) * tf.math.rsqrt(variance + 1e-3)
+    logits = tf.compat.v1.layers.dense(x, 3, name="logits")
+    return _spec(mode, tf.compat.v1.losses.sparse_softmax_cross_entropy(
+        labels, logits))
+
+  _assert_one_devices(model_fn, 2, 8, True)
+  assert not _hub_ops(model_fn)
+  assert _hub_ops(_raw_batch_norm_model_fn, {"form": "dense"})
+
+
+def _hub_ops(model_fn, params=None):
+  """Names of the synchronised-batch-norm hub's ops in a 2-tower TRAIN graph."""
+  with tf.Graph().as_default() as graph:
+    tf.compat.v1.train.create_global_step()
+    features, labels = harness.batches(_data(8, 1), 8)
+    replicate.replicate_model_fn(model_fn, devices=_towers(2))(
+        features, labels, TRAIN, params or {})
+  return [op.name for op in graph.get_operations()
+          if "sync_batch_norm" in op.name]
+
+
+def test_tf_nn_moments_in_a_cond_are_each_towers_with_a_warning(caplog):
+  # One tower cannot wait for the others inside a tf.cond branch: its own
+  # statistics, said in the log rather than silently.
+  def model_fn(features, labels, mode, params):
+    del params  # unused
+    x = tf.compat.v1.layers.dense(features["x"], 4, name="hidden")
+    mean, variance = tf.cond(tf.constant(True), lambda: tf.nn.moments(x, [0]),
+                             lambda: (tf.zeros([4]), tf.ones([4])))
+    x = (x - mean) * tf.math.rsqrt(variance + 1e-3)
+    logits = tf.compat.v1.layers.dense(x, 3, name="logits")
+    return _spec(mode, tf.compat.v1.losses.sparse_softmax_cross_entropy(
+        labels, logits))
+
+  assert not _hub_ops(model_fn)
+  warnings = [r.getMessage() for r in caplog.records
+              if "inside a tf.cond" in r.getMessage()]
+  assert len(warnings) == 2, warnings  # one per tower
+  assert "each tower's own" in warnings[0]
+
+
 def test_unsynchronised_batch_norm_uses_each_towers_statistics():
   params = BATCH_NORMS[0]
   expected_losses, _ = _train(_batch_norm_model_fn, 8, params=params)
