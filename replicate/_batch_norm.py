@@ -51,9 +51,16 @@ _MEETING = "synchronised batch normalization"
 
 def _whole_batch(layer, axes) -> bool:
   replication = _context.current_replication()
-  return (replication is not None and replication.sync_batch_norm and
-          replication.num_towers > 1 and replication.tower is not None and
-          0 in axes and layer.virtual_batch_size is None)
+  synced = (replication is not None and replication.sync_batch_norm and
+            replication.num_towers > 1 and replication.tower is not None)
+  if synced and layer.virtual_batch_size is not None:
+    if replication.tower.index == 0:
+      logging.warning(
+          "replicate: %s has virtual_batch_size=%d: its ghost batches are "
+          "drawn from each tower's shard, not from the whole batch as on "
+          "one device", layer.name, layer.virtual_batch_size)
+    return False
+  return synced and 0 in axes
 
 
 def whole_batch_moments(x, axes, keep_dims: bool, weights=None):

@@ -196,12 +196,13 @@ def _whole_batch_pairs(replication, towers_grads_and_vars):
       raise ValueError(
           f"The gradient for {variable.op.name} handed to apply_gradients "
           "was taken in each tower, not of the whole batch's loss (e.g. "
-          "tf.gradients with grad_ys, of a non-scalar ys, or a "
-          f"GradientTape); under loss_reduction={replication.loss_reduction!r} "
+          "tf.gradients or GradientTape.gradient with grad_ys / "
+          "output_gradients, of a non-scalar target, or inside a "
+          f"tf.function); under loss_reduction={replication.loss_reduction!r} "
           "the towers' gradients do not add up to one device's. Take it with "
-          "the optimizer's compute_gradients (or tf.gradients of the scalar "
-          "loss, no grad_ys), or use Reduction.SUM with a loss that sums "
-          "over the batch.")
+          "the optimizer's compute_gradients (or tf.gradients / "
+          "tape.gradient of the scalar loss, nothing else given), or use "
+          "Reduction.SUM with a loss that sums over the batch.")
     grads = [tower[index][0] for tower in towers_grads_and_vars]
     pairs.extend(_aggregate.sum_gradients([[(g, variable)] for g in grads]))
   return pairs

@@ -17,7 +17,9 @@ tensor of the tower (an activation, its inputs) that tower's rows of one
 device's gradient. Other calls (a non-scalar `ys`, `grad_ys` given) are
 each tower's own, as TensorFlow computes them. The library's own calls and
 TensorFlow's (optimizers call `gradients.gradients`, a module function
-this leaves alone) pass straight through.
+this leaves alone) pass straight through. `tf.GradientTape.gradient` of a
+scalar target (no `output_gradients`) in a tower meets the towers the same
+way: TF2-style model_fns differentiate with a tape.
 """
 
 import functools
@@ -39,6 +41,8 @@ from replicate import _routing
 _ORIGINAL_V1 = tf.compat.v1.gradients
 _ORIGINAL_V2 = tf.gradients
 _KIND = "tf.gradients"
+_ORIGINAL_TAPE = tf.GradientTape.gradient
+_TAPE_KIND = "GradientTape.gradient"
 
 
 def _api_modules() -> List[Any]:
@@ -169,6 +173,41 @@ def _routed(original):
   return gradients
 
 
+def _routed_tape(original):
+  """`GradientTape.gradient`, meeting the towers as `tf.gradients` does.
+
+  In a graph the tape differentiates the ops it recorded, which for a loss
+  built inside it are the ops `tf.gradients` follows; a variable the tape
+  did not watch gets no gradient, as from the tape.
+  """
+
+  @functools.wraps(original)
+  def gradient(self, target, sources, output_gradients=None,
+               unconnected_gradients=tf.UnconnectedGradients.NONE):
+    replication = _routing.routes()
+    targets = tf.nest.flatten(target)
+    if (replication is None or output_gradients is not None or
+        not all(map(_is_scalar, targets))):
+      if replication is not None:
+        logging.info("replicate: GradientTape.gradient of a non-scalar "
+                     "target or with output_gradients: each tower's own")
+      return original(self, target, sources, output_gradients,
+                      unconnected_gradients)
+    call = dict(ys=targets, xs=tf.nest.flatten(sources), stop_gradients=[],
+                name="gradients", gate_gradients=False,
+                aggregation_method=None,
+                unconnected_gradients=unconnected_gradients)
+    grads = _lockstep.meet(_TAPE_KIND, call,
+                           functools.partial(_whole_batch, replication))
+    # A variable the tape never saw read has no gradient from it.
+    watched = {v.ref() for v in self.watched_variables()}
+    grads = [None if isinstance(x, tf.Variable) and x.ref() not in watched
+             else grad for x, grad in zip(call["xs"], grads)]
+    return tf.nest.pack_sequence_as(sources, grads)
+
+  return gradient
+
+
 def _install() -> _patches.Patched:
   originals = []
   for module in _api_modules():
@@ -176,6 +215,8 @@ def _install() -> _patches.Patched:
     if function is _ORIGINAL_V1 or function is _ORIGINAL_V2:
       originals.append((module, "gradients", function))
       setattr(module, "gradients", _routed(function))
+  originals.append((tf.GradientTape, "gradient", _ORIGINAL_TAPE))
+  tf.GradientTape.gradient = _routed_tape(_ORIGINAL_TAPE)
   return originals
 
 

@@ -119,7 +119,8 @@ def _train(model_fn, batch, num_towers=None, static=True,
         features, labels, harness.TRAIN, {})
     norms = tf.compat.v1.get_collection("global_norm")
     with tf.compat.v1.Session(config=harness.session_config()) as session:
-      session.run(tf.compat.v1.global_variables_initializer())
+      session.run([tf.compat.v1.global_variables_initializer(),
+                   tf.compat.v1.local_variables_initializer()])
       harness.set_trainable_weights(session)
       first_norms = session.run(norms)
       losses = [session.run([spec.loss, spec.train_op])[0]
@@ -314,3 +315,104 @@ def test_public_gradients_are_routed_in_towers_then_restored():
   _train(model_fn, 8, 2)
   assert seen == [[False] * 4] * 2   # routed in both towers
   assert all(f is o for f, o in zip(_public_gradients(), originals))
+
+
+def _tape_model_fn(optimizer):
+  """TF2 style: the loss under a GradientTape, its gradient clipped and
+  applied by a v1 or a Keras optimizer."""
+
+  def model_fn(features, labels, mode, params):
+    del params
+    with tf.GradientTape() as tape:
+      loss = tf.reduce_mean(_per_example_loss(_logits(features), labels))
+    tvars = tf.compat.v1.trainable_variables()
+    grads = tape.gradient(loss, tvars)
+    grads, norm = tf.clip_by_global_norm(grads, clip_norm=CLIP_NORM)
+    tf.compat.v1.add_to_collection("global_norm", norm)
+    step = tf.compat.v1.train.get_global_step()
+    if optimizer == "v1":
+      train_op = tf.compat.v1.train.AdamOptimizer(0.1).apply_gradients(
+          zip(grads, tvars), step)
+    else:
+      train_op = tf.keras.optimizers.legacy.Adam(0.1).apply_gradients(
+          zip(grads, tvars))
+      with tf.control_dependencies([train_op]):
+        train_op = step.assign_add(1)
+    return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+  return model_fn
+
+
+@pytest.mark.parametrize("optimizer", ["v1", "keras"])
+@pytest.mark.parametrize("batch,static", _BATCHES)
+@pytest.mark.parametrize("num_towers", [2, 4])
+def test_gradient_tape_gradients_equal_one_device(num_towers, batch, static,
+                                                  optimizer):
+  model_fn = _tape_model_fn(optimizer)
+  expected = _train(model_fn, batch, static=static)
+  assert expected[2][0] > CLIP_NORM   # the clip binds
+  _assert_same(_train(model_fn, batch, num_towers, static), expected)
+
+
+def _tape_penalty_model_fn(features, labels, mode, params):
+  """A penalty on the loss's gradient with respect to the inputs, both
+  taken with tapes (the inner one watching the inputs); a variable read
+  outside the tapes gets no gradient, as from the tape."""
+  del params
+  unwatched = tf.compat.v1.get_variable("unwatched", [3])
+  offset = unwatched.read_value()
+  with tf.GradientTape() as outer:
+    x = tf.identity(features["x"])
+    with tf.GradientTape() as inner:
+      inner.watch(x)
+      losses = _per_example_loss(_logits(dict(features, x=x)) + offset,
+                                 labels)
+      loss = tf.reduce_mean(losses)
+    input_grad = inner.gradient(loss, x)
+    total = loss + 0.3 * tf.reduce_mean(tf.reduce_sum(tf.square(input_grad),
+                                                      axis=1))
+  tvars = tf.compat.v1.trainable_variables()
+  grads = outer.gradient(total, tvars)
+  assert grads[tvars.index(unwatched)] is None
+  pairs = [(g, v) for g, v in zip(grads, tvars) if g is not None]
+  train_op = tf.compat.v1.train.GradientDescentOptimizer(0.5).apply_gradients(
+      pairs, tf.compat.v1.train.get_global_step())
+  return tf.estimator.EstimatorSpec(mode, loss=total, train_op=train_op)
+
+
+@pytest.mark.parametrize("batch", [9, 3], ids=["uneven", "phantom"])
+@pytest.mark.parametrize("num_towers", [2, 4])
+def test_gradient_tape_penalty_on_inputs_equals_one_device(num_towers, batch):
+  expected = _train(_tape_penalty_model_fn, batch)
+  _assert_same(_train(_tape_penalty_model_fn, batch, num_towers), expected)
+
+
+def test_gradient_tape_is_routed_in_towers_then_restored():
+  original = tf.GradientTape.gradient
+  seen = []
+
+  def model_fn(features, labels, mode, params):
+    seen.append(tf.GradientTape.gradient is original)
+    return _tape_model_fn("v1")(features, labels, mode, params)
+
+  _train(model_fn, 8, 2)
+  assert seen == [False, False]
+  assert tf.GradientTape.gradient is original
+
+
+def test_tape_gradients_with_output_gradients_are_an_error():
+  # With output_gradients the call is each tower's own: under an averaging
+  # reduction their sum is not one device's gradient.
+  def model_fn(features, labels, mode, params):
+    del params
+    with tf.GradientTape() as tape:
+      loss = tf.reduce_mean(_per_example_loss(_logits(features), labels))
+    tvars = tf.compat.v1.trainable_variables()
+    grads = tape.gradient(loss, tvars, output_gradients=tf.constant(1.0))
+    train_op = tf.compat.v1.train.GradientDescentOptimizer(0.5).apply_gradients(
+        zip(grads, tvars), tf.compat.v1.train.get_global_step())
+    return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+  with pytest.raises(ValueError, match="word_embeddings.*taken in each tower"
+                     ".*output_gradients"):
+    _train(model_fn, 8, 2)

@@ -364,6 +364,27 @@ def test_tf_nn_moments_in_a_cond_are_each_towers_with_a_warning(caplog):
   assert "each tower's own" in warnings[0]
 
 
+def test_ghost_batch_norm_is_each_towers_with_a_warning(caplog):
+  # Keras' ghost batches (virtual_batch_size) are strided over the whole
+  # batch on one device; towers draw them from their shards: said in the
+  # log, once per layer.
+  def model_fn(features, labels, mode, params):
+    del params  # unused
+    x = tf.compat.v1.layers.dense(features["x"], 4, name="hidden")
+    x = tf.keras.layers.BatchNormalization(virtual_batch_size=2, name="bn")(
+        x, training=mode == TRAIN)
+    logits = tf.compat.v1.layers.dense(x, 3, name="logits")
+    return _spec(mode, tf.compat.v1.losses.sparse_softmax_cross_entropy(
+        labels, logits))
+
+  assert not _hub_ops(model_fn)
+  warnings = [r.getMessage() for r in caplog.records
+              if "virtual_batch_size" in r.getMessage()]
+  assert warnings == [
+      "replicate: bn has virtual_batch_size=2: its ghost batches are drawn "
+      "from each tower's shard, not from the whole batch as on one device"]
+
+
 def test_unsynchronised_batch_norm_uses_each_towers_statistics():
   params = BATCH_NORMS[0]
   expected_losses, _ = _train(_batch_norm_model_fn, 8, params=params)
