@@ -51,7 +51,29 @@ def _model_fn(features, labels, mode):
                                     {"optimizer": "momentum"})
 
 
-def _train_in_cluster(tower_devices):
+def _batch_norm_model_fn(features, labels, mode):
+  """Fused batch norm on maps and tf.nn.moments on a dense layer, in
+  training: the hub meets on the worker, moving statistics on the ps."""
+  hidden = tf.compat.v1.layers.dense(features["x"], 8, name="hidden")
+  maps = tf.compat.v1.layers.batch_normalization(
+      tf.reshape(hidden, [-1, 2, 2, 2]), training=True, fused=True,
+      name="bn")
+  dense = tf.compat.v1.layers.dense(tf.reshape(maps, [-1, 8]), 4,
+                                    name="dense")
+  mean, variance = tf.nn.moments(dense, [0])
+  normalised = tf.nn.batch_normalization(dense, mean, variance, None, None,
+                                         1e-3)
+  logits = tf.compat.v1.layers.dense(normalised, models.NUM_CLASSES,
+                                     name="logits")
+  loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
+  optimizer = tf.compat.v1.train.MomentumOptimizer(0.1, 0.9)
+  with tf.control_dependencies(
+      tf.compat.v1.get_collection(tf.compat.v1.GraphKeys.UPDATE_OPS)):
+    train_op = optimizer.minimize(loss, tf.compat.v1.train.get_global_step())
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+def _train_in_cluster(tower_devices, model_fn=_model_fn):
   """Trains STEPS steps through a worker server; losses and variables."""
   cluster = tf.train.ClusterSpec(_cluster("worker"))
   tf.distribute.Server(cluster, "ps", 0, config=_server_config())
@@ -62,7 +84,7 @@ def _train_in_cluster(tower_devices):
     with tf.compat.v1.device(setter):
       tf.compat.v1.train.create_global_step()
       features, labels = harness.batches(models.data(), BATCH)
-      spec = harness.wrap(_model_fn, tower_devices)(
+      spec = harness.wrap(model_fn, tower_devices)(
           features, labels, harness.TRAIN)
     with tf.compat.v1.Session(worker.target) as session:
       losses, values = harness.run_training(session, spec, STEPS)
@@ -93,6 +115,21 @@ def test_towers_on_a_worker_with_variables_on_a_parameter_server():
       "/job:worker/task:0/device:CPU:2")
   applies = _devices_of(graph, "ResourceApplyMomentum")
   assert set(applies.values()) == {"/job:ps/task:0/device:CPU:0"}
+
+
+def test_synchronised_batch_norm_on_a_parameter_server_cluster():
+  expected_losses, expected_values, _ = _train_in_cluster(
+      None, _batch_norm_model_fn)
+  losses, values, graph = _train_in_cluster(
+      harness.devices(harness.VIRTUAL_CPUS, 3), _batch_norm_model_fn)
+  np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
+  harness.assert_close_nests(values, expected_values)
+  assert expected_values["bn/moving_variance"].std() > 0  # it moved
+  variables = _devices_of(graph, "VarHandleOp")
+  assert variables["bn/moving_mean"] == "/job:ps/task:0/device:CPU:0"
+  hub = {op.device for op in graph.get_operations()
+         if op.name.startswith("sync_batch_norm")}
+  assert hub == {"/job:worker/task:0/device:CPU:0"}, hub
 
 
 def _estimator_model_fn(features, labels, mode, params):
