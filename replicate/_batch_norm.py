@@ -445,9 +445,14 @@ def fused_whole_batch(inputs, params, epsilon: float, data_format: str,
 
   scale, offset, mean, variance, corrected = meet(
       x, axes, params, head, data_format, epsilon)
+  # Half-precision inputs normalise in float32: the kernel's gradient and
+  # the moments' (written out) nearly cancel, and the training kernel adds
+  # them in float32 before it rounds.
   outputs, _, _ = tf.compat.v1.nn.fused_batch_norm(
-      inputs, scale, offset, mean=mean, variance=variance,
+      x, scale, offset, mean=mean, variance=variance,
       epsilon=epsilon, data_format=data_format, is_training=False)
+  if outputs.dtype != inputs.dtype:
+    outputs = tf.cast(outputs, inputs.dtype)
   return outputs, mean, corrected
 
 

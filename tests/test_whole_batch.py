@@ -385,6 +385,37 @@ def test_ghost_batch_norm_is_each_towers_with_a_warning(caplog):
       "from each tower's shard, not from the whole batch as on one device"]
 
 
+def _half_precision_gradient_model_fn(features, labels, mode, params):
+  """The input gradient of a fused float16 batch norm in training, whose
+  incoming gradient is almost constant per channel: the input's gradient
+  is a small difference of large terms."""
+  del labels, params  # unused
+  x = tf.identity(tf.cast(3.0 * features["x"] + 5.0, tf.float16))
+  bn = tf.keras.layers.BatchNormalization(
+      dtype=tf.keras.mixed_precision.Policy("mixed_float16"), name="bn")
+  y = tf.cast(bn(x, training=True), tf.float32)
+  ripple = 1e-2 * tf.sin(tf.range(16, dtype=tf.float32))
+  loss = tf.reduce_sum(y * (0.5 + tf.reshape(ripple, [1, 4, 4, 1])))
+  grad, = tf.gradients(loss, [x])
+  return tf.estimator.EstimatorSpec(
+      mode, predictions={"grad": tf.cast(grad, tf.float32)})
+
+
+@pytest.mark.parametrize("towers", [2, 4])
+def test_half_precision_fused_batch_norm_gradient_is_one_devices(towers):
+  # One device's kernel adds the gradient's terms in float32 and rounds
+  # once (values up to 8e-5 with the seeded gamma, float16 steps 6e-8
+  # there: 2e-7 is three); rounding each term to float16 first (terms
+  # ~4e-3, steps ~4e-6) missed by 1.7e-6.
+  features = _data(8, 1, image=True)[0]
+  expected = harness.predict(_half_precision_gradient_model_fn, features, 8, 1)
+  actual = harness.predict(_half_precision_gradient_model_fn, features, 8, 1,
+                           _towers(towers))
+  grad = expected[0][0]["grad"]
+  assert 1e-5 < np.abs(grad).max() < 1e-3
+  np.testing.assert_allclose(actual[0][0]["grad"], grad, rtol=0, atol=2e-7)
+
+
 def test_unsynchronised_batch_norm_uses_each_towers_statistics():
   params = BATCH_NORMS[0]
   expected_losses, _ = _train(_batch_norm_model_fn, 8, params=params)
