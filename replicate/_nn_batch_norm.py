@@ -9,15 +9,18 @@ applies, such a call in a tower meets the other towers as Keras' layer does
 `weighted_moments` over axes that include 0 return the whole batch's
 moments, and `fused_batch_norm(is_training=True)` normalises with them and
 returns them. Axis 0 is taken to be the batch axis, as Keras' layers take
-it. Left alone (each tower's statistics, as before): calls inside a
-`tf.cond` / `tf.while_loop` or a `tf.function` (one tower cannot meet the
-others from there), and the calls of a Keras layer that keeps its own
-statistics (ghost batches).
+it: its static size, where known, must be the tower's shard size. Left
+alone (each tower's statistics, as before): calls inside a `tf.cond` /
+`tf.while_loop` or a `tf.function` (one tower cannot meet the others from
+there, logged), the calls of a Keras batch-norm layer that keeps its own
+statistics (ghost batches), and Keras' LayerNormalization, which runs the
+fused kernel on each example with the batch folded into its channels.
 """
 
 import sys
 from typing import Callable, Dict
 
+import numpy as np
 import tensorflow as tf
 from absl import logging
 
@@ -28,6 +31,12 @@ from replicate import _patches
 # The public functions live here; tf.nn.moments and tf.nn.weighted_moments
 # (v2) call this module's v1 functions by their global names.
 from tensorflow.python.ops import nn_impl as _nn_impl  # pylint: disable=g-direct-tensorflow-import
+
+try:
+  # The layer whose batch-norm kernel calls are not batch statistics.
+  from keras.src.layers.normalization import layer_normalization as _keras_ln  # pylint: disable=g-import-not-at-top
+except ImportError:
+  _keras_ln = None
 
 _NAMES = ("moments", "weighted_moments", "fused_batch_norm")
 
@@ -42,12 +51,29 @@ def _axes(x, axes):
   return sorted({int(a) % rank for a in axes})
 
 
+def _batch_axis_first(x, replication) -> bool:
+  """Whether axis 0 of `x` can be the tower's batch axis.
+
+  Its static size, where known, must be the tower's static shard size (one
+  phantom row for an empty shard, see `_split`): a time-major sequence or
+  a reshape that folds the batch elsewhere has another axis 0.
+  """
+  dim = x.shape[0]
+  if dim is None:
+    return True
+  size = replication.size()
+  if not isinstance(size, (int, np.integer)):
+    return False
+  return dim == size or (size == 0 and dim == 1)
+
+
 def _whole_batch(x, axes) -> bool:
   """Whether this call, in a tower, takes the whole batch's statistics."""
   replication = _context.replication_on_thread()
   if (replication is None or not replication.sync_batch_norm or
       replication.num_towers < 2 or replication.tower is None or
-      _batch_norm.in_keras_layer() or axes is None or 0 not in axes):
+      _batch_norm.in_keras_layer() or axes is None or 0 not in axes or
+      not _batch_axis_first(x, replication)):
     return False
   graph = tf.compat.v1.get_default_graph()
   # Private: Graph._get_control_flow_context is the only way to see that
@@ -144,10 +170,25 @@ _WRAPPERS: Dict[str, Callable[[Callable], Callable]] = {
 }
 
 
+def _layer_norm_call(original: Callable) -> Callable:
+  def call(layer, *args, **kwargs):
+    with _batch_norm.keras_decides():
+      return original(layer, *args, **kwargs)
+  return call
+
+
 def _install() -> _patches.Patched:
-  """Routes every TensorFlow module's name for the three functions."""
+  """Routes every TensorFlow module's name for the three functions.
+
+  Keras' LayerNormalization normalises each example with the fused batch
+  norm kernel (the batch folded into its channels): it keeps its own.
+  """
   originals = [(name, getattr(_nn_impl, name)) for name in _NAMES]
   patched = []
+  if _keras_ln is not None:
+    layer = _keras_ln.LayerNormalization
+    patched.append((layer, "call", layer.call))
+    layer.call = _layer_norm_call(layer.call)
   modules = [module for module_name, module in list(sys.modules.items())
              if module_name.startswith("tensorflow") and module is not None]
   for name, original in originals:

@@ -344,6 +344,33 @@ def _hub_ops(model_fn, params=None):
           if "sync_batch_norm" in op.name]
 
 
+def _per_example_statistics_model_fn(features, labels, mode, params):
+  """Statistics of each example, over axis 0 of a tensor whose axis 0 is
+  not the batch: Keras' LayerNormalization (its fused kernel sees the
+  batch folded into channels) and moments over time, time-major."""
+  hidden = tf.compat.v1.layers.dense(features["x"], 6, name="hidden")
+  sequence = tf.reshape(hidden, [-1, 3, 2])
+  if params["form"] == "layer_norm":
+    x = tf.keras.layers.LayerNormalization(name="ln")(sequence)
+  else:
+    time_major = tf.transpose(sequence, [1, 0, 2])
+    mean, variance = tf.nn.moments(time_major, [0], keepdims=True)
+    x = tf.transpose((time_major - mean) * tf.math.rsqrt(variance + 1e-3),
+                     [1, 0, 2])
+  logits = tf.compat.v1.layers.dense(tf.reshape(x, [-1, 6]), 3, name="logits")
+  return _spec(mode, tf.compat.v1.losses.sparse_softmax_cross_entropy(
+      labels, logits))
+
+
+@pytest.mark.parametrize("towers,batch,static", SHAPES, ids=SHAPE_IDS)
+@pytest.mark.parametrize("form", ["layer_norm", "time_major"])
+def test_statistics_of_each_example_do_not_meet(form, towers, batch, static):
+  _assert_one_devices(_per_example_statistics_model_fn, towers, batch, static,
+                      params={"form": form})
+  if static:
+    assert not _hub_ops(_per_example_statistics_model_fn, {"form": form})
+
+
 def test_tf_nn_moments_in_a_cond_are_each_towers_with_a_warning(caplog):
   # One tower cannot wait for the others inside a tf.cond branch: its own
   # statistics, said in the log rather than silently.
