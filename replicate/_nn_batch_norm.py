@@ -8,8 +8,9 @@ applies, such a call in a tower meets the other towers as Keras' layer does
 (see `_batch_norm`): `tf.nn.moments` / `tf.compat.v1.nn.moments` and
 `weighted_moments` over axes that include 0 return the whole batch's
 moments, and `fused_batch_norm(is_training=True)` normalises with them and
-returns them. Axis 0 is taken to be the batch axis, as Keras' layers take
-it: its static size, where known, must be the tower's shard size. Left
+returns them. The axes must include axis 0, as Keras' layers take it to be
+the batch axis, and one whose static size, where known, is the tower's
+shard size (a time-major sequence's axis 0 is time). Left
 alone (each tower's statistics, as before): calls inside a `tf.cond` /
 `tf.while_loop` or a `tf.function` (one tower cannot meet the others from
 there, logged), the calls of a Keras batch-norm layer that keeps its own
@@ -51,20 +52,21 @@ def _axes(x, axes):
   return sorted({int(a) % rank for a in axes})
 
 
-def _batch_axis_first(x, replication) -> bool:
-  """Whether axis 0 of `x` can be the tower's batch axis.
+def _reduces_batch_axis(x, axes, replication) -> bool:
+  """Whether one of `axes` of `x` can be the tower's batch axis.
 
   Its static size, where known, must be the tower's static shard size (one
-  phantom row for an empty shard, see `_split`): a time-major sequence or
-  a reshape that folds the batch elsewhere has another axis 0.
+  phantom row for an empty shard, see `_split`): moments over time of a
+  time-major sequence reduce no batch axis, moments over time and batch
+  do.
   """
-  dim = x.shape[0]
-  if dim is None:
-    return True
   size = replication.size()
-  if not isinstance(size, (int, np.integer)):
-    return False
-  return dim == size or (size == 0 and dim == 1)
+  static = isinstance(size, (int, np.integer))
+  for axis in axes:
+    dim = x.shape[axis]
+    if dim is None or (static and (dim == size or (size == 0 and dim == 1))):
+      return True
+  return False
 
 
 def _whole_batch(x, axes) -> bool:
@@ -73,7 +75,7 @@ def _whole_batch(x, axes) -> bool:
   if (replication is None or not replication.sync_batch_norm or
       replication.num_towers < 2 or replication.tower is None or
       _batch_norm.in_keras_layer() or axes is None or 0 not in axes or
-      not _batch_axis_first(x, replication)):
+      not _reduces_batch_axis(x, axes, replication)):
     return False
   graph = tf.compat.v1.get_default_graph()
   # Private: Graph._get_control_flow_context is the only way to see that

@@ -353,8 +353,12 @@ def _per_example_statistics_model_fn(features, labels, mode, params):
   if params["form"] == "layer_norm":
     x = tf.keras.layers.LayerNormalization(name="ln")(sequence)
   else:
+    # "time_major": over time, each example's; "time_major_batch": over
+    # time and the batch, the whole batch's.
     time_major = tf.transpose(sequence, [1, 0, 2])
-    mean, variance = tf.nn.moments(time_major, [0], keepdims=True)
+    mean, variance = tf.nn.moments(
+        time_major, [0] if params["form"] == "time_major" else [0, 1],
+        keepdims=True)
     x = tf.transpose((time_major - mean) * tf.math.rsqrt(variance + 1e-3),
                      [1, 0, 2])
   logits = tf.compat.v1.layers.dense(tf.reshape(x, [-1, 6]), 3, name="logits")
@@ -369,6 +373,14 @@ def test_statistics_of_each_example_do_not_meet(form, towers, batch, static):
                       params={"form": form})
   if static:
     assert not _hub_ops(_per_example_statistics_model_fn, {"form": form})
+
+
+@pytest.mark.parametrize("towers,batch,static", SHAPES, ids=SHAPE_IDS)
+def test_time_major_batch_statistics_are_one_devices(towers, batch, static):
+  params = {"form": "time_major_batch"}
+  _assert_one_devices(_per_example_statistics_model_fn, towers, batch, static,
+                      params=params)
+  assert _hub_ops(_per_example_statistics_model_fn, params)
 
 
 def test_tf_nn_moments_in_a_cond_are_each_towers_with_a_warning(caplog):
