@@ -609,24 +609,28 @@ def _follow(write: _Write, first: _Write, sinks: "_Sinks"):
 
 
 class _Sinks:
-  """One never-read local variable per model variable, for later towers."""
+  """Never-read local variables for later towers' writes, one per device,
+  dtype and shape (creating a variable per model variable was a tenth of
+  a deep model's state combining)."""
 
   def __init__(self):
     self._sinks = {}
 
   def get(self, write: _Write) -> tf.Tensor:
     variable = write.variable
-    key = variable.ref()
+    is_ref = write.op.inputs[0].dtype._is_ref_dtype  # pylint: disable=protected-access
+    key = (variable.device, variable.dtype.base_dtype, tuple(
+        variable.shape.as_list()), is_ref)
     if key not in self._sinks:
-      self._sinks[key] = self._make(variable, write.op.inputs[0])
+      self._sinks[key] = self._make(*key)
     return self._sinks[key]
 
-  def _make(self, variable, handle: tf.Tensor) -> tf.Tensor:
-    is_ref = handle.dtype._is_ref_dtype  # pylint: disable=protected-access
-    with tf.device(variable.device):
+  def _make(self, device, dtype, shape, is_ref) -> tf.Tensor:
+    name = "_".join([dtype.name] + [str(d) for d in shape] +
+                    (["ref"] if is_ref else []))
+    with tf.device(device):
       sink = tf.compat.v1.Variable(
-          lambda: tf.zeros(variable.shape, variable.dtype.base_dtype),
+          lambda: tf.zeros(shape, dtype),
           trainable=False, collections=[tf.compat.v1.GraphKeys.LOCAL_VARIABLES],
-          use_resource=not is_ref,
-          name=f"{variable.op.name}/replicate_sink")
+          use_resource=not is_ref, name=f"replicate_sink/{name}")
     return sink.op.outputs[0] if is_ref else sink.handle
