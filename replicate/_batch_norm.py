@@ -68,8 +68,9 @@ def whole_batch_moments(x, axes, keep_dims: bool, weights=None):
 
   Two passes, as `tf.nn.moments` / `tf.nn.weighted_moments`: the mean, then
   the mean squared distance from it (the mean held constant for the
-  gradient), each a sum over the towers. Used for masked layers; unmasked
-  ones take the leaner `_shard_moments` / `_merged` route.
+  gradient), each a sum over the towers; zero where the weights sum to
+  zero, as `tf.nn.weighted_moments`. Used for masked layers and weighted
+  moments; unmasked ones take the leaner `_shard_moments` / `_merged` route.
   """
   axes = list(axes)
   ones = tf.ones_like(x) if weights is None else tf.broadcast_to(
@@ -78,11 +79,11 @@ def whole_batch_moments(x, axes, keep_dims: bool, weights=None):
     count, total = _collectives.batch_sum([
         tf.reduce_sum(ones, axes, keepdims=True),
         tf.reduce_sum(x * ones, axes, keepdims=True)])
-    mean = total / count
+    mean = tf.math.divide_no_nan(total, count)
     distance = tf.reduce_sum(
         ones * tf.math.squared_difference(x, tf.stop_gradient(mean)), axes,
         keepdims=True)
-    variance = _collectives.batch_sum(distance) / count
+    variance = tf.math.divide_no_nan(_collectives.batch_sum(distance), count)
     if not keep_dims:
       mean, variance, count = (tf.squeeze(t, axes)
                                for t in (mean, variance, count))

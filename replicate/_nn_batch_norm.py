@@ -92,9 +92,8 @@ def _whole_batch(x, axes) -> bool:
 
 
 def _in_float32(x):
-  """Half precision counts in float32, as tf.nn.moments does."""
-  return tf.cast(x, tf.float32) if x.dtype in (tf.float16,
-                                               tf.bfloat16) else x
+  """float16 counts in float32, as tf.nn.moments does."""
+  return tf.cast(x, tf.float32) if x.dtype == tf.float16 else x
 
 
 def _moments(original: Callable) -> Callable:
@@ -141,8 +140,8 @@ def _fused_batch_norm(original: Callable) -> Callable:
     axes = (None if rank is None else
             [a for a in range(rank) if a != channel % rank])
     average = exponential_avg_factor != 1.0
-    if (is_training is not True or (average and mean is None) or
-        not _whole_batch(x, axes)):
+    training = isinstance(is_training, (bool, np.bool_)) and is_training
+    if not training or (average and mean is None) or not _whole_batch(x, axes):
       return original(x, scale, offset, mean=mean, variance=variance,
                       epsilon=epsilon, data_format=data_format,
                       is_training=is_training, name=name,

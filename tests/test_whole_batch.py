@@ -262,8 +262,9 @@ def _raw_batch_norm_model_fn(features, labels, mode, params):
           x, gamma, beta, epsilon=1e-3,
           data_format="NCHW" if form == "fused_nchw" else "NHWC")
   else:
-    if form == "weighted":
-      weights = features["mask"][:, None] + 0.5
+    if form.startswith("weighted"):
+      # "weighted_mask": the middle towers' rows all weigh 0.
+      weights = features["mask"][:, None] + (0.5 if form == "weighted" else 0)
       mean, variance = tf.nn.weighted_moments(x, [0], weights)
     elif form == "moments_keep_dims":
       mean, variance = tf.compat.v1.nn.moments(x, [0, 1, 2], keep_dims=True)
@@ -291,7 +292,7 @@ def _raw_batch_norm_model_fn(features, labels, mode, params):
 
 RAW_BATCH_NORMS = ["fused", "fused_nchw", "fused_average",
                    "fused_stats_in_loss", "moments", "moments_keep_dims",
-                   "dense", "weighted"]
+                   "dense", "weighted", "weighted_mask"]
 
 
 @pytest.mark.parametrize("towers,batch,static", SHAPES, ids=SHAPE_IDS)
@@ -302,8 +303,8 @@ def test_tf_nn_batch_norm_training_is_one_devices(form, towers, batch,
   # tf.compat.v1.nn.moments and tf.nn.weighted_moments over the batch axis:
   # the whole batch's statistics, its moving averages and gradients.
   _assert_one_devices(_raw_batch_norm_model_fn, towers, batch, static,
-                      params={"form": form}, image=form != "dense" and
-                      form != "weighted")
+                      params={"form": form},
+                      image=form not in ("dense", "weighted", "weighted_mask"))
 
 
 def test_tf_nn_batch_norm_moving_statistics_need_no_aggregation():
