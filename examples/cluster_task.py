@@ -283,10 +283,37 @@ def run_task(options: TaskOptions) -> None:
   eval_spec = tf.estimator.EvalSpec(
       lambda: digits_lib.eval_input_fn(test_x, test_y, options.batch_size),
       steps=None, start_delay_secs=0, throttle_secs=options.throttle_secs)
-  tf.estimator.train_and_evaluate(estimator, train_spec, eval_spec)
+  _train_and_evaluate(estimator, train_spec, eval_spec)
   if role in ("chief", "local"):
     _predict(estimator, test_x, test_y, options)
   print(f"{role} done", flush=True)
+
+
+# How many times a trainer starts training again after a peer task restarted.
+_RESTARTED_PEER_RETRIES = 3
+
+
+def _train_and_evaluate(estimator, train_spec, eval_spec) -> None:
+  """`tf.estimator.train_and_evaluate`, again after a peer task restarted.
+
+  A ps that restarts fails the step in flight. TensorFlow's MonitoredSession
+  makes a new session when that surfaces as AbortedError ("Session handle is
+  not found ... just restarted"), but the runtime may report a receive it
+  cancelled first, as a CancelledError carrying the same message, which
+  ends the process (which error comes first is a race). A cluster manager
+  would restart the process; this starts training again in it, from the
+  latest checkpoint.
+  """
+  for attempt in range(_RESTARTED_PEER_RETRIES + 1):
+    try:
+      tf.estimator.train_and_evaluate(estimator, train_spec, eval_spec)
+      return
+    except tf.errors.CancelledError as error:
+      if "just restarted" not in str(error) or (
+          attempt == _RESTARTED_PEER_RETRIES):
+        raise
+      print("a peer task restarted during a step; training again from the "
+            "latest checkpoint", flush=True)
 
 
 def _predict(estimator, test_x, test_y, options: TaskOptions) -> None:
