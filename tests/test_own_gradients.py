@@ -263,16 +263,26 @@ def test_sum_reduction_equals_one_device(num_towers, grad_ys):
   _assert_same(actual, expected)
 
 
-def test_shares_under_an_averaging_reduction_are_an_error():
+def _descent_model_fn(gradients):
+  """Plain descent on `gradients(tape, loss, tvars)`, the loss taken under a
+  GradientTape."""
+
   def model_fn(features, labels, mode, params):
     del params
-    loss = tf.reduce_mean(_per_example_loss(_logits(features), labels))
+    with tf.GradientTape() as tape:
+      loss = tf.reduce_mean(_per_example_loss(_logits(features), labels))
     tvars = tf.compat.v1.trainable_variables()
-    grads = tf.gradients(loss, tvars, grad_ys=tf.constant(1.0))
+    grads = gradients(tape, loss, tvars)
     train_op = tf.compat.v1.train.GradientDescentOptimizer(0.5).apply_gradients(
         zip(grads, tvars), tf.compat.v1.train.get_global_step())
     return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
 
+  return model_fn
+
+
+def test_shares_under_an_averaging_reduction_are_an_error():
+  model_fn = _descent_model_fn(lambda tape, loss, tvars: tf.gradients(
+      loss, tvars, grad_ys=tf.constant(1.0)))
   with pytest.raises(ValueError, match="word_embeddings.*taken in each tower"
                      ".*compute_gradients"):
     _train(model_fn, 8, 2)
@@ -403,16 +413,8 @@ def test_gradient_tape_is_routed_in_towers_then_restored():
 def test_tape_gradients_with_output_gradients_are_an_error():
   # With output_gradients the call is each tower's own: under an averaging
   # reduction their sum is not one device's gradient.
-  def model_fn(features, labels, mode, params):
-    del params
-    with tf.GradientTape() as tape:
-      loss = tf.reduce_mean(_per_example_loss(_logits(features), labels))
-    tvars = tf.compat.v1.trainable_variables()
-    grads = tape.gradient(loss, tvars, output_gradients=tf.constant(1.0))
-    train_op = tf.compat.v1.train.GradientDescentOptimizer(0.5).apply_gradients(
-        zip(grads, tvars), tf.compat.v1.train.get_global_step())
-    return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
-
+  model_fn = _descent_model_fn(lambda tape, loss, tvars: tape.gradient(
+      loss, tvars, output_gradients=tf.constant(1.0)))
   with pytest.raises(ValueError, match="word_embeddings.*taken in each tower"
                      ".*output_gradients"):
     _train(model_fn, 8, 2)

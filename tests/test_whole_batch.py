@@ -320,18 +320,28 @@ def test_tf_nn_batch_norm_moving_statistics_need_no_aggregation():
 def test_tf_nn_moments_off_the_batch_axis_do_not_meet():
   # Moments over the features of each row (layer norm) are each row's: no
   # meeting, no ops on the hub.
-  def model_fn(features, labels, mode, params):
-    del params  # unused
-    x = tf.compat.v1.layers.dense(features["x"], 4, name="hidden")
+  def normalise(x, mode):
+    del mode  # unused
     mean, variance = tf.nn.moments(x, [-1], keepdims=True)
-    x = (x - mean) * tf.math.rsqrt(variance + 1e-3)
-    logits = tf.compat.v1.layers.dense(x, 3, name="logits")
-    return _spec(mode, tf.compat.v1.losses.sparse_softmax_cross_entropy(
-        labels, logits))
+    return (x - mean) * tf.math.rsqrt(variance + 1e-3)
 
+  model_fn = _normalised_dense_model_fn(normalise)
   _assert_one_devices(model_fn, 2, 8, True)
   assert not _hub_ops(model_fn)
   assert _hub_ops(_raw_batch_norm_model_fn, {"form": "dense"})
+
+
+def _normalised_dense_model_fn(normalise):
+  """A dense layer, `normalise(x, mode)` of it, a dense head."""
+
+  def model_fn(features, labels, mode, params):
+    del params  # unused
+    x = tf.compat.v1.layers.dense(features["x"], 4, name="hidden")
+    logits = tf.compat.v1.layers.dense(normalise(x, mode), 3, name="logits")
+    return _spec(mode, tf.compat.v1.losses.sparse_softmax_cross_entropy(
+        labels, logits))
+
+  return model_fn
 
 
 def _hub_ops(model_fn, params=None):
@@ -387,17 +397,13 @@ def test_time_major_batch_statistics_are_one_devices(towers, batch, static):
 def test_tf_nn_moments_in_a_cond_are_each_towers_with_a_warning(caplog):
   # One tower cannot wait for the others inside a tf.cond branch: its own
   # statistics, said in the log rather than silently.
-  def model_fn(features, labels, mode, params):
-    del params  # unused
-    x = tf.compat.v1.layers.dense(features["x"], 4, name="hidden")
+  def normalise(x, mode):
+    del mode  # unused
     mean, variance = tf.cond(tf.constant(True), lambda: tf.nn.moments(x, [0]),
                              lambda: (tf.zeros([4]), tf.ones([4])))
-    x = (x - mean) * tf.math.rsqrt(variance + 1e-3)
-    logits = tf.compat.v1.layers.dense(x, 3, name="logits")
-    return _spec(mode, tf.compat.v1.losses.sparse_softmax_cross_entropy(
-        labels, logits))
+    return (x - mean) * tf.math.rsqrt(variance + 1e-3)
 
-  assert not _hub_ops(model_fn)
+  assert not _hub_ops(_normalised_dense_model_fn(normalise))
   warnings = [r.getMessage() for r in caplog.records
               if "inside a tf.cond" in r.getMessage()]
   assert len(warnings) == 2, warnings  # one per tower
@@ -408,16 +414,11 @@ def test_ghost_batch_norm_is_each_towers_with_a_warning(caplog):
   # Keras' ghost batches (virtual_batch_size) are strided over the whole
   # batch on one device; towers draw them from their shards: said in the
   # log, once per layer.
-  def model_fn(features, labels, mode, params):
-    del params  # unused
-    x = tf.compat.v1.layers.dense(features["x"], 4, name="hidden")
-    x = tf.keras.layers.BatchNormalization(virtual_batch_size=2, name="bn")(
+  def normalise(x, mode):
+    return tf.keras.layers.BatchNormalization(virtual_batch_size=2, name="bn")(
         x, training=mode == TRAIN)
-    logits = tf.compat.v1.layers.dense(x, 3, name="logits")
-    return _spec(mode, tf.compat.v1.losses.sparse_softmax_cross_entropy(
-        labels, logits))
 
-  assert not _hub_ops(model_fn)
+  assert not _hub_ops(_normalised_dense_model_fn(normalise))
   warnings = [r.getMessage() for r in caplog.records
               if "virtual_batch_size" in r.getMessage()]
   assert warnings == [
