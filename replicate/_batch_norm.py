@@ -19,7 +19,7 @@ variance). Where the towers are CPUs of one machine (one memory: a tensor
 passed between them is shared, not copied), a fused layer instead runs the
 kernel once, on the hub, on the towers' shards concatenated: one device's
 kernel on one device's rows, for one copy of the inputs and of their
-gradient. Layers with `virtual_batch_size` keep their own statistics
+gradient (a ReLU of the output runs there too: see `_host_relu`). Layers with `virtual_batch_size` keep their own statistics
 (their ghost batches do not follow the towers' shards), and so does a
 fused layer whose `training` is a tensor rather than a Python bool (its
 kernel runs inside a tf.cond).
@@ -37,6 +37,7 @@ from absl import logging
 from replicate import _aggregate
 from replicate import _collectives
 from replicate import _context
+from replicate import _host_relu
 from replicate import _lockstep
 from replicate import _patches
 
@@ -480,7 +481,8 @@ def _fused_on_concatenation(replication, inputs, params, epsilon: float,
           x=whole, scale=scale, offset=offset, mean=mean, variance=variance,
           epsilon=epsilon, exponential_avg_factor=factor,
           data_format=data_format, is_training=True)
-      return [(y_i, batch_mean, batch_variance) for y_i in place(y)]
+      rows = _host_relu.WholeBatch(replication, y, place).hand_out()
+      return [(y_i, batch_mean, batch_variance) for y_i in rows]
 
   return _lockstep.meet(_MEETING, (inputs, params, running), combine)
 

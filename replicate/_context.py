@@ -70,6 +70,9 @@ class Replication:
   # Names of the ops that split the batch, and of every tower's ops.
   split_op_names: set = dataclasses.field(default_factory=set)
   tower_op_names: set = dataclasses.field(default_factory=set)
+  # Tensor ref of a tower's rows of a whole-batch result -> (the result,
+  # the tower's index); see _host_relu.
+  host_rows: Dict[Any, Any] = dataclasses.field(default_factory=dict)
 
   @contextlib.contextmanager
   def unshared_creation(self):

@@ -18,7 +18,6 @@ statistics (ghost batches), and Keras' LayerNormalization, which runs the
 fused kernel on each example with the batch folded into its channels.
 """
 
-import sys
 from typing import Callable, Dict
 
 import numpy as np
@@ -186,14 +185,8 @@ def _install() -> _patches.Patched:
     layer = _keras_ln.LayerNormalization
     patched.append((layer, "call", layer.call))
     layer.call = _layer_norm_call(layer.call)
-  modules = [module for module_name, module in list(sys.modules.items())
-             if module_name.startswith("tensorflow") and module is not None]
   for name, original in originals:
-    routed = _WRAPPERS[name](original)
-    for module in modules:
-      if getattr(module, "__dict__", {}).get(name) is original:
-        patched.append((module, name, original))
-        setattr(module, name, routed)
+    patched.extend(_patches.rebind(name, original, _WRAPPERS[name](original)))
   return patched
 
 

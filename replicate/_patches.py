@@ -8,6 +8,7 @@ restored by the last to leave.
 """
 
 import contextlib
+import sys
 import threading
 from typing import Any, Callable, List, Tuple
 
@@ -15,6 +16,22 @@ from absl import logging
 
 # (owner, attribute name, original value), as an install function sets them.
 Patched = List[Tuple[Any, str, Any]]
+
+
+def rebind(name: str, original: Any, routed: Any) -> Patched:
+  """Binds `routed` wherever a TensorFlow module binds `original` as `name`.
+
+  TensorFlow exports one function under several modules (e.g. `tf.nn.relu`,
+  `tf.compat.v1.nn.relu`, `gen_nn_ops.relu`); model code may call any of
+  them. Returns what `Patches` restores.
+  """
+  patched = []
+  for module_name, module in list(sys.modules.items()):
+    if (module is not None and module_name.startswith("tensorflow") and
+        getattr(module, "__dict__", {}).get(name) is original):
+      patched.append((module, name, original))
+      setattr(module, name, routed)
+  return patched
 
 
 class Patches:

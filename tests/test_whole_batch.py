@@ -202,10 +202,31 @@ def _batch_norm_model_fn(features, labels, mode, params):
     x = tf.keras.layers.BatchNormalization(
         axis=1 if params["input"] == "nchw" else -1, fused=params["fused"],
         name="bn")(x, training=training)
+  x = _activated(x, params.get("activation"))
   logits = tf.compat.v1.layers.dense(tf.compat.v1.layers.flatten(x), 3,
                                      name="logits")
   return _spec(mode, tf.compat.v1.losses.sparse_softmax_cross_entropy(
       labels, logits))
+
+
+def _activated(x, activation):
+  """The layers' ReLU after batch norm, as model code writes it."""
+  if activation is None:
+    return x
+  if activation == "keras_activation":
+    return tf.keras.layers.Activation("relu")(x)
+  if activation == "keras_relu":
+    return tf.keras.layers.ReLU()(x)
+  if activation == "v1_relu":
+    return tf.compat.v1.nn.relu(x)
+  if activation == "residual":
+    # Pre-activation style: the normalised rows feed the ReLU and the sum.
+    return tf.nn.relu(x) + x
+  if activation == "control_dependency":
+    with tf.control_dependencies([tf.debugging.assert_all_finite(x, "bn")]):
+      return tf.nn.relu(x, name="after_check")
+  assert activation == "relu", activation
+  return tf.nn.relu(x)
 
 
 BATCH_NORMS = [
@@ -280,6 +301,7 @@ def _raw_batch_norm_model_fn(features, labels, mode, params):
                                      (moving_variance, variance))]
   for update in updates:
     tf.compat.v1.add_to_collection(tf.compat.v1.GraphKeys.UPDATE_OPS, update)
+  x = _activated(x, params.get("activation"))
   logits = tf.compat.v1.layers.dense(tf.compat.v1.layers.flatten(x), 3,
                                      name="logits")
   loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
@@ -373,6 +395,76 @@ def test_fused_batch_norm_on_one_hosts_cpus_runs_once_on_the_batch(towers):
   kernels = _training_kernels(harness.GPU_NAMES, towers)
   assert sorted(device for device, _ in kernels) == [
       f"/device:GPU:{i}" for i in range(towers)]
+
+
+# The ReLU after a fused layer: where the kernel ran on the concatenated
+# batch, it runs there too (see replicate/_host_relu.py).
+ACTIVATIONS = [
+    ("layer", dict(BATCH_NORMS[5], activation="relu")),            # v1 fused
+    ("layer", dict(BATCH_NORMS[3], activation="keras_activation")),
+    ("layer", dict(BATCH_NORMS[6], activation="keras_relu")),      # NCHW
+    ("tf_nn", {"form": "fused_average", "activation": "v1_relu"}),
+    ("layer", dict(BATCH_NORMS[3], activation="residual")),
+    ("layer", dict(BATCH_NORMS[5], activation="control_dependency")),
+]
+ACTIVATION_IDS = [p["activation"] for _, p in ACTIVATIONS]
+# Even and uneven, static and dynamic, phantom rows known when built and not.
+ACTIVATION_SHAPES = [(2, 8, True), (4, 10, False), (4, 3, True),
+                     (4, 3, False)]
+
+
+@pytest.mark.parametrize("towers,batch,static", ACTIVATION_SHAPES,
+                         ids=[f"{n}towers-batch{b}-{'static' if s else 'dynamic'}"
+                              for n, b, s in ACTIVATION_SHAPES])
+@pytest.mark.parametrize("kind,params", ACTIVATIONS, ids=ACTIVATION_IDS)
+def test_relu_after_a_concatenated_layer_is_one_devices(kind, params, towers,
+                                                        batch, static):
+  _assert_fused_is_one_devices(kind, params, towers, batch, static)
+
+
+def _relus(device_kind, towers, activation):
+  """(name, device, type of its input) of each Relu of a one-layer TRAIN
+  graph, and the graph."""
+  with tf.Graph().as_default() as graph:
+    tf.compat.v1.train.create_global_step()
+    features, labels = harness.batches(_data(8, 1, image=True), 8)
+    replicate.replicate_model_fn(
+        _batch_norm_model_fn, devices=harness.devices(device_kind, towers))(
+            features, labels, TRAIN,
+            dict(BATCH_NORMS[5], activation=activation))
+  return [(op.name, op.device, op.inputs[0].op.type)
+          for op in graph.get_operations() if op.type == "Relu"], graph
+
+
+@pytest.mark.parametrize("towers", [2, 4])
+def test_relu_after_a_concatenated_layer_runs_once_on_the_batch(towers):
+  # One ReLU, on the hub, reading the kernel (grappler fuses the two); each
+  # tower gets an Identity of its rows under the ReLU's own name.
+  relus, graph = _relus(harness.VIRTUAL_CPUS, towers, "relu")
+  assert relus == [("sync_batch_norm/Relu", "/device:CPU:0",
+                    "FusedBatchNormV3")]
+  tower_relus = sorted((op.name, op.device) for op in graph.get_operations()
+                       if op.name.endswith("Relu") and op.type == "Identity")
+  assert tower_relus == sorted(
+      [("Relu", "/device:CPU:0")] +
+      [(f"tower_{i}/Relu", f"/device:CPU:{i}") for i in range(1, towers)])
+  # Towers apart (GPU names) normalise in their own towers: their ReLUs too.
+  relus, _ = _relus(harness.GPU_NAMES, towers, "relu")
+  assert sorted(device for _, device, _ in relus) == [
+      f"/device:GPU:{i}" for i in range(towers)]
+
+
+def test_relu_after_a_concatenated_layer_keeps_the_towers_dependencies():
+  # The ReLU built under each tower's control dependencies waits for that
+  # tower's check; the ReLU on the batch waits for none.
+  _, graph = _relus(harness.VIRTUAL_CPUS, 2, "control_dependency")
+  for scope in ("", "tower_1/"):
+    op = graph.get_operation_by_name(scope + "after_check")
+    assert op.type == "Identity"
+    assert [c.name for c in op.control_inputs] == [
+        scope + "VerifyFinite/control_dependency"]
+  assert not graph.get_operation_by_name(
+      "sync_batch_norm/Relu").control_inputs
 
 
 def test_tf_nn_batch_norm_moving_statistics_need_no_aggregation():
