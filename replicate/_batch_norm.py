@@ -19,10 +19,11 @@ variance). Where the towers are CPUs of one machine (one memory: a tensor
 passed between them is shared, not copied), a fused layer instead runs the
 kernel once, on the hub, on the towers' shards concatenated: one device's
 kernel on one device's rows, for one copy of the inputs and of their
-gradient (a ReLU of the output runs there too: see `_host_relu`). Layers with `virtual_batch_size` keep their own statistics
-(their ghost batches do not follow the towers' shards), and so does a
-fused layer whose `training` is a tensor rather than a Python bool (its
-kernel runs inside a tf.cond).
+gradient (a ReLU of the output runs there too: see `_host_relu`). Layers
+with `virtual_batch_size` keep their own statistics (their ghost batches
+do not follow the towers' shards), and so does a fused layer whose
+`training` is a tensor rather than a Python bool (its kernel runs inside a
+tf.cond).
 """
 
 

@@ -66,7 +66,7 @@ class WholeBatch:
 
 
 def _rows_of_whole_batch(features: Any):
-  """(WholeBatch, tower index) where `features` are a tower's rows, else None."""
+  """(WholeBatch, tower index) if `features` are a tower's rows, else None."""
   replication = _context.current_replication()
   if (replication is None or replication.tower is None or
       not isinstance(features, tf.Tensor)):

@@ -29,8 +29,14 @@ STEPS = 3
 # row that must count nowhere).
 SHAPES = [(2, 8, True), (4, 10, False), (2, 7, False), (4, 8, True),
           (4, 3, False)]
-SHAPE_IDS = [f"{n}towers-batch{b}-{'static' if s else 'dynamic'}"
-             for n, b, s in SHAPES]
+
+
+def _shape_ids(shapes):
+  return [f"{n}towers-batch{b}-{'static' if s else 'dynamic'}"
+          for n, b, s in shapes]
+
+
+SHAPE_IDS = _shape_ids(SHAPES)
 
 
 def _data(batch, num_batches=STEPS, image=False):
@@ -339,8 +345,7 @@ FUSED_FORMS = (
 # (towers, batch, static) beyond SHAPES: a static batch smaller than the
 # towers (the last tower's phantom row is known when the graph is built).
 FUSED_SHAPES = SHAPES + [(4, 3, True)]
-FUSED_SHAPE_IDS = [f"{n}towers-batch{b}-{'static' if s else 'dynamic'}"
-                   for n, b, s in FUSED_SHAPES]
+FUSED_SHAPE_IDS = _shape_ids(FUSED_SHAPES)
 FUSED_FORM_IDS = [f"{k}-{p.get('form') or p['layer'] + '-' + p['input']}"
                   for k, p in FUSED_FORMS]
 
@@ -414,8 +419,7 @@ ACTIVATION_SHAPES = [(2, 8, True), (4, 10, False), (4, 3, True),
 
 
 @pytest.mark.parametrize("towers,batch,static", ACTIVATION_SHAPES,
-                         ids=[f"{n}towers-batch{b}-{'static' if s else 'dynamic'}"
-                              for n, b, s in ACTIVATION_SHAPES])
+                         ids=_shape_ids(ACTIVATION_SHAPES))
 @pytest.mark.parametrize("kind,params", ACTIVATIONS, ids=ACTIVATION_IDS)
 def test_relu_after_a_concatenated_layer_is_one_devices(kind, params, towers,
                                                         batch, static):
