@@ -166,3 +166,24 @@ def test_build_cost_quick_reports_ops_and_ratios(tmp_path):
           1.2 * rows[("model_fn", "unsync", 2)]["ops"])
   assert all(r["build_s"] > 0 and r["x_plain_s"] > 0 for r in rows.values())
   assert "| model_fn | sync | 2 |" in proc.stdout
+
+
+def test_op_times_lists_each_variants_step_and_op_types():
+  # benchmarks/op_times.py: a step time, a traced op time and the op types
+  # of each variant, in the order asked (timings are not asserted).
+  proc = subprocess.run(
+      [sys.executable, os.path.join(_BENCHMARKS, "op_times.py"), "--steps=1",
+       "--trace_steps=1", "--towers=2", "--variants=plain,sync", "--top=50"],
+      capture_output=True, text=True, timeout=300, cwd=_ROOT,
+      env=common.worker_env())
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  heads = [line for line in proc.stdout.splitlines()
+           if line.startswith("cnn_bn ")]
+  assert [line.split(":")[0] for line in heads] == [
+      "cnn_bn plain N=1", "cnn_bn sync N=2"]
+  for line in heads:
+    step = float(line.split("step ")[1].split(" ms")[0])
+    traced = float(line.split("op time ")[1].split(" ms")[0])
+    assert step > 0 and traced > 0, line
+  sync = proc.stdout.split("cnn_bn sync N=2")[1]
+  assert "FusedBatchNorm" in sync and "Conv2D" in sync
