@@ -137,6 +137,15 @@ class Scopes(NamedTuple):
                tf.compat.v1.get_variable_scope())
 
 
+def in_v1_control_flow(graph: tf.Graph) -> bool:
+  """Whether ops built now in `graph` sit in a v1 tf.cond / tf.while_loop.
+
+  (v2 control flow and tf.function build in graphs of their own.)
+  """
+  # Private: Graph._get_control_flow_context is the only way to see it.
+  return graph._get_control_flow_context() is not None  # pylint: disable=protected-access
+
+
 def absolute_name_scope(graph: tf.Graph, scope: str):
   """Enters name scope `scope` exactly ('' is the top level)."""
   return graph.name_scope(scope + "/" if scope else None)

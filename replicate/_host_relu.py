@@ -72,10 +72,7 @@ def _rows_of_whole_batch(features: Any):
       not isinstance(features, tf.Tensor)):
     return None
   found = replication.host_rows.get(features.ref())
-  # Private: Graph._get_control_flow_context is the only way to see that
-  # ops being built sit in a v1 tf.cond / tf.while_loop.
-  if (found is None or
-      replication.graph._get_control_flow_context() is not None):  # pylint: disable=protected-access
+  if found is None or _context.in_v1_control_flow(replication.graph):
     return None
   return found
 

@@ -77,11 +77,7 @@ def _whole_batch(x, axes) -> bool:
       not _reduces_batch_axis(x, axes, replication)):
     return False
   graph = tf.compat.v1.get_default_graph()
-  # Private: Graph._get_control_flow_context is the only way to see that
-  # ops being built sit in a v1 tf.cond / tf.while_loop (v2 control flow
-  # and tf.function build in a graph of their own).
-  if (graph is replication.graph and
-      graph._get_control_flow_context() is None):  # pylint: disable=protected-access
+  if graph is replication.graph and not _context.in_v1_control_flow(graph):
     return True
   logging.warning(
       "replicate: batch statistics of %s are built inside a tf.cond, "
