@@ -22,9 +22,6 @@ import tensorflow as tf
 from replicate import _context
 from replicate import _patches
 
-# The function every public name of the ReLU is bound to.
-from tensorflow.python.ops import gen_nn_ops as _gen_nn_ops  # pylint: disable=g-direct-tensorflow-import
-
 
 class WholeBatch:
   """A result computed on the towers' concatenated rows, handed out per tower.
@@ -89,7 +86,10 @@ def _relu(original: Callable[..., tf.Tensor]) -> Callable[..., tf.Tensor]:
 
 
 def _install() -> _patches.Patched:
-  return _patches.rebind("relu", _gen_nn_ops.relu, _relu(_gen_nn_ops.relu))
+  # tf.nn.relu is the one function every TensorFlow module binds as `relu`
+  # (gen_nn_ops' generated op wrapper).
+  original = tf.nn.relu
+  return _patches.rebind("relu", original, _relu(original))
 
 
 _PATCHES = _patches.Patches("tf.nn.relu of whole-batch rows", _install)
