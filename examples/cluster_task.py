@@ -9,6 +9,7 @@ import this module.
 """
 
 import dataclasses
+import functools
 import os
 import threading
 import time
@@ -283,7 +284,7 @@ def run_task(options: TaskOptions) -> None:
   eval_spec = tf.estimator.EvalSpec(
       lambda: digits_lib.eval_input_fn(test_x, test_y, options.batch_size),
       steps=None, start_delay_secs=0, throttle_secs=options.throttle_secs)
-  _train_and_evaluate(estimator, train_spec, eval_spec)
+  train_and_evaluate(estimator, train_spec, eval_spec)
   if role in ("chief", "local"):
     _predict(estimator, test_x, test_y, options)
   print(f"{role} done", flush=True)
@@ -293,20 +294,27 @@ def run_task(options: TaskOptions) -> None:
 _RESTARTED_PEER_RETRIES = 3
 
 
-def _train_and_evaluate(estimator, train_spec, eval_spec) -> None:
-  """`tf.estimator.train_and_evaluate`, again after a peer task restarted.
+def train_and_evaluate(estimator: tf.estimator.Estimator,
+                       train_spec: tf.estimator.TrainSpec,
+                       eval_spec: tf.estimator.EvalSpec) -> None:
+  """`tf.estimator.train_and_evaluate`; trains on after a peer task restarted.
 
   A ps that restarts fails the step in flight. TensorFlow's MonitoredSession
   makes a new session when that surfaces as AbortedError ("Session handle is
   not found ... just restarted"), but the runtime may report a receive it
   cancelled first, as a CancelledError carrying the same message, which
   ends the process (which error comes first is a race). A cluster manager
-  would restart the process; this starts training again in it, from the
-  latest checkpoint.
+  would restart the process; this trains again in it, from the latest
+  checkpoint, with `Estimator.train`: what `train_and_evaluate` runs on a
+  trainer once it has started the task's server. That server keeps serving
+  (TensorFlow cannot stop a gRPC server); a second one on its port would
+  not start.
   """
+  train = functools.partial(tf.estimator.train_and_evaluate, estimator,
+                            train_spec, eval_spec)
   for attempt in range(_RESTARTED_PEER_RETRIES + 1):
     try:
-      tf.estimator.train_and_evaluate(estimator, train_spec, eval_spec)
+      train()
       return
     except tf.errors.CancelledError as error:
       if "just restarted" not in str(error) or (
@@ -314,6 +322,9 @@ def _train_and_evaluate(estimator, train_spec, eval_spec) -> None:
         raise
       print("a peer task restarted during a step; training again from the "
             "latest checkpoint", flush=True)
+      train = functools.partial(
+          estimator.train, train_spec.input_fn, hooks=train_spec.hooks,
+          max_steps=train_spec.max_steps)
 
 
 def _predict(estimator, test_x, test_y, options: TaskOptions) -> None:
