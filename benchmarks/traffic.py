@@ -93,6 +93,11 @@ def _keras_logits(model: str, x):
 
 
 def _logits(model: str, features):
+  if model.endswith("_ref"):
+    # Reference variables (TF1's, `use_resource=False`), same names.
+    with tf.compat.v1.variable_scope(tf.compat.v1.get_variable_scope(),
+                                     use_resource=False):
+      return _logits(model[:-len("_ref")], features)
   if model in ("lstm", "bn"):
     return _keras_logits(model, features["x"])
   if model == "ema":
@@ -133,7 +138,7 @@ def model_fn(features, labels, mode, params):
 def _data(model: str, batch_size: int):
   rng = np.random.RandomState(_SEED)
   y = rng.randint(0, 10, size=batch_size).astype(np.int32)
-  if model != "embedding":
+  if not model.startswith("embedding"):
     return {"x": rng.randn(batch_size, 784).astype(np.float32)}, y
   # Distinct ids per example, so one device's rows are 4 * batch_size.
   ids = rng.choice(_VOCAB, size=(batch_size, 4), replace=False)
@@ -178,7 +183,7 @@ def _transfers(run_metadata) -> Dict[str, int]:
 
 def measure(cluster: Cluster, model: str, towers: Optional[int],
             batch_size: int, steps: int, values_dir: Optional[str],
-            traces: int = 3) -> Dict:
+            traces: int = 6) -> Dict:
   """Trains `steps` steps, traces `traces` more; bytes per direction.
 
   towers=None: the unwrapped model_fn; else replicate_model_fn over the
@@ -241,7 +246,7 @@ def run(models: List[str], towers: List[int], cpus: int, batch_size: int,
     # unwrapped model_fn sends.
     minimum = ({d: plain["parameter_bytes"]
                 for d in ("worker_to_ps", "ps_to_worker")}
-               if model != "embedding" else
+               if not model.startswith("embedding") else
                {d: plain[d] for d in ("worker_to_ps", "ps_to_worker")})
     for result in [plain] + [
         measure(cluster, model, n, batch_size, steps, values_dir)

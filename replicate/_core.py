@@ -23,6 +23,7 @@ from replicate import _cluster
 from replicate import _context
 from replicate import _devices
 from replicate import _host_relu
+from replicate import _lookups
 from replicate import _merge
 from replicate import _nn_batch_norm
 from replicate import _own_gradients
@@ -270,7 +271,7 @@ def _run_towers(model_fn, features, labels, mode, arguments, devices,
   with _context.replication_scope(replication), \
       _batch_norm.synchronized(replication), \
       _nn_batch_norm.synchronized(replication), \
-      _host_relu.routed(replication), \
+      _host_relu.routed(replication), _lookups.routed(replication), \
       _routing.routed(replication), _own_gradients.routed(replication):
     specs = _towers.build_towers(
         replication,

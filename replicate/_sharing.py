@@ -123,11 +123,7 @@ def _after_writes_possible() -> bool:
 
 
 def _is_resource(variable) -> bool:
-  """Whether `variable` is a resource variable (reference ones have no handle).
-
-  A reference variable's gathers read its value (`tf.gather` converts it),
-  so one copy of it would send a whole embedding table instead of rows.
-  """
+  """Whether `variable` is a resource variable (reference ones have no handle)."""
   handle = getattr(variable, "handle", None)
   return isinstance(handle, tf.Tensor) and handle.dtype == tf.resource
 
@@ -135,32 +131,45 @@ def _is_resource(variable) -> bool:
 def read_once_per_step(variable, device: str) -> None:
   """Makes the towers share one read of `variable` per step, on `device`.
 
-  For a trained resource variable on another task than the towers (a
-  parameter server): its value (what `tf.convert_to_tensor` and every op
-  taking the variable read) becomes one copy on the towers' task, made at
-  the start of the step, instead of one read over the network per tower.
-  TensorFlow adds the towers' gradient contributions where that copy is
-  (gradients are colocated with their ops), so one summed gradient crosses
-  the network too. A read that may come after a write of the same step
-  (under control dependencies) reads afresh, as on one device, and so do
-  `read_value()` and gathers (`sparse_read`: an embedding's rows). This is
-  what `caching_device` does, but decided once the variable's device is
-  known, and without the stale reads after writes.
+  For a trained variable on another task than the towers (a parameter
+  server): its value (what `tf.convert_to_tensor` and every op taking the
+  variable read) becomes one copy on the towers' task, made at the start of
+  the step, instead of one read over the network per tower. TensorFlow adds
+  the towers' gradient contributions where that copy is (gradients are
+  colocated with their ops), so one summed gradient crosses the network
+  too. A read that may come after a write of the same step (under control
+  dependencies) reads as on one device: a resource variable afresh, a
+  reference variable its own snapshot (stale there on one device too). So
+  do a resource variable's `read_value()` and gathers (`sparse_read`: an
+  embedding's rows), and TensorFlow's embedding lookups of a reference
+  variable (see `_lookups`): their gathers run where the variable is, and
+  only rows cross. This is what `caching_device` does, but decided once the
+  variable's device is known, and without the stale reads after writes.
   """
-  if not (_is_resource(variable) and variable.trainable and
+  if not (variable.trainable and
           _devices.other_task(variable.device, device)):
     return
-  fresh = variable.value
+  own = variable.value
   with tf.init_scope(), tf.compat.v1.device(None), tf.device(device):
     # Named after the variable, as its own reads are.
     with tf.name_scope(variable.op.name + "/"):
-      cached = tf.identity(fresh(), name="read_once_per_step")
+      cached = tf.identity(own(), name="read_once_per_step")
 
   def value():
-    return fresh() if _after_writes_possible() else cached
+    return own() if _after_writes_possible() else cached
 
+  value.own = own
   # Tensor conversion calls the variable's own `value`.
   variable.value = value
+
+
+def own_read(variable) -> Optional[tf.Tensor]:
+  """A reference variable's own read where towers share a copy, else None.
+
+  For the ops that must run where the variable is (see `_lookups`).
+  """
+  own = getattr(getattr(variable, "value", None), "own", None)
+  return None if own is None or _is_resource(variable) else own()
 
 
 def variable_creator(replication: Replication, index: int, name_root: str):

@@ -9,7 +9,8 @@ towers: the dense models' bytes per direction are their parameters' bytes
 (an MLP; a Keras LSTM, whose loop reads its variables at every time step;
 a conv with Keras batch normalization, whose moving statistics are written
 each step), the embedding model's what the unwrapped model_fn sends (the
-rows it gathers, their gradient rows, the dense variables once). Losses and variables
+rows it gathers, their gradient rows, the dense variables once); with
+reference variables (`_ref`, TF1's `use_resource=False`) too. Losses and variables
 (optimizer slots included) are one device's (the unwrapped model_fn on the
 same cluster), and so is an average of the weights taken after the
 train_op: it sees the updated weights, not the step's one shared read.
@@ -40,7 +41,7 @@ def traffic(tmp_path_factory):
   proc = subprocess.run(
       [sys.executable, os.path.join(_ROOT, "benchmarks", "traffic.py"),
        "--towers=" + ",".join(map(str, TOWERS)), "--batch_size=30",
-       "--models=mlp,embedding,lstm,bn,ema",
+       "--models=mlp,embedding,lstm,bn,ema,mlp_ref,embedding_ref",
        f"--result_file={out / 'rows.json'}", f"--values_dir={out}"],
       capture_output=True, text=True, timeout=240, cwd=_ROOT, env=env)
   assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
@@ -48,7 +49,8 @@ def traffic(tmp_path_factory):
   return {(r["model"], r["towers"]): r for r in rows}, out
 
 
-@pytest.mark.parametrize("model", ["mlp", "embedding", "bn", "lstm"])
+@pytest.mark.parametrize(
+    "model", ["mlp", "embedding", "bn", "lstm", "mlp_ref", "embedding_ref"])
 @pytest.mark.parametrize("towers", TOWERS)
 def test_each_trainer_reads_each_variable_once_and_sends_one_gradient(
     traffic, model, towers):
@@ -65,7 +67,9 @@ def test_each_trainer_reads_each_variable_once_and_sends_one_gradient(
     assert row[f"{direction}_ratio"] <= _MAX_RATIO, row
 
 
-@pytest.mark.parametrize("model", ["mlp", "embedding", "bn", "lstm", "ema"])
+@pytest.mark.parametrize(
+    "model", ["mlp", "embedding", "bn", "lstm", "ema", "mlp_ref",
+              "embedding_ref"])
 @pytest.mark.parametrize("towers", TOWERS)
 def test_losses_and_variables_are_one_devices(traffic, model, towers):
   _, out = traffic
@@ -74,6 +78,6 @@ def test_losses_and_variables_are_one_devices(traffic, model, towers):
   assert sorted(actual.files) == sorted(expected.files)
   for name in expected.files:
     # float32 sums over the towers' shares, in another order than one
-    # device's; five steps of Momentum.
+    # device's; eight steps of Momentum.
     np.testing.assert_allclose(actual[name], expected[name], rtol=1e-5,
                                atol=1e-6, err_msg=name)
