@@ -28,11 +28,8 @@ def _own_reads(params: Any) -> Any:
     return params if own is None else own
   if not isinstance(params, collections.abc.Iterable):
     return params
-  params = list(params)  # a list, or a PartitionedVariable's parts
-  reads = [_sharing.own_read(p) for p in params]
-  if all(r is None for r in reads):
-    return params
-  return [p if r is None else r for p, r in zip(params, reads)]
+  # A list, or a PartitionedVariable's parts.
+  return [_own_reads(p) if isinstance(p, tf.Variable) else p for p in params]
 
 
 def _lookup(original: Callable[..., Any]) -> Callable[..., Any]:
