@@ -13,7 +13,9 @@ ps->worker) as bytes per step and as a multiple of the minimum:
   per variable per step, each the parameters' bytes;
 - `embedding` (a 20000x64 table gathered by the batch's ids, then dense
   layers): what the unwrapped model_fn sends (the rows one device reads and
-  their gradient, the dense variables once);
+  their gradient, the dense variables once); `embedding_sparse` the same
+  table in 4 partitions, looked up as embedding columns do
+  (`safe_embedding_lookup_sparse`, each example's mean);
 - `ema` (784-32-10 with an ExponentialMovingAverage of the weights after
   the train_op), for its values: the averages must see the updated weights;
 - `lstm` (a Keras LSTM(32) over the image's 28 rows: a loop that reads its
@@ -45,7 +47,8 @@ import replicate
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("models", ["mlp", "embedding"],
-                  "Models: mlp, embedding, lstm, bn, ema (for the values).")
+                  "Models: mlp, embedding, embedding_sparse, lstm, bn, ema (for "
+                  "the values); a `_ref` suffix: reference variables.")
 flags.DEFINE_list("towers", ["1", "2", "4"], "Tower counts N (plain always).")
 flags.DEFINE_integer("cpus", 4, "CPU devices of the worker.")
 flags.DEFINE_integer("batch_size", 64, "Global batch.")
@@ -107,11 +110,23 @@ def _logits(model: str, features):
     h = _dense(features["x"], 512, "hidden1", 1, tf.nn.relu)
     h = _dense(h, 512, "hidden2", 2, tf.nn.relu)
     return _dense(h, 10, "logits", 3)
-  table = tf.compat.v1.get_variable(
-      "embedding", [_VOCAB, _EMBEDDING],
-      initializer=tf.compat.v1.random_normal_initializer(seed=4))
-  rows = tf.nn.embedding_lookup(table, features["ids"])  # [batch, 4, 64]
-  h = tf.reshape(rows, [-1, 4 * _EMBEDDING])
+  if model == "embedding_sparse":
+    # As embedding columns look up: a partitioned table, a safe sparse
+    # lookup averaging each example's ids.
+    table = tf.compat.v1.get_variable(
+        "embedding", [_VOCAB, _EMBEDDING],
+        initializer=tf.compat.v1.random_normal_initializer(seed=4),
+        partitioner=tf.compat.v1.fixed_size_partitioner(4))
+    ids = tf.sparse.from_dense(features["ids"] + 1)  # id 0 would be dropped
+    h = tf.compat.v1.nn.safe_embedding_lookup_sparse(
+        table, tf.SparseTensor(ids.indices, ids.values - 1, ids.dense_shape),
+        combiner="mean")
+  else:
+    table = tf.compat.v1.get_variable(
+        "embedding", [_VOCAB, _EMBEDDING],
+        initializer=tf.compat.v1.random_normal_initializer(seed=4))
+    rows = tf.nn.embedding_lookup(table, features["ids"])  # [batch, 4, 64]
+    h = tf.reshape(rows, [-1, 4 * _EMBEDDING])
   h = _dense(h, 32, "hidden", 5, tf.nn.relu)
   return _dense(h, 10, "logits", 6)
 

@@ -8,28 +8,40 @@ with that value. Given the shared copy it would gather on the trainer, and
 the whole table would cross the network each step where one device sends
 the rows it looks up. So while towers are built, TensorFlow's
 `embedding_lookup` (which its sparse and safe lookups and Keras'
-`Embedding` call) is given such variables' own reads, as on one device.
+`Embedding` call) is given such variables' own reads, as on one device,
+also where it is given their shared copies (the safe sparse lookup, which
+embedding columns use, converts its tables first).
 """
 
-import collections.abc
 from typing import Any, Callable
 
 import tensorflow as tf
+# TensorFlow exports no name for what get_variable returns with a
+# partitioner; its embedding lookups look its parts up as a list.
+from tensorflow.python.ops.variables import PartitionedVariable as _PartitionedVariable  # pylint: disable=g-direct-tensorflow-import
 
 from replicate import _context
 from replicate import _patches
 from replicate import _sharing
 
 
+def _own_read(param: Any) -> Any:
+  own = (_sharing.own_read(param)
+         if isinstance(param, (tf.Variable, tf.Tensor)) else None)
+  return param if own is None else own
+
+
 def _own_reads(params: Any) -> Any:
-  """`params` with each shared reference variable replaced by its own read."""
-  if isinstance(params, tf.Variable):
-    own = _sharing.own_read(params)
-    return params if own is None else own
-  if not isinstance(params, collections.abc.Iterable):
-    return params
-  # A list, or a PartitionedVariable's parts.
-  return [_own_reads(p) if isinstance(p, tf.Variable) else p for p in params]
+  """`params` with each shared reference variable replaced by its own read.
+
+  A shared variable may come as itself or as its shared copy (converted).
+  As the lookup reads `params`: a list holds partitions, and so do a
+  `PartitionedVariable`'s parts; anything else (a tensor, a tuple, an array)
+  is one table, passed on as it is.
+  """
+  if isinstance(params, (list, _PartitionedVariable)):
+    return [_own_read(p) for p in params]
+  return _own_read(params)
 
 
 def _lookup(original: Callable[..., Any]) -> Callable[..., Any]:

@@ -9,6 +9,7 @@ import collections
 import copy
 import re
 from typing import Optional
+import weakref
 
 import tensorflow as tf
 from absl import logging
@@ -161,15 +162,28 @@ def read_once_per_step(variable, device: str) -> None:
   value.own = own
   # Tensor conversion calls the variable's own `value`.
   variable.value = value
+  if not _is_resource(variable):
+    _REFERENCE_COPIES.setdefault(cached.graph, {})[cached.ref()] = own
 
 
-def own_read(variable) -> Optional[tf.Tensor]:
+# Per graph: each shared copy of a reference variable -> its own read.
+_REFERENCE_COPIES = weakref.WeakKeyDictionary()
+
+
+def own_read(value) -> Optional[tf.Tensor]:
   """A reference variable's own read where towers share a copy, else None.
 
-  For the ops that must run where the variable is (see `_lookups`).
+  `value`: the variable, or the shared copy converting it gives (TensorFlow's
+  safe sparse lookup converts its tables before it looks rows up). For the
+  ops that must run where the variable is (see `_lookups`).
   """
-  own = getattr(getattr(variable, "value", None), "own", None)
-  return None if own is None or _is_resource(variable) else own()
+  if isinstance(value, tf.Tensor):
+    own = _REFERENCE_COPIES.get(value.graph, {}).get(value.ref())
+  elif _is_resource(value):
+    own = None
+  else:
+    own = getattr(getattr(value, "value", None), "own", None)
+  return None if own is None else own()
 
 
 def variable_creator(replication: Replication, index: int, name_root: str):

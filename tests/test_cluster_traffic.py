@@ -10,7 +10,9 @@ towers: the dense models' bytes per direction are their parameters' bytes
 a conv with Keras batch normalization, whose moving statistics are written
 each step), the embedding model's what the unwrapped model_fn sends (the
 rows it gathers, their gradient rows, the dense variables once); with
-reference variables (`_ref`, TF1's `use_resource=False`) too. Losses and variables
+reference variables (`_ref`, TF1's `use_resource=False`) too, among them a
+partitioned table looked up as embedding columns do (the safe sparse
+lookup converts its tables before it looks rows up). Losses and variables
 (optimizer slots included) are one device's (the unwrapped model_fn on the
 same cluster), and so is an average of the weights taken after the
 train_op: it sees the updated weights, not the step's one shared read.
@@ -41,7 +43,8 @@ def traffic(tmp_path_factory):
   proc = subprocess.run(
       [sys.executable, os.path.join(_ROOT, "benchmarks", "traffic.py"),
        "--towers=" + ",".join(map(str, TOWERS)), "--batch_size=30",
-       "--models=mlp,embedding,lstm,bn,ema,mlp_ref,embedding_ref",
+       "--models=mlp,embedding,lstm,bn,ema,mlp_ref,embedding_ref,"
+       "embedding_sparse_ref",
        f"--result_file={out / 'rows.json'}", f"--values_dir={out}"],
       capture_output=True, text=True, timeout=240, cwd=_ROOT, env=env)
   assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
@@ -50,7 +53,8 @@ def traffic(tmp_path_factory):
 
 
 @pytest.mark.parametrize(
-    "model", ["mlp", "embedding", "bn", "lstm", "mlp_ref", "embedding_ref"])
+    "model", ["mlp", "embedding", "bn", "lstm", "mlp_ref", "embedding_ref",
+              "embedding_sparse_ref"])
 @pytest.mark.parametrize("towers", TOWERS)
 def test_each_trainer_reads_each_variable_once_and_sends_one_gradient(
     traffic, model, towers):
@@ -69,7 +73,7 @@ def test_each_trainer_reads_each_variable_once_and_sends_one_gradient(
 
 @pytest.mark.parametrize(
     "model", ["mlp", "embedding", "bn", "lstm", "ema", "mlp_ref",
-              "embedding_ref"])
+              "embedding_ref", "embedding_sparse_ref"])
 @pytest.mark.parametrize("towers", TOWERS)
 def test_losses_and_variables_are_one_devices(traffic, model, towers):
   _, out = traffic
