@@ -16,6 +16,8 @@ ps->worker) as bytes per step and as a multiple of the minimum:
   their gradient, the dense variables once); `embedding_sparse` the same
   table in 4 partitions, looked up as embedding columns do
   (`safe_embedding_lookup_sparse`, each example's mean);
+  `embedding_converted` the lookup given the table's value (converted),
+  not the variable;
 - `ema` (784-32-10 with an ExponentialMovingAverage of the weights after
   the train_op), for its values: the averages must see the updated weights;
 - `lstm` (a Keras LSTM(32) over the image's 28 rows: a loop that reads its
@@ -47,8 +49,9 @@ import replicate
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("models", ["mlp", "embedding"],
-                  "Models: mlp, embedding, embedding_sparse, lstm, bn, ema (for "
-                  "the values); a `_ref` suffix: reference variables.")
+                  "Models: mlp, embedding, embedding_sparse, "
+                  "embedding_converted, lstm, bn, ema (for the values); a "
+                  "`_ref` suffix: reference variables.")
 flags.DEFINE_list("towers", ["1", "2", "4"], "Tower counts N (plain always).")
 flags.DEFINE_integer("cpus", 4, "CPU devices of the worker.")
 flags.DEFINE_integer("batch_size", 64, "Global batch.")
@@ -125,6 +128,10 @@ def _logits(model: str, features):
     table = tf.compat.v1.get_variable(
         "embedding", [_VOCAB, _EMBEDDING],
         initializer=tf.compat.v1.random_normal_initializer(seed=4))
+    if model == "embedding_converted":
+      # The table's value, not the variable (as the safe sparse lookup
+      # converts its tables): on one device that read is on the ps too.
+      table = tf.convert_to_tensor(table)
     rows = tf.nn.embedding_lookup(table, features["ids"])  # [batch, 4, 64]
     h = tf.reshape(rows, [-1, 4 * _EMBEDDING])
   h = _dense(h, 32, "hidden", 5, tf.nn.relu)

@@ -8,9 +8,10 @@ with that value. Given the shared copy it would gather on the trainer, and
 the whole table would cross the network each step where one device sends
 the rows it looks up. So while towers are built, TensorFlow's
 `embedding_lookup` (which its sparse and safe lookups and Keras'
-`Embedding` call) is given such variables' own reads, as on one device,
-also where it is given their shared copies (the safe sparse lookup, which
-embedding columns use, converts its tables first).
+`Embedding` call) is given such variables' own reads, as on one device.
+So is a lookup given any variable's shared copy (its value converted: the
+safe sparse lookup, which embedding columns use, converts its tables
+first): on one device that read, too, is where the variable is.
 """
 
 from typing import Any, Callable
@@ -32,9 +33,9 @@ def _own_read(param: Any) -> Any:
 
 
 def _own_reads(params: Any) -> Any:
-  """`params` with each shared reference variable replaced by its own read.
+  """`params` with each shared variable's own read for its shared copy.
 
-  A shared variable may come as itself or as its shared copy (converted).
+  A reference variable may come as itself or as its copy (converted).
   As the lookup reads `params`: a list holds partitions, and so do a
   `PartitionedVariable`'s parts; anything else (a tensor, a tuple, an array)
   is one table, passed on as it is.

@@ -162,23 +162,23 @@ def read_once_per_step(variable, device: str) -> None:
   value.own = own
   # Tensor conversion calls the variable's own `value`.
   variable.value = value
-  if not _is_resource(variable):
-    _REFERENCE_COPIES.setdefault(cached.graph, {})[cached.ref()] = own
+  _SHARED_COPIES.setdefault(cached.graph, {})[cached.ref()] = own
 
 
-# Per graph: each shared copy of a reference variable -> its own read.
-_REFERENCE_COPIES = weakref.WeakKeyDictionary()
+# Per graph: each shared copy -> its variable's own read.
+_SHARED_COPIES = weakref.WeakKeyDictionary()
 
 
 def own_read(value) -> Optional[tf.Tensor]:
-  """A reference variable's own read where towers share a copy, else None.
+  """The variable's own read where towers share a copy of it, else None.
 
-  `value`: the variable, or the shared copy converting it gives (TensorFlow's
-  safe sparse lookup converts its tables before it looks rows up). For the
-  ops that must run where the variable is (see `_lookups`).
+  For the ops that must run where the variable is (see `_lookups`).
+  `value`: a shared copy (what converting the variable gives), or a
+  reference variable. A resource variable itself gets None: it gathers on
+  its own device.
   """
   if isinstance(value, tf.Tensor):
-    own = _REFERENCE_COPIES.get(value.graph, {}).get(value.ref())
+    own = _SHARED_COPIES.get(value.graph, {}).get(value.ref())
   elif _is_resource(value):
     own = None
   else:

@@ -12,7 +12,8 @@ each step), the embedding model's what the unwrapped model_fn sends (the
 rows it gathers, their gradient rows, the dense variables once); with
 reference variables (`_ref`, TF1's `use_resource=False`) too, among them a
 partitioned table looked up as embedding columns do (the safe sparse
-lookup converts its tables before it looks rows up). Losses and variables
+lookup converts its tables before it looks rows up), and a lookup given a
+resource table's value rather than the variable. Losses and variables
 (optimizer slots included) are one device's (the unwrapped model_fn on the
 same cluster), and so is an average of the weights taken after the
 train_op: it sees the updated weights, not the step's one shared read.
@@ -44,7 +45,7 @@ def traffic(tmp_path_factory):
       [sys.executable, os.path.join(_ROOT, "benchmarks", "traffic.py"),
        "--towers=" + ",".join(map(str, TOWERS)), "--batch_size=30",
        "--models=mlp,embedding,lstm,bn,ema,mlp_ref,embedding_ref,"
-       "embedding_sparse_ref",
+       "embedding_sparse_ref,embedding_converted",
        f"--result_file={out / 'rows.json'}", f"--values_dir={out}"],
       capture_output=True, text=True, timeout=240, cwd=_ROOT, env=env)
   assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
@@ -54,7 +55,7 @@ def traffic(tmp_path_factory):
 
 @pytest.mark.parametrize(
     "model", ["mlp", "embedding", "bn", "lstm", "mlp_ref", "embedding_ref",
-              "embedding_sparse_ref"])
+              "embedding_sparse_ref", "embedding_converted"])
 @pytest.mark.parametrize("towers", TOWERS)
 def test_each_trainer_reads_each_variable_once_and_sends_one_gradient(
     traffic, model, towers):
@@ -73,7 +74,8 @@ def test_each_trainer_reads_each_variable_once_and_sends_one_gradient(
 
 @pytest.mark.parametrize(
     "model", ["mlp", "embedding", "bn", "lstm", "ema", "mlp_ref",
-              "embedding_ref", "embedding_sparse_ref"])
+              "embedding_ref", "embedding_sparse_ref",
+              "embedding_converted"])
 @pytest.mark.parametrize("towers", TOWERS)
 def test_losses_and_variables_are_one_devices(traffic, model, towers):
   _, out = traffic
