@@ -178,7 +178,10 @@ def own_read(value) -> Optional[tf.Tensor]:
   its own device.
   """
   if isinstance(value, tf.Tensor):
-    own = _SHARED_COPIES.get(value.graph, {}).get(value.ref())
+    # An eager tensor has no graph (getattr's default) and no shared copy.
+    graph = getattr(value, "graph", None)
+    own = (None if graph is None else
+           _SHARED_COPIES.get(graph, {}).get(value.ref()))
   elif _is_resource(value):
     own = None
   else:
