@@ -224,3 +224,75 @@ def test_estimator_in_a_tf_config_cluster_trains_like_one_device(tmp_path):
                                 "global_step") == STEPS
   harness.assert_close_nests(_final_weights(str(tmp_path / "cluster")),
                              expected)
+
+
+def _canned_input_fn():
+  rng = np.random.RandomState(8)
+  ids = rng.randint(0, 20, size=(48, 2)).astype(np.int64)
+  x = rng.randn(48, 3).astype(np.float32)
+  labels = (ids[:, 0] % 3).astype(np.int64)
+  return tf.data.Dataset.from_tensor_slices(
+      ({"ids": ids, "x": x}, labels)).repeat().batch(BATCH)
+
+
+def _canned(model_dir, num_towers=None):
+  """A v1 DNNLinearCombinedClassifier with embeddings, as users build it."""
+  ids = tf.feature_column.categorical_column_with_identity("ids", 20)
+  arguments = dict(
+      linear_feature_columns=[ids],
+      dnn_feature_columns=[tf.feature_column.embedding_column(ids, 4),
+                           tf.feature_column.numeric_column("x", [3])],
+      dnn_hidden_units=[8], n_classes=3,
+      config=harness.estimator_config(model_dir, seed=5))
+  if num_towers is None:
+    return tf.compat.v1.estimator.DNNLinearCombinedClassifier(**arguments)
+  return replicate.testing.replicated(
+      tf.compat.v1.estimator.DNNLinearCombinedClassifier, num_towers)(
+          **arguments)
+
+
+def _checkpoint(model_dir):
+  return {name: tf.train.load_variable(model_dir, name)
+          for name, _ in tf.train.list_variables(model_dir)}
+
+
+def test_canned_estimator_on_two_parameter_servers_trains_like_one_device(
+    tmp_path):
+  """Embeddings, linear weights and their Adagrad / Ftrl slots on two ps."""
+  plain = tmp_path / "plain"
+  _canned(plain).train(_canned_input_fn, max_steps=STEPS)
+
+  cluster = _cluster("chief")
+  cluster["ps"].append(f"localhost:{_free_port()}")
+  for index in range(2):
+    tf.distribute.Server(tf.train.ClusterSpec(cluster), "ps", index,
+                         config=_server_config())
+  tf_config = {"cluster": cluster, "task": {"type": "chief", "index": 0}}
+  towers = tmp_path / "towers"
+  with mock.patch.dict(os.environ, {"TF_CONFIG": json.dumps(tf_config)}):
+    estimator = _canned(towers, num_towers=4)
+    assert estimator.config.num_ps_replicas == 2
+    tf.estimator.train_and_evaluate(
+        estimator, tf.estimator.TrainSpec(_canned_input_fn, max_steps=STEPS),
+        tf.estimator.EvalSpec(_canned_input_fn, steps=1))
+
+  graph = tf.compat.v1.GraphDef()
+  text_format.Parse((towers / "graph.pbtxt").read_text(), graph)
+  variables = {node.name: node.device for node in graph.node
+               if node.op in ("VarHandleOp", "VariableV2")}
+  # Round robin over the two ps tasks (variables, slots, global step).
+  assert {d[:len("/job:ps/task:0")] for d in variables.values()} == {
+      "/job:ps/task:0", "/job:ps/task:1"}
+  matmuls = {node.name: node.device for node in graph.node
+             if node.op == "MatMul" and "hiddenlayer_0" in node.name and
+             "gradients" not in node.name}
+  assert matmuls == {
+      f"{prefix}dnn/hiddenlayer_0/MatMul": f"/job:chief/task:0/device:CPU:{i}"
+      for i, prefix in enumerate(["", "tower_1/", "tower_2/", "tower_3/"])}
+  expected, actual = _checkpoint(str(plain)), _checkpoint(str(towers))
+  assert sorted(actual) == sorted(expected)
+  assert actual["global_step"] == STEPS
+  assert any("embedding_weights" in name for name in expected)
+  for name, value in expected.items():
+    np.testing.assert_allclose(actual[name], value, rtol=1e-5, atol=1e-6,
+                               err_msg=name)
