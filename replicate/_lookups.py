@@ -14,7 +14,7 @@ safe sparse lookup, which embedding columns use, converts its tables
 first): on one device that read, too, is where the variable is.
 """
 
-from typing import Any, Callable
+from typing import Any, Callable, Dict
 
 import tensorflow as tf
 # TensorFlow exports no name for what get_variable returns with a
@@ -26,28 +26,31 @@ from replicate import _patches
 from replicate import _sharing
 
 
-def _own_read(param: Any) -> Any:
-  own = (_sharing.own_read(param)
+def _own_read(param: Any, copies: Dict[Any, Any]) -> Any:
+  own = (_sharing.own_read(param, copies)
          if isinstance(param, (tf.Variable, tf.Tensor)) else None)
   return param if own is None else own
 
 
-def _own_reads(params: Any) -> Any:
+def _own_reads(params: Any, copies: Dict[Any, Any]) -> Any:
   """`params` with each shared variable's own read for its shared copy.
 
-  A reference variable may come as itself or as its copy (converted).
+  A reference variable may come as itself or as its copy (converted);
+  `copies`: the replication's shared copies (`Replication.shared_copies`).
   As the lookup reads `params`: a list holds partitions, and so do a
   `PartitionedVariable`'s parts; anything else (a tensor, a tuple, an array)
   is one table, passed on as it is.
   """
   if isinstance(params, (list, _PartitionedVariable)):
-    return [_own_read(p) for p in params]
-  return _own_read(params)
+    return [_own_read(p, copies) for p in params]
+  return _own_read(params, copies)
 
 
 def _lookup(original: Callable[..., Any]) -> Callable[..., Any]:
   def embedding_lookup(params, ids, *args, **kwargs):
-    return original(_own_reads(params), ids, *args, **kwargs)
+    replication = _context.replication_on_thread()
+    copies = {} if replication is None else replication.shared_copies
+    return original(_own_reads(params, copies), ids, *args, **kwargs)
   return embedding_lookup
 
 

@@ -8,8 +8,7 @@ Towers after the first get tower 0's variables back from a variable creator
 import collections
 import copy
 import re
-from typing import Optional
-import weakref
+from typing import Any, Dict, Optional
 
 import tensorflow as tf
 from absl import logging
@@ -129,7 +128,8 @@ def _is_resource(variable) -> bool:
   return isinstance(handle, tf.Tensor) and handle.dtype == tf.resource
 
 
-def read_once_per_step(variable, device: str) -> None:
+def read_once_per_step(variable, device: str, replication: Replication
+                       ) -> None:
   """Makes the towers share one read of `variable` per step, on `device`.
 
   For a trained variable on another task than the towers (a parameter
@@ -162,26 +162,19 @@ def read_once_per_step(variable, device: str) -> None:
   value.own = own
   # Tensor conversion calls the variable's own `value`.
   variable.value = value
-  _SHARED_COPIES.setdefault(cached.graph, {})[cached.ref()] = own
+  replication.shared_copies[cached.ref()] = own
 
 
-# Per graph: each shared copy -> its variable's own read.
-_SHARED_COPIES = weakref.WeakKeyDictionary()
-
-
-def own_read(value) -> Optional[tf.Tensor]:
-  """The variable's own read where towers share a copy of it, else None.
+def own_read(value, copies: Dict[Any, Any]) -> Optional[tf.Tensor]:
+  """The variable's own read where the towers share a copy of it, else None.
 
   For the ops that must run where the variable is (see `_lookups`).
-  `value`: a shared copy (what converting the variable gives), or a
-  reference variable. A resource variable itself gets None: it gathers on
-  its own device.
+  `value`: a shared copy (what converting the variable gives; `copies`, a
+  `Replication.shared_copies`, knows it), or a reference variable. A
+  resource variable itself gets None: it gathers on its own device.
   """
   if isinstance(value, tf.Tensor):
-    # An eager tensor has no graph (getattr's default) and no shared copy.
-    graph = getattr(value, "graph", None)
-    own = (None if graph is None else
-           _SHARED_COPIES.get(graph, {}).get(value.ref()))
+    own = copies.get(value.ref())
   elif _is_resource(value):
     own = None
   else:
@@ -226,7 +219,7 @@ def variable_creator(replication: Replication, index: int, name_root: str):
             "model_fn create the same variables in every call.")
     variable = next_creator(**kwargs)
     if cache is not None:
-      read_once_per_step(variable, cache)
+      read_once_per_step(variable, cache, replication)
     created[key] = variable
     return variable
 

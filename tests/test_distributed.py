@@ -7,9 +7,11 @@ trainer makes training deterministic, so it must match one device exactly.
 Synchronous training's `SyncReplicasOptimizer` goes inside TowerOptimizer.
 """
 
+import gc
 import json
 import os
 import socket
+import weakref
 from unittest import mock
 
 from google.protobuf import text_format
@@ -296,3 +298,51 @@ def test_canned_estimator_on_two_parameter_servers_trains_like_one_device(
   for name, value in expected.items():
     np.testing.assert_allclose(actual[name], value, rtol=1e-5, atol=1e-6,
                                err_msg=name)
+
+
+def _built_on_a_cluster():
+  """A weak reference to a replicated graph built as a cluster trainer does."""
+  cluster = tf.train.ClusterSpec(_cluster("worker"))
+  setter = tf.compat.v1.train.replica_device_setter(
+      ps_tasks=1, worker_device="/job:worker/task:0", cluster=cluster)
+
+  def model_fn(features, labels, mode):
+    with tf.compat.v1.variable_scope("", use_resource=False):
+      table = tf.compat.v1.get_variable("table", [10, 4])
+      rows = tf.nn.embedding_lookup(table, features["ids"])
+    logits = tf.compat.v1.layers.dense(rows, 3, name="logits")
+    loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
+    return tf.estimator.EstimatorSpec(
+        mode, loss=loss,
+        train_op=tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(
+            loss, tf.compat.v1.train.get_global_step()))
+
+  with tf.Graph().as_default() as graph:
+    with tf.compat.v1.device(setter):
+      tf.compat.v1.train.create_global_step()
+      with tf.device("/cpu:0"):
+        features = {"ids": tf.constant(np.arange(8) % 10)}
+        labels = tf.constant(np.arange(8) % 3)
+      spec = replicate.replicate_model_fn(
+          model_fn, devices=["/device:CPU:0", "/device:CPU:1"])(
+              features, labels, tf.estimator.ModeKeys.TRAIN)
+    # The towers share one read of the table per step, and look rows up in
+    # the variable's own read on the ps.
+    ops = {op.name: op for op in graph.get_operations()}
+    assert ops["table/read_once_per_step"].device == (
+        "/job:worker/task:0/device:CPU:0")
+    gathers = [op for op in graph.get_operations() if op.type == "GatherV2"
+               and not op.name.startswith("gradients")]
+    assert len(gathers) == 2
+    assert all(op.inputs[0].op.type == "Identity" and
+               op.inputs[0].device.startswith("/job:ps/task:0")
+               for op in gathers), [(op.name, op.inputs[0]) for op in gathers]
+    del spec, ops, gathers
+  return weakref.ref(graph)
+
+
+def test_a_graph_built_on_a_cluster_is_freed_once_dropped():
+  """Nothing of replicate keeps a trainer's graphs (one per train / eval)."""
+  graph = _built_on_a_cluster()
+  gc.collect()
+  assert graph() is None
