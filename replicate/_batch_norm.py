@@ -239,8 +239,9 @@ def _merged(replication, shards, head, args, corrected=False):
 
 
 _WRITTEN_OUT_GRADIENT = "ReplicateBatchNormWrittenOutGradient"
-# Per graph, written-out gradient functions by the name of their IdentityN.
-_BACKWARDS = weakref.WeakKeyDictionary()
+# Per graph (`_context.graph_store`), written-out gradient functions by the
+# name of their IdentityN.
+_BACKWARDS = "written-out gradients"
 
 
 def _with_gradient(outputs, inputs, backward):
@@ -255,14 +256,14 @@ def _with_gradient(outputs, inputs, backward):
   graph = outputs[0].graph
   with graph.gradient_override_map({"IdentityN": _WRITTEN_OUT_GRADIENT}):
     passed = tf.raw_ops.IdentityN(input=outputs + inputs)
-  _BACKWARDS.setdefault(graph, {})[passed[0].op.name] = (
+  _context.graph_store(graph, _BACKWARDS)[passed[0].op.name] = (
       backward, len(outputs))
   return passed[:len(outputs)]
 
 
 @tf.RegisterGradient(_WRITTEN_OUT_GRADIENT)
 def _written_out_gradient(op, *doutputs):
-  backward, num_outputs = _BACKWARDS[op.graph][op.name]
+  backward, num_outputs = _context.graph_store(op.graph, _BACKWARDS)[op.name]
   # The outputs' own inputs (the forward arithmetic) get no gradient: the
   # inputs get `backward`'s.
   return [None] * num_outputs + list(backward(*doutputs[:num_outputs]))

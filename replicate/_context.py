@@ -157,6 +157,24 @@ def absolute_name_scope(graph: tf.Graph, scope: str):
 _local = threading.local()
 
 
+def graph_store(graph: tf.Graph, name: str) -> Dict[Any, Any]:
+  """A dict of ours that lives exactly as long as `graph`.
+
+  The graph holds it. A module-level map keyed weakly by graph would not
+  do: its values (functions over the graph's tensors, optimizers holding
+  its variables) reach the graph and would keep every graph alive.
+  """
+  with _store_lock:  # towers build on threads of their own
+    store = getattr(graph, "_replicate_store", None)
+    if store is None:
+      store = {}
+      graph._replicate_store = store  # pylint: disable=protected-access
+    return store.setdefault(name, {})
+
+
+_store_lock = threading.Lock()
+
+
 def current_replication() -> Optional[Replication]:
   """The replication being built on this thread, if any."""
   stack = getattr(_local, "stack", None)

@@ -7,11 +7,11 @@ made the call in, so that slot variables are named as without replication
 require) get the Keras flavour in `_keras_optimizer`.
 """
 
-import weakref
 from typing import Any, Callable, Union
 
 import tensorflow as tf
 
+from replicate import _context
 from replicate import _gather
 from replicate import _routing
 from replicate import _transform
@@ -35,7 +35,6 @@ class _PerGraph:
           f"TowerOptimizer got {optimizer_or_fn!r}; pass {what} or a function "
           "of no arguments that returns one.")
     self._types, self._what = expected_types, what
-    self._built = weakref.WeakKeyDictionary()
 
   @property
   def is_lazy(self) -> bool:
@@ -44,15 +43,17 @@ class _PerGraph:
   def get(self):
     if self._fixed is not None:
       return self._fixed
-    graph = tf.compat.v1.get_default_graph()
-    if graph not in self._built:
+    # Held by the graph: the optimizer holds the graph's variables.
+    built = _context.graph_store(tf.compat.v1.get_default_graph(),
+                                 "optimizers built by TowerOptimizer")
+    if self not in built:
       optimizer = self._fn()
       if not isinstance(optimizer, self._types):
         raise ValueError(
             f"The optimizer function given to TowerOptimizer returned "
             f"{optimizer!r}; it must return {self._what}.")
-      self._built[graph] = optimizer
-    return self._built[graph]
+      built[self] = optimizer
+    return built[self]
 
 
 class TowerOptimizer(_Optimizer):
