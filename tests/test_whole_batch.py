@@ -201,13 +201,17 @@ def _batch_norm_model_fn(features, labels, mode, params):
       x = tf.transpose(x, [0, 3, 1, 2])
   else:
     x = tf.compat.v1.layers.dense(x, 4, name="hidden")
+  # Batch renormalization: corrections from the batch's statistics and its
+  # own moving ones, which the layer updates inside its call.
+  renorm = params.get("renorm", False)
   if params["layer"] == "v1":
     x = tf.compat.v1.layers.batch_normalization(
-        x, training=training, fused=params["fused"], name="bn")
+        x, training=training, fused=params["fused"], renorm=renorm,
+        name="bn")
   else:
     x = tf.keras.layers.BatchNormalization(
         axis=1 if params["input"] == "nchw" else -1, fused=params["fused"],
-        name="bn")(x, training=training)
+        renorm=renorm, name="bn")(x, training=training)
   x = _activated(x, params.get("activation"))
   logits = tf.compat.v1.layers.dense(tf.compat.v1.layers.flatten(x), 3,
                                      name="logits")
@@ -243,13 +247,16 @@ BATCH_NORMS = [
     {"layer": "keras", "input": "conv", "fused": False},
     {"layer": "v1", "input": "conv", "fused": True},
     {"layer": "keras", "input": "nchw", "fused": None},   # channels first
+    {"layer": "keras", "input": "conv", "fused": None, "renorm": True},
+    {"layer": "v1", "input": "dense", "fused": None, "renorm": True},
 ]
 
 
 @pytest.mark.parametrize("towers,batch,static", SHAPES, ids=SHAPE_IDS)
 @pytest.mark.parametrize(
     "params", BATCH_NORMS,
-    ids=[f"{p['layer']}-{p['input']}-fused{p['fused']}" for p in BATCH_NORMS])
+    ids=[f"{p['layer']}-{p['input']}-fused{p['fused']}" +
+         ("-renorm" if p.get("renorm") else "") for p in BATCH_NORMS])
 def test_batch_norm_training_is_one_devices(params, towers, batch, static):
   _assert_one_devices(_batch_norm_model_fn, towers, batch, static,
                       params=params, image=params["input"] != "dense")
