@@ -1,9 +1,9 @@
 """Embedding lookups of every form their params take give one device's values.
 
 While towers are built, `tf.nn.embedding_lookup` is routed (see
-`replicate/_lookups.py`): a reference variable's shared copy is swapped for
-its own read. Every other params form must reach TensorFlow as the user
-wrote it: a tensor is one table (not rows to iterate), a list holds
+`replicate/_lookups.py`): on a cluster a reference variable, or any
+variable's shared copy, is swapped for the variable's own read. Every
+params form must reach TensorFlow as the user wrote it: a tensor is one table (not rows to iterate), a list holds
 partitions, a tuple is stacked into one table, a `PartitionedVariable`'s
 parts are partitions. Each case trains, evaluates and predicts on 2 and 4
 towers (10 rows: uneven on 4) against one device.
