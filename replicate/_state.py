@@ -30,7 +30,9 @@ dropped.
 
 Tower 0's write op carries the combined value; later towers' writes go to a
 throwaway variable (dense) or write no rows (scatter) and run after tower
-0's, so whatever a tower ordered after its write sees the combined state.
+0's, so whatever a tower ordered after its write sees the combined state;
+tower 0's waits for every tower's written value, so whatever a tower
+ordered before its write sees the state before it.
 Initializers (`init_from_checkpoint` included) are never touched, and a
 trainable variable written by an optimizer outside `TowerOptimizer` is an
 error.
@@ -588,8 +590,18 @@ def _trace(replication, tensors, shard_size=None):
 
 
 def _follow(write: _Write, first: _Write, sinks: "_Sinks"):
-  """Makes a later tower's write run after tower 0's and change nothing."""
+  """Makes a later tower's write run after tower 0's and change nothing.
+
+  Tower 0's write, the one that changes the variable, waits for what the
+  later tower's write would have written: on one device every read the
+  model makes before its write (batch renormalization reads its moving
+  statistics, then updates them) sees the old value; here every tower's
+  reads ordered before its own write are.
+  """
   op = write.op
+  # No public API adds a control input to an op once built.
+  for tensor in op.inputs[1:]:
+    first.op._add_control_input(tensor.op)  # pylint: disable=protected-access
   if write.kind in (_Kind.SCATTER_ADD, _Kind.SCATTER):
     depth, row_shape = _row_layout(write)
     with tf.name_scope("no_rows"), tf.device(write.variable.device):
@@ -604,7 +616,6 @@ def _follow(write: _Write, first: _Write, sinks: "_Sinks"):
       for position, tensor in enumerate(consumer.inputs):
         if tensor is output:
           consumer._update_input(position, first_output)  # pylint: disable=protected-access
-  # No public API adds a control input to an op once built.
   op._add_control_input(first.op)  # pylint: disable=protected-access
 
 
