@@ -73,8 +73,9 @@ class Replication:
   # Tensor ref of a tower's rows of a whole-batch result -> (the result,
   # the tower's index); see _host_relu.
   host_rows: Dict[Any, Any] = dataclasses.field(default_factory=dict)
-  # Tensor ref of a variable's copy shared by the towers -> the variable's
-  # own read (see _sharing.read_once_per_step).
+  # Ref of a variable's copy shared by the towers (and of a reference
+  # variable itself) -> the variable's own read (see
+  # _sharing.read_once_per_step).
   shared_copies: Dict[Any, Any] = dataclasses.field(default_factory=dict)
 
   @contextlib.contextmanager

@@ -159,26 +159,23 @@ def read_once_per_step(variable, device: str, replication: Replication
   def value():
     return own() if _after_writes_possible() else cached
 
-  value.own = own
   # Tensor conversion calls the variable's own `value`.
   variable.value = value
   replication.shared_copies[cached.ref()] = own
+  if not _is_resource(variable):
+    # A resource variable gathers on its own device; a reference one only
+    # where the value it is given is.
+    replication.shared_copies[variable.ref()] = own
 
 
 def own_read(value, copies: Dict[Any, Any]) -> Optional[tf.Tensor]:
   """The variable's own read where the towers share a copy of it, else None.
 
   For the ops that must run where the variable is (see `_lookups`).
-  `value`: a shared copy (what converting the variable gives; `copies`, a
-  `Replication.shared_copies`, knows it), or a reference variable. A
-  resource variable itself gets None: it gathers on its own device.
+  `value`: a tensor or variable; `copies`: a `Replication.shared_copies`,
+  which knows the shared copies and the reference variables they copy.
   """
-  if isinstance(value, tf.Tensor):
-    own = copies.get(value.ref())
-  elif _is_resource(value):
-    own = None
-  else:
-    own = getattr(getattr(value, "value", None), "own", None)
+  own = copies.get(value.ref())
   return None if own is None else own()
 
 
