@@ -84,7 +84,7 @@ def _assert_one_devices(model_fn, towers, batch, static, **kwargs):
   for name in expected:
     np.testing.assert_allclose(actual[name], expected[name], rtol=1e-5,
                                atol=1e-6, err_msg=name)
-  return expected_losses, losses
+  return expected_losses, expected
 
 
 def _minimize(loss):
@@ -209,9 +209,15 @@ def _batch_norm_model_fn(features, labels, mode, params):
         x, training=training, fused=params["fused"], renorm=renorm,
         name="bn")
   else:
-    x = tf.keras.layers.BatchNormalization(
+    layer = tf.keras.layers.BatchNormalization(
         axis=1 if params["input"] == "nchw" else -1, fused=params["fused"],
-        renorm=renorm, name="bn")(x, training=training)
+        renorm=renorm, name="bn")
+    x = layer(x, training=training)
+    # A Keras layer called in a graph keeps its moving-statistics updates
+    # to itself; the train_op runs UPDATE_OPS.
+    for update in layer.updates:
+      tf.compat.v1.add_to_collection(tf.compat.v1.GraphKeys.UPDATE_OPS,
+                                     update)
   x = _activated(x, params.get("activation"))
   logits = tf.compat.v1.layers.dense(tf.compat.v1.layers.flatten(x), 3,
                                      name="logits")
@@ -258,8 +264,13 @@ BATCH_NORMS = [
     ids=[f"{p['layer']}-{p['input']}-fused{p['fused']}" +
          ("-renorm" if p.get("renorm") else "") for p in BATCH_NORMS])
 def test_batch_norm_training_is_one_devices(params, towers, batch, static):
-  _assert_one_devices(_batch_norm_model_fn, towers, batch, static,
-                      params=params, image=params["input"] != "dense")
+  _, values = _assert_one_devices(_batch_norm_model_fn, towers, batch, static,
+                                  params=params,
+                                  image=params["input"] != "dense")
+  # The moving statistics were compared after they moved (from 0 and 1).
+  assert np.abs(values["bn/moving_mean"]).min() > 1e-4, values["bn/moving_mean"]
+  assert np.abs(values["bn/moving_variance"] - 1.0).min() > 1e-4, (
+      values["bn/moving_variance"])
 
 
 def _ancestors(op):
