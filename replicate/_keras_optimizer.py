@@ -10,6 +10,7 @@ import tensorflow as tf
 
 from replicate import _gather
 from replicate import _routing
+from replicate import _tracking
 from replicate import _transform
 
 _KerasOptimizer = tf.keras.optimizers.legacy.Optimizer
@@ -44,7 +45,7 @@ def _colocated_gradients(optimizer, loss, variables, grad_loss=None):
   return [g for g, _ in _gather.one_device_slices(zip(grads, variables))]
 
 
-class KerasTowerOptimizer(_KerasOptimizer):
+class KerasTowerOptimizer(_tracking.TracksWrapped, _KerasOptimizer):
   """TowerOptimizer for a Keras legacy optimizer (see TowerOptimizer).
 
   The v2 canned heads call `get_updates(loss, variables)` and set
@@ -163,6 +164,10 @@ class KerasTowerOptimizer(_KerasOptimizer):
         return optimizer.apply_gradients(pairs, name=name, **kwargs)
 
     return _gather.transform_and_apply(grads_and_vars, self._transforms, apply)
+
+  def _tracked_optimizer(self):
+    return self._wrapped_keras
+
 
   def get_slot(self, var, slot_name):
     """Forwards to the wrapped optimizer."""

@@ -14,6 +14,7 @@ import tensorflow as tf
 from replicate import _context
 from replicate import _gather
 from replicate import _routing
+from replicate import _tracking
 from replicate import _transform
 from replicate._keras_optimizer import KerasTowerOptimizer
 
@@ -56,7 +57,7 @@ class _PerGraph:
     return built[self]
 
 
-class TowerOptimizer(_Optimizer):
+class TowerOptimizer(_tracking.TracksWrapped, _Optimizer):
   """Wraps an optimizer: its own calls, once per step, on the whole batch.
 
   `replicate_model_fn` routes plain optimizers itself (see `_routing`); the
@@ -248,6 +249,9 @@ class TowerOptimizer(_Optimizer):
         return optimizer.apply_gradients(pairs, global_step, name)
 
     return _gather.transform_and_apply(grads_and_vars, self._transforms, apply)
+
+  def _tracked_optimizer(self):
+    return self._wrapped.get()
 
   def get_slot(self, *args, **kwargs):
     """Forwards to the wrapped optimizer."""
