@@ -28,6 +28,7 @@ from replicate import _merge
 from replicate import _nn_batch_norm
 from replicate import _own_gradients
 from replicate import _routing
+from replicate import _source
 from replicate import _split
 from replicate import _state
 from replicate import _summaries
@@ -116,10 +117,15 @@ def replicate_model_fn(
     return _run_towers(model_fn, features, labels, mode, arguments,
                        tower_devices, reduction, placement, sync_batch_norm)
 
+  warm_start = _source.warm_starter(model_fn)
+
   def replicated_model_fn(features, labels, mode, params=None, config=None):
     # A TPUEstimatorSpec is converted as TPUEstimator(use_tpu=False) does.
-    return _tpu.as_estimator_spec(
+    spec = _tpu.as_estimator_spec(
         build_spec(features, labels, mode, params, config), params)
+    if warm_start is not None and mode == _ModeKeys.TRAIN:
+      warm_start()
+    return spec
 
   replicated_model_fn.__name__ = f"replicated_{getattr(model_fn, '__name__', 'model_fn')}"
   replicated_model_fn.__doc__ = model_fn.__doc__
@@ -133,11 +139,10 @@ def _canned_head_reduction(model_fn):
   over the head; v1 heads (`_loss_reduction`) sum by default, v2 heads
   (`loss_reduction`) average.
   """
+  estimator = _source.estimator_of(model_fn)
+  if estimator is None:
+    return None, None
   try:
-    estimator = inspect.getclosurevars(model_fn).nonlocals.get("self")
-    if not isinstance(estimator, (tf.estimator.Estimator,
-                                  tf.compat.v1.estimator.Estimator)):
-      return None, None
     head = inspect.getclosurevars(
         estimator._model_fn).nonlocals.get("head")  # pylint: disable=protected-access
   except (TypeError, ValueError, AttributeError):
