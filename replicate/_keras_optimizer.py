@@ -166,8 +166,8 @@ class KerasTowerOptimizer(_tracking.TracksWrapped, _KerasOptimizer):
     return _gather.transform_and_apply(grads_and_vars, self._transforms, apply)
 
   def _tracked_optimizer(self):
+    """What checkpoints see in this wrapper's place (see `_tracking`)."""
     return self._wrapped_keras
-
 
   def get_slot(self, var, slot_name):
     """Forwards to the wrapped optimizer."""

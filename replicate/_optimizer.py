@@ -251,6 +251,7 @@ class TowerOptimizer(_tracking.TracksWrapped, _Optimizer):
     return _gather.transform_and_apply(grads_and_vars, self._transforms, apply)
 
   def _tracked_optimizer(self):
+    """What checkpoints see in this wrapper's place (see `_tracking`)."""
     return self._wrapped.get()
 
   def get_slot(self, *args, **kwargs):

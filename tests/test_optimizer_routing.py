@@ -7,8 +7,6 @@ trains as one device; what cannot be routed is refused naming
 TowerOptimizer. Batches of 7 do not divide by 2 or 4 towers.
 """
 
-import tempfile
-
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -263,7 +261,7 @@ def test_canned_v2_unwrapped_optimizers(name, num_towers):
   assert np.abs(result[1][kernel] - start).max() > 1e-4
 
 
-def _keras_model_fn(wrapped):
+def _keras_model_fn(wrapped, model_dir):
   """model_to_estimator's model_fn of a compiled Keras model."""
   model = tf.keras.Sequential([
       tf.keras.layers.Dense(4, activation="relu", input_shape=(5,),
@@ -274,7 +272,7 @@ def _keras_model_fn(wrapped):
       optimizer=replicate.TowerOptimizer(optimizer) if wrapped else optimizer,
       loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
   estimator = tf.keras.estimator.model_to_estimator(
-      keras_model=model, model_dir=tempfile.mkdtemp(),
+      keras_model=model, model_dir=str(model_dir),
       config=tf.estimator.RunConfig())
 
   def model_fn(features, labels, mode, config):
@@ -285,12 +283,12 @@ def _keras_model_fn(wrapped):
 
 @pytest.mark.parametrize("num_towers", [2, 4])
 @pytest.mark.parametrize("wrapped", [True, False])
-def test_model_to_estimator(wrapped, num_towers):
+def test_model_to_estimator(wrapped, num_towers, tmp_path):
   with tf.Graph().as_default():
-    model_fn, config = _keras_model_fn(wrapped)
+    model_fn, config = _keras_model_fn(wrapped, tmp_path / "plain")
   expected = _train(model_fn, None, config)
   with tf.Graph().as_default():
-    model_fn, config = _keras_model_fn(wrapped)
+    model_fn, config = _keras_model_fn(wrapped, tmp_path / "towers")
   _assert_one_device(_train(model_fn, num_towers, config), expected)
 
 
