@@ -405,6 +405,9 @@ def run_together(variants: List[str], devices: List[str]):
   for run in runs:
     run.done.wait()
   write_record([run.result for run in runs])
+  # The parked threads never reach train()'s own clean-up.
+  for run in runs:
+    shutil.rmtree(run.model_dir, ignore_errors=True)
   _exit_now()
 
 
