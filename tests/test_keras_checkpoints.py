@@ -139,10 +139,12 @@ def plain_twice(tmp_path_factory):
   return get
 
 
-@pytest.mark.parametrize("optimizer", sorted(_OPTIMIZERS))
-@pytest.mark.parametrize("first,second", [("plain", "replicated"),
-                                          ("replicated", "replicated"),
-                                          ("replicated", "plain")])
+# Every order with one optimizer; the others (their keys are checked above)
+# resume a replicated run.
+@pytest.mark.parametrize("first,second,optimizer", [
+    ("plain", "replicated", "sgd"), ("replicated", "replicated", "sgd"),
+    ("replicated", "plain", "sgd"), ("replicated", "replicated", "adam"),
+    ("replicated", "replicated", "v1_adam")])
 def test_training_resumes_from_either_runs_checkpoint(
     first, second, optimizer, plain_twice, tmp_path):
   expected = plain_twice(optimizer)
