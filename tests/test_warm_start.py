@@ -32,13 +32,18 @@ def _config(model_dir, seed):
                                       tf_random_seed=seed)
 
 
-def _replicated(estimator, num_towers):
-  """The README's recipe: the estimator's model_fn, model_dir and config."""
-  return tf.estimator.Estimator(
+def _replicated(estimator, num_towers, **estimator_kwargs):
+  """The README's recipe: the estimator's model_fn, model_dir and config
+  (and `estimator_kwargs`), in an Estimator of the same API version."""
+  estimator_class = (tf.estimator.Estimator
+                     if isinstance(estimator, tf.estimator.Estimator) else
+                     tf.compat.v1.estimator.Estimator)
+  return estimator_class(
       replicate.replicate_model_fn(
           estimator.model_fn,
           devices=harness.devices(harness.VIRTUAL_CPUS, num_towers)),
-      model_dir=estimator.model_dir, config=estimator.config)
+      model_dir=estimator.model_dir, config=estimator.config,
+      **estimator_kwargs)
 
 
 def _values(model_dir):
@@ -67,37 +72,36 @@ def _optimizer():
   return tf.keras.optimizers.legacy.Adagrad(0.1)
 
 
+def _dnn(model_dir, seed, warm_start_from=None, v1=False):
+  """A DNNClassifier (v2, or the tf.compat.v1 one) on the test's columns."""
+  if v1:
+    return tf.compat.v1.estimator.DNNClassifier(
+        hidden_units=[5], feature_columns=_columns(), n_classes=3,
+        config=_config(model_dir, seed), warm_start_from=warm_start_from)
+  return tf.estimator.DNNClassifier(
+      hidden_units=[5], feature_columns=_columns(), n_classes=3,
+      optimizer=_optimizer, config=_config(model_dir, seed),
+      warm_start_from=warm_start_from)
+
+
 @pytest.fixture(scope="module")
 def warm_checkpoint(tmp_path_factory):
   """A DNNClassifier trained with another seed: the warm start's source."""
   model_dir = tmp_path_factory.mktemp("source")
-  tf.estimator.DNNClassifier(
-      hidden_units=[5], feature_columns=_columns(), n_classes=3,
-      optimizer=_optimizer,
-      config=_config(model_dir, seed=11)).train(_input_fn, steps=STEPS)
+  _dnn(model_dir, seed=11).train(_input_fn, steps=STEPS)
   return str(model_dir)
 
 
 @pytest.mark.parametrize("num_towers", [1, 2, 4])
 def test_canned_warm_start_from_is_kept(warm_checkpoint, num_towers,
                                         tmp_path):
-  def canned(model_dir):
-    return tf.estimator.DNNClassifier(
-        hidden_units=[5], feature_columns=_columns(), n_classes=3,
-        optimizer=_optimizer,
-        config=_config(model_dir, seed=1), warm_start_from=warm_checkpoint)
-
-  plain = canned(tmp_path / "plain")
-  plain.train(_input_fn, steps=STEPS)
-  _replicated(canned(tmp_path / "towers"), num_towers).train(
-      _input_fn, steps=STEPS)
+  _dnn(tmp_path / "plain", 1, warm_checkpoint).train(_input_fn, steps=STEPS)
+  _replicated(_dnn(tmp_path / "towers", 1, warm_checkpoint),
+              num_towers).train(_input_fn, steps=STEPS)
   expected = _values(tmp_path / "plain")
   _assert_same_values(_values(tmp_path / "towers"), expected)
   # The warm start mattered: seed 1's own initial values train elsewhere.
-  tf.estimator.DNNClassifier(
-      hidden_units=[5], feature_columns=_columns(), n_classes=3,
-      optimizer=_optimizer,
-      config=_config(tmp_path / "cold", seed=1)).train(_input_fn, steps=STEPS)
+  _dnn(tmp_path / "cold", 1).train(_input_fn, steps=STEPS)
   cold = _values(tmp_path / "cold")
   assert not np.allclose(cold["dnn/hiddenlayer_0/kernel"],
                          expected["dnn/hiddenlayer_0/kernel"])
@@ -109,20 +113,10 @@ def test_v1_canned_warm_start_settings_with_a_subset(warm_checkpoint,
   settings = tf.estimator.WarmStartSettings(
       ckpt_to_initialize_from=warm_checkpoint,
       vars_to_warm_start="dnn/hiddenlayer_0/.*")
-
-  def canned(model_dir):
-    return tf.compat.v1.estimator.DNNClassifier(
-        hidden_units=[5], feature_columns=_columns(), n_classes=3,
-        config=_config(model_dir, seed=1), warm_start_from=settings)
-
-  canned(tmp_path / "plain").train(_input_fn, steps=STEPS)
-  estimator = canned(tmp_path / "towers")
-  tf.compat.v1.estimator.Estimator(
-      replicate.replicate_model_fn(
-          estimator.model_fn, devices=harness.devices(harness.VIRTUAL_CPUS,
-                                                      2)),
-      model_dir=estimator.model_dir, config=estimator.config).train(
-          _input_fn, steps=STEPS)
+  _dnn(tmp_path / "plain", 1, settings, v1=True).train(_input_fn,
+                                                       steps=STEPS)
+  _replicated(_dnn(tmp_path / "towers", 1, settings, v1=True), 2).train(
+      _input_fn, steps=STEPS)
   _assert_same_values(_values(tmp_path / "towers"),
                       _values(tmp_path / "plain"))
 
@@ -130,20 +124,9 @@ def test_v1_canned_warm_start_settings_with_a_subset(warm_checkpoint,
 def test_warm_start_also_given_to_the_replicated_estimator(warm_checkpoint,
                                                            tmp_path):
   # Both the model_fn and the Estimator warm-start, from the same place.
-  def canned(model_dir):
-    return tf.estimator.DNNClassifier(
-        hidden_units=[5], feature_columns=_columns(), n_classes=3,
-        optimizer=_optimizer,
-        config=_config(model_dir, seed=1), warm_start_from=warm_checkpoint)
-
-  canned(tmp_path / "plain").train(_input_fn, steps=STEPS)
-  estimator = canned(tmp_path / "towers")
-  tf.estimator.Estimator(
-      replicate.replicate_model_fn(
-          estimator.model_fn, devices=harness.devices(harness.VIRTUAL_CPUS,
-                                                      2)),
-      model_dir=estimator.model_dir, config=estimator.config,
-      warm_start_from=warm_checkpoint).train(_input_fn, steps=STEPS)
+  _dnn(tmp_path / "plain", 1, warm_checkpoint).train(_input_fn, steps=STEPS)
+  _replicated(_dnn(tmp_path / "towers", 1, warm_checkpoint), 2,
+              warm_start_from=warm_checkpoint).train(_input_fn, steps=STEPS)
   _assert_same_values(_values(tmp_path / "towers"),
                       _values(tmp_path / "plain"))
 
