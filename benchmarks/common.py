@@ -61,6 +61,13 @@ def define_timing_flags() -> None:
   flags.DEFINE_integer("windows", 5,
                        "Timed windows per run (the median is reported).",
                        lower_bound=1)
+  flags.DEFINE_integer("logical_gpus", 0,
+                       "GPU runs: split the first GPU into this many logical "
+                       "GPUs (one card standing in for several); 0: the "
+                       "GPUs as they are.", lower_bound=0)
+  flags.DEFINE_integer("gpu_memory_mb", 8192,
+                       "Memory of each logical GPU (--logical_gpus).",
+                       lower_bound=256)
 
 
 def worker_env(library_root: str = ROOT) -> Dict[str, str]:
@@ -108,10 +115,30 @@ def run_worker(worker_flags: Dict[str, Any], result_file: str,
   return record
 
 
-def count_gpus() -> int:
-  """GPUs TensorFlow sees, asked in a subprocess (no TF in the caller)."""
+def count_gpus(logical_gpus: int = 0) -> int:
+  """GPUs the runs will have, asked in a subprocess (no TF in the caller).
+
+  With `logical_gpus`, the first GPU split that many ways (none without a
+  GPU).
+  """
   code = ("import tensorflow as tf; "
           "print(len(tf.config.list_physical_devices('GPU')))")
   out = subprocess.run([sys.executable, "-c", code], capture_output=True,
                        text=True, env=worker_env(), check=True).stdout
-  return int(out.strip().splitlines()[-1])
+  physical = int(out.strip().splitlines()[-1])
+  return logical_gpus if logical_gpus and physical else physical
+
+
+def configure_gpus(logical_gpus: int, memory_mb: int) -> None:
+  """Before TensorFlow initialises: the first GPU split `logical_gpus` ways
+  (`memory_mb` each), or every GPU growing its memory as needed (0)."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  gpus = tf.config.list_physical_devices("GPU")
+  if logical_gpus and gpus:
+    tf.config.set_visible_devices(gpus[:1], "GPU")
+    tf.config.set_logical_device_configuration(
+        gpus[0], [tf.config.LogicalDeviceConfiguration(memory_limit=memory_mb)]
+        * logical_gpus)
+    return
+  for gpu in gpus:
+    tf.config.experimental.set_memory_growth(gpu, True)

@@ -109,7 +109,8 @@ _PRESETS = {
                   window_steps=2, windows=2, fast_exit=True, jobs=2),
 }
 _WORKER_FLAGS = ("batch_size", "examples", "warmup_steps", "window_steps",
-                 "windows", "seed", "inter_op_threads", "intra_op_threads")
+                 "windows", "seed", "inter_op_threads", "intra_op_threads",
+                 "logical_gpus", "gpu_memory_mb")
 
 
 def _flag(name: str, presets: Dict[str, Any]):
@@ -142,7 +143,8 @@ def resolve_settings() -> Settings:
     raise app.UsageError(f"--towers={towers}: each must be >= 1 and divide "
                          f"--batch_size={batch}.")
   device_type = FLAGS.device_type
-  gpus = 0 if device_type == "CPU" else common.count_gpus()
+  gpus = 0 if device_type == "CPU" else common.count_gpus(
+      _flag("logical_gpus", presets))
   if device_type == "auto":
     device_type = "GPU" if gpus else "CPU"
   if device_type == "GPU":

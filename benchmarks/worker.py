@@ -78,10 +78,9 @@ def device_names(device_type: str, towers: int) -> List[str]:
 
 
 def configure_devices(device_type: str, towers: int) -> None:
-  """N logical CPU devices; must run before TensorFlow initialises."""
+  """N logical CPU devices (or the GPUs' set-up); before TF initialises."""
   if device_type == "GPU":
-    for gpu in tf.config.list_physical_devices("GPU"):
-      tf.config.experimental.set_memory_growth(gpu, True)
+    common.configure_gpus(FLAGS.logical_gpus, FLAGS.gpu_memory_mb)
     return
   cpu = tf.config.list_physical_devices("CPU")[0]
   tf.config.set_logical_device_configuration(
@@ -95,7 +94,7 @@ def session_config(device_type: str, towers: int) -> tf.compat.v1.ConfigProto:
       intra_op_parallelism_threads=FLAGS.intra_op_threads)
   if device_type == "CPU":
     config.device_count["CPU"] = towers
-  else:
+  elif not FLAGS.logical_gpus:
     config.gpu_options.allow_growth = True
   return config
 

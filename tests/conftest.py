@@ -6,7 +6,8 @@ so that '/device:CPU:0'..'/device:CPU:3' exist for every test, as
 ask for `device_count={'CPU': 4}` get the same four). GPUs are hidden, so
 the '/device:GPU:N' cases run by soft placement on the CPU on every machine
 (with one real GPU, '/device:GPU:1..3' would not exist) and compare float32
-results without TF32 matmuls.
+results without TF32 matmuls, unless REPLICATE_TEST_GPUS splits a real GPU
+(BUILD.md).
 """
 
 import os
@@ -17,7 +18,20 @@ import pytest  # pylint: disable=g-import-not-at-top
 import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
 tf.compat.v1.logging.set_verbosity(tf.compat.v1.logging.ERROR)
-tf.config.set_visible_devices([], "GPU")
+# REPLICATE_TEST_GPUS=N (a machine with a GPU): the first GPU split into N
+# logical GPUs of REPLICATE_TEST_GPU_MEMORY_MB each, so the '/device:GPU:N'
+# cases run on it; float32 matmuls without TF32, as on the CPU.
+_TEST_GPUS = int(os.environ.get("REPLICATE_TEST_GPUS", "0"))
+_PHYSICAL_GPUS = tf.config.list_physical_devices("GPU")
+if _TEST_GPUS and _PHYSICAL_GPUS:
+  tf.config.set_visible_devices(_PHYSICAL_GPUS[:1], "GPU")
+  tf.config.set_logical_device_configuration(
+      _PHYSICAL_GPUS[0], [tf.config.LogicalDeviceConfiguration(
+          memory_limit=int(os.environ.get("REPLICATE_TEST_GPU_MEMORY_MB",
+                                          "1024")))] * _TEST_GPUS)
+  tf.config.experimental.enable_tensor_float_32_execution(False)
+else:
+  tf.config.set_visible_devices([], "GPU")
 tf.config.set_logical_device_configuration(
     tf.config.list_physical_devices("CPU")[0],
     [tf.config.LogicalDeviceConfiguration()] * 4)
