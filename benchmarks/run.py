@@ -47,7 +47,7 @@ from common import Settings
 import report
 
 VARIANTS = common.VARIANTS
-WORKLOADS = ("mlp", "cnn", "cnn_bn")
+WORKLOADS = ("mlp", "cnn", "cnn_bn", "resnet50")
 DEFAULT_WORKLOADS = ("mlp", "cnn")
 
 FLAGS = flags.FLAGS

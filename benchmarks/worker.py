@@ -94,7 +94,12 @@ def session_config(device_type: str, towers: int) -> tf.compat.v1.ConfigProto:
       intra_op_parallelism_threads=FLAGS.intra_op_threads)
   if device_type == "CPU":
     config.device_count["CPU"] = towers
-  elif not FLAGS.logical_gpus:
+  elif FLAGS.logical_gpus:
+    # A v1 session makes its own devices: the same split as tf.config's.
+    config.gpu_options.visible_device_list = "0"
+    config.gpu_options.experimental.virtual_devices.add().memory_limit_mb.extend(
+        [FLAGS.gpu_memory_mb] * FLAGS.logical_gpus)
+  else:
     config.gpu_options.allow_growth = True
   return config
 

@@ -13,6 +13,11 @@ results without TF32 matmuls, unless REPLICATE_TEST_GPUS splits a real GPU
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# On a machine with a GPU, every TensorFlow process of the run (xdist
+# workers, and the clusters, examples and benchmarks the tests start)
+# takes GPU memory as it needs it: one that took all of it would leave the
+# others none.
+os.environ.setdefault("TF_FORCE_GPU_ALLOW_GROWTH", "true")
 
 import pytest  # pylint: disable=g-import-not-at-top
 import tensorflow as tf  # pylint: disable=g-import-not-at-top
