@@ -109,12 +109,20 @@ def _input_fn():
   return tf.data.Dataset.from_tensor_slices(({"x": x}, y)).batch(ROWS)
 
 
-def _moving_mean_moved(model_dir):
-  """Whether one device's training moved the layer's moving mean off zero."""
-  names = [n for n, _ in tf.train.list_variables(model_dir)
-           if n.endswith("bn/moving_mean")]
-  assert names, tf.train.list_variables(model_dir)
-  return np.abs(tf.train.load_variable(model_dir, names[0])).max() > 1e-3
+def _moving_statistics_moved(model_dir):
+  """Whether one device's training updated every channel's moving statistics.
+
+  They start at exactly 0 and 1 and stay there only if never updated. How
+  far they move depends on the random initial weights (the moving means
+  of keras_5d ended between 1.3e-3 and 1.0e-2 in six runs), so the test is
+  whether they moved at all.
+  """
+  names = {n.rsplit("/", 1)[-1]: n for n, _ in tf.train.list_variables(
+      model_dir) if n.endswith(("bn/moving_mean", "bn/moving_variance"))}
+  assert len(names) == 2, tf.train.list_variables(model_dir)
+  mean = tf.train.load_variable(model_dir, names["moving_mean"])
+  variance = tf.train.load_variable(model_dir, names["moving_variance"])
+  return bool(np.all(mean != 0.0) and np.all(variance != 1.0))
 
 
 @pytest.mark.parametrize(
@@ -133,4 +141,4 @@ def test_batch_norm_layer_is_one_devices(form, concatenate, tmp_path,
   assert summary.towers == [4]
   assert set(summary.metrics) >= {"accuracy", "mean_logit", "loss"}
   assert summary.predictions == 3 * ROWS  # every row
-  assert _moving_mean_moved(str(tmp_path / "one_device"))
+  assert _moving_statistics_moved(str(tmp_path / "one_device"))
