@@ -94,13 +94,9 @@ def session_config(device_type: str, towers: int) -> tf.compat.v1.ConfigProto:
       intra_op_parallelism_threads=FLAGS.intra_op_threads)
   if device_type == "CPU":
     config.device_count["CPU"] = towers
-  elif FLAGS.logical_gpus:
-    # A v1 session makes its own devices: the same split as tf.config's.
-    config.gpu_options.visible_device_list = "0"
-    config.gpu_options.experimental.virtual_devices.add().memory_limit_mb.extend(
-        [FLAGS.gpu_memory_mb] * FLAGS.logical_gpus)
   else:
-    config.gpu_options.allow_growth = True
+    common.set_session_gpus(config.gpu_options, FLAGS.logical_gpus,
+                            FLAGS.gpu_memory_mb)
   return config
 
 
