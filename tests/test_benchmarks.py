@@ -35,10 +35,9 @@ def _smoke(tmp_path, pairing, *extra):
   return proc.stdout, json.loads(out.read_text())
 
 
-@pytest.mark.parametrize("pairing", ["runs", "windows"])
-def test_smoke_run_reports_every_variant_at_one_and_two_towers(tmp_path,
-                                                               pairing):
-  stdout, result = _smoke(tmp_path, pairing)
+def test_smoke_run_reports_every_variant_at_one_and_two_towers(tmp_path):
+  # One process, the variants taking turns window by window.
+  stdout, result = _smoke(tmp_path, "windows")
   rows = result["rows"]
   assert sorted((r["variant"], r["towers"]) for r in rows) == sorted(
       (v, n) for v in VARIANTS for n in (1, 2))
@@ -47,13 +46,11 @@ def test_smoke_run_reports_every_variant_at_one_and_two_towers(tmp_path,
     assert row["examples_per_sec"] > 0, row
     assert math.isfinite(row["final_loss"]), row
     assert row["build_s"] > 0, row
-    if pairing == "runs":
-      assert row["peak_rss_mib"] > 0, row
-    else:  # one process: what each variant added to it, and a ratio per window
-      assert row["peak_rss_mib"] is None and row["rss_growth_mib"] > 0, row
-      if row["variant"] != "plain":
-        assert row["vs_plain"]["pairs"] == result["settings"][
-            "worker_flags"]["windows"], row
+    # One process: what each variant added to it, and a ratio per window.
+    assert row["peak_rss_mib"] is None and row["rss_growth_mib"] > 0, row
+    if row["variant"] != "plain":
+      assert row["vs_plain"]["pairs"] == result["settings"][
+          "worker_flags"]["windows"], row
     assert f"| mlp | {row['towers']} | {row['variant']} |" in stdout
   # Same model, seed and examples per step: every variant, the same loss.
   losses = [r["final_loss"] for r in rows]
@@ -61,6 +58,21 @@ def test_smoke_run_reports_every_variant_at_one_and_two_towers(tmp_path,
   assert all(r["vs_plain"] for r in rows if r["variant"] != "plain")
   assert all(r["vs_mirrored"] for r in rows if r["variant"] in
              report.REPLICATE)
+
+
+def test_smoke_runs_each_variant_in_its_own_process(tmp_path):
+  # A process per run (two at a time): its peak memory, and ratios of runs.
+  stdout, result = _smoke(tmp_path, "runs", "--towers=2",
+                          "--variants=plain,replicate_shared")
+  rows = {r["variant"]: r for r in result["rows"]}
+  assert sorted(rows) == ["plain", "replicate_shared"]
+  for row in rows.values():
+    assert row["towers"] == 2 and row["runs"] == 1 and row["failed"] == 0, row
+    assert row["examples_per_sec"] > 0 and row["peak_rss_mib"] > 0, row
+    assert f"| mlp | 2 | {row['variant']} |" in stdout
+  np.testing.assert_allclose(rows["replicate_shared"]["final_loss"],
+                             rows["plain"]["final_loss"], rtol=1e-3)
+  assert rows["replicate_shared"]["vs_plain"]["median"] > 0
 
 
 def test_smoke_batch_norm_sync_and_unsynced_side_by_side(tmp_path):
