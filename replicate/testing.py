@@ -131,7 +131,10 @@ def session_config(
   Without `device_count` a session has one CPU device, and ops placed on
   '/device:CPU:1' fail to place. `base`, when given, is copied and kept;
   only its CPU count is set. Without it, soft placement is on, as in
-  Estimator's default session config.
+  Estimator's default session config. A GPU split into logical GPUs with
+  `tf.config.set_logical_device_configuration` stays split in the session
+  (a v1 session makes its own devices from its config, and would have one
+  GPU), unless `base` sets its own GPU list or split.
 
   Args:
     num_devices: CPU devices the session must have, at least 1.
@@ -159,7 +162,38 @@ def _merged_session_config(num_devices, base):
         f"{num_devices} CPU devices are needed; remove 'CPU' from the base "
         f"config's device_count or set it to {num_devices}.")
   config.device_count["CPU"] = num_devices
+  _carry_logical_gpus(config.gpu_options)
   return config
+
+
+def _carry_logical_gpus(gpu_options):
+  """Repeats tf.config's logical split of the visible GPUs in `gpu_options`.
+
+  As TensorFlow's eager context writes it (a GPU with no split of its own
+  gets one device), and only when some visible GPU is split and the options
+  name no GPUs or split of their own.
+  """
+  if (gpu_options.visible_device_list or
+      gpu_options.experimental.virtual_devices):
+    return
+  gpus = tf.config.list_physical_devices("GPU")
+  visible = set(tf.config.get_visible_devices("GPU"))
+  splits = {gpu: tf.config.get_logical_device_configuration(gpu) or []
+            for gpu in gpus if gpu in visible}
+  if not any(splits.values()):
+    return
+  gpu_options.visible_device_list = ",".join(
+      str(index) for index, gpu in enumerate(gpus) if gpu in visible)
+  for gpu in gpus:
+    if gpu not in visible:
+      continue
+    devices = gpu_options.experimental.virtual_devices.add()
+    split = splits[gpu]
+    devices.memory_limit_mb.extend(d.memory_limit for d in split)
+    devices.priority.extend(d.experimental_priority for d in split
+                            if d.experimental_priority is not None)
+    devices.device_ordinal.extend(d.experimental_device_ordinal for d in split
+                                  if d.experimental_device_ordinal is not None)
 
 
 def run_config(

@@ -35,7 +35,8 @@ def session_config(kind=VIRTUAL_CPUS, soft=None):
       inter_op_parallelism_threads=2, intra_op_parallelism_threads=1)
   # Grappler's rewrites cost more than these tiny graphs take to run.
   config.graph_options.rewrite_options.disable_meta_optimizer = True
-  return config
+  # With REPLICATE_TEST_GPUS (conftest.py), the session keeps the GPU split.
+  return replicate.testing.session_config(4, config)
 
 
 def estimator_config(model_dir, seed):
@@ -44,9 +45,10 @@ def estimator_config(model_dir, seed):
       model_dir=str(model_dir), tf_random_seed=seed,
       save_checkpoints_steps=1000, save_summary_steps=1000,
       log_step_count_steps=1000,
-      session_config=tf.compat.v1.ConfigProto(
-          device_count={"CPU": 4}, allow_soft_placement=True,
-          inter_op_parallelism_threads=2, intra_op_parallelism_threads=1))
+      session_config=replicate.testing.session_config(
+          4, tf.compat.v1.ConfigProto(allow_soft_placement=True,
+                                      inter_op_parallelism_threads=2,
+                                      intra_op_parallelism_threads=1)))
 
 
 def initial_value(name, shape, dtype):

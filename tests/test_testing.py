@@ -292,6 +292,44 @@ def test_session_config_merges_the_callers():
     testing.session_config(4, tf.compat.v1.ConfigProto(device_count={"CPU": 2}))
 
 
+def _fake_gpus(monkeypatch, visible, splits):
+  """Three physical GPUs as tf.config would list them, `visible` of them
+  visible and `splits` their logical configurations."""
+  gpus = [tf.config.PhysicalDevice(f"/physical_device:GPU:{i}", "GPU")
+          for i in range(3)]
+  monkeypatch.setattr(tf.config, "list_physical_devices",
+                      lambda kind=None: gpus if kind == "GPU" else [])
+  monkeypatch.setattr(tf.config, "get_visible_devices",
+                      lambda kind=None: [gpus[i] for i in visible])
+  monkeypatch.setattr(tf.config, "get_logical_device_configuration",
+                      lambda gpu: splits.get(int(gpu.name[-1])))
+
+
+def test_session_config_keeps_a_logical_gpu_split(monkeypatch):
+  # GPU 0 hidden, GPU 1 split in two (priorities given), GPU 2 whole: the
+  # session's GPU options say what TensorFlow's eager context says.
+  logical = tf.config.LogicalDeviceConfiguration
+  _fake_gpus(monkeypatch, visible=[1, 2], splits={
+      1: [logical(1024, experimental_priority=0),
+          logical(2048, experimental_priority=-1)]})
+  gpu_options = testing.session_config(4).gpu_options
+  assert gpu_options.visible_device_list == "1,2"
+  assert [(list(d.memory_limit_mb), list(d.priority), list(d.device_ordinal))
+          for d in gpu_options.experimental.virtual_devices] == [
+              ([1024, 2048], [0, -1], []), ([], [], [])]
+  assert testing.run_config(2).session_config.gpu_options == gpu_options
+  # The caller's own GPU choice is kept as it is.
+  base = tf.compat.v1.ConfigProto()
+  base.gpu_options.visible_device_list = "2"
+  assert testing.session_config(4, base).gpu_options == base.gpu_options
+
+
+def test_session_config_leaves_unsplit_gpus_alone(monkeypatch):
+  _fake_gpus(monkeypatch, visible=[0, 1, 2], splits={})
+  assert testing.session_config(4).gpu_options == (
+      tf.compat.v1.ConfigProto().gpu_options)
+
+
 def test_run_config_takes_run_config_arguments():
   config = testing.run_config(
       3, tf.compat.v1.ConfigProto(intra_op_parallelism_threads=1),
