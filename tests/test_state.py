@@ -289,9 +289,10 @@ class AfterTrainOpTest(parameterized.TestCase):
       return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
     input_fn = lambda: tf.data.Dataset.from_tensor_slices(DATA).repeat().batch(
         8, drop_remainder=True)
+    model_dir = self.enter_context(tempfile.TemporaryDirectory())
     estimator = tf.estimator.Estimator(
         replicate.replicate_model_fn(model_fn, devices=_towers(2)),
-        config=harness.estimator_config(tempfile.mkdtemp(), 1))
+        config=harness.estimator_config(model_dir, 1))
     estimator.train(input_fn, max_steps=6)
     self.assertEqual(estimator.get_variable_value("global_step"), 6)
     self.assertEqual(estimator.get_variable_value("examples_seen"), 6 * 8)
@@ -487,7 +488,9 @@ class InitFromCheckpointTest(parameterized.TestCase):
   @classmethod
   def setUpClass(cls):
     super().setUpClass()
-    cls.checkpoint = os.path.join(tempfile.mkdtemp(), "model")
+    directory = tempfile.TemporaryDirectory()
+    cls.addClassCleanup(directory.cleanup)
+    cls.checkpoint = os.path.join(directory.name, "model")
     cls.kernel = np.arange(15, dtype=np.float32).reshape(5, 3) / 10.0
     with tf.Graph().as_default():
       tf.compat.v1.get_variable("logits/kernel", initializer=cls.kernel)

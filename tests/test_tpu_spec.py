@@ -88,13 +88,18 @@ def bert_like_model_fn(features, labels, mode, params):
         tf.cast(global_step[0], tf.float32), loss[0],
         tf.reduce_mean(per_example_loss)]))]
 
-  global_step = tf.compat.v1.train.get_global_step()
+  # The step's global step, read before the step's update increments it:
+  # as a TPU outfeeds it. Without the dependency the read and the update are
+  # unordered on a CPU (on one device as on towers), and a CI run read 3.
+  global_step = tf.reshape(tf.compat.v1.train.get_global_step(), [1])
   optimizer = replicate.TowerOptimizer(tf.compat.v1.train.AdamOptimizer(0.05))
+  with tf.control_dependencies([global_step]):
+    train_op = optimizer.minimize(loss,
+                                  tf.compat.v1.train.get_global_step())
   return TPUEstimatorSpec(
-      mode, loss=loss, train_op=optimizer.minimize(loss, global_step),
-      scaffold_fn=scaffold_fn,
-      host_call=(host_fn, [tf.reshape(global_step, [1]),
-                           tf.reshape(loss, [1]), per_example_loss]))
+      mode, loss=loss, train_op=train_op, scaffold_fn=scaffold_fn,
+      host_call=(host_fn, [global_step, tf.reshape(loss, [1]),
+                           per_example_loss]))
 
 
 def _plain_model_fn(features, labels, mode, params):

@@ -243,7 +243,7 @@ class EstimatorUnevenTest(parameterized.TestCase):
     # Both evaluate the same weights, from one checkpoint written first.
     config = tf.estimator.RunConfig(
         tf_random_seed=1, session_config=harness.session_config(soft=True))
-    checkpoint_dir = tempfile.mkdtemp()
+    checkpoint_dir = self.enter_context(tempfile.TemporaryDirectory())
     _write_initial_checkpoint(model_fn, checkpoint_dir)
     plain = tf.estimator.Estimator(model_fn, model_dir=checkpoint_dir,
                                    config=config)
