@@ -1,8 +1,8 @@
 """Any batch size on any number of towers gives one device's results.
 
-The grid: batch sizes B = 1..3N+1 on N = 1..4 towers, static and dynamic
-batch dimensions, inputs that mix a dense tensor, a SparseTensor and dicts
-of features and labels, every loss reduction. Towers may get no examples
+The grid: batch sizes from 1 to 3N+1 on N = 1..4 towers (`_batches`),
+static and dynamic batch dimensions, inputs that mix a dense tensor, a
+SparseTensor and dicts of features and labels, every loss reduction. Towers may get no examples
 (B < N); shards differ by at most one example and keep the input order.
 """
 
@@ -115,10 +115,21 @@ def _run(mode, num_examples, tower_devices, reduction, static, steps=2):
       return session.run(spec.predictions)
 
 
+def _batches(num_towers):
+  """B = 1..N+1 (empty towers, one row each, one tower with two), then
+  2N-1, 2N, 2N+1 and 3N+1 (every remainder of B mod N, shards of 2 and 3);
+  all of 1..3N+1 on one and two towers."""
+  if num_towers <= 2:
+    return range(1, 3 * num_towers + 2)
+  return sorted(set(range(1, num_towers + 2)) | {
+      2 * num_towers - 1, 2 * num_towers, 2 * num_towers + 1,
+      3 * num_towers + 1})
+
+
 def _grid():
   reductions = itertools.cycle(REDUCTIONS)
   for num_towers in (1, 2, 3, 4):
-    for batch in range(1, 3 * num_towers + 2):
+    for batch in _batches(num_towers):
       static = (batch + num_towers) % 2 == 0
       yield dict(testcase_name=f"B{batch}_N{num_towers}_"
                  f"{'static' if static else 'dynamic'}",

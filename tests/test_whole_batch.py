@@ -258,11 +258,22 @@ BATCH_NORMS = [
 ]
 
 
-@pytest.mark.parametrize("towers,batch,static", SHAPES, ids=SHAPE_IDS)
+def _rotated(forms, ids):
+  """Each form on three of SHAPES: the last (4 towers, 3 rows: an empty
+  tower) and two others in turn, so that every shape meets several forms."""
+  rest = SHAPES[:-1]
+  for index, (form, form_id) in enumerate(zip(forms, ids)):
+    shapes = [rest[index % len(rest)], rest[(index + 1) % len(rest)],
+              SHAPES[-1]]
+    for shape, shape_id in zip(shapes, _shape_ids(shapes)):
+      yield pytest.param(form, *shape, id=f"{form_id}-{shape_id}")
+
+
 @pytest.mark.parametrize(
-    "params", BATCH_NORMS,
-    ids=[f"{p['layer']}-{p['input']}-fused{p['fused']}" +
-         ("-renorm" if p.get("renorm") else "") for p in BATCH_NORMS])
+    "params,towers,batch,static", list(_rotated(
+        BATCH_NORMS,
+        [f"{p['layer']}-{p['input']}-fused{p['fused']}" +
+         ("-renorm" if p.get("renorm") else "") for p in BATCH_NORMS])))
 def test_batch_norm_training_is_one_devices(params, towers, batch, static):
   _, values = _assert_one_devices(_batch_norm_model_fn, towers, batch, static,
                                   params=params,
@@ -386,8 +397,8 @@ RAW_BATCH_NORMS = ["fused", "fused_nchw", "fused_average",
                    "dense", "weighted", "weighted_mask"]
 
 
-@pytest.mark.parametrize("towers,batch,static", SHAPES, ids=SHAPE_IDS)
-@pytest.mark.parametrize("form", RAW_BATCH_NORMS)
+@pytest.mark.parametrize("form,towers,batch,static",
+                         list(_rotated(RAW_BATCH_NORMS, RAW_BATCH_NORMS)))
 def test_tf_nn_batch_norm_training_is_one_devices(form, towers, batch,
                                                   static):
   # tf.compat.v1.nn.fused_batch_norm in training, tf.nn.moments,
