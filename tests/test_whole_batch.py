@@ -432,9 +432,8 @@ def _assert_fused_is_one_devices(kind, params, towers, batch, static):
 def _through_the_hub_cases():
   """Each fused form on the static phantom row and two of SHAPES, in turn.
 
-  The concatenating route (the tests above) takes every form on every
-  shape; this route shares its code per layer, so every shape meets several
-  forms rather than all of them.
+  As in the tests above (the concatenating route), every shape meets
+  several forms rather than all of them: the layers share their code.
   """
   for index, ((kind, params), form_id) in enumerate(zip(FUSED_FORMS,
                                                         FUSED_FORM_IDS)):
