@@ -134,7 +134,7 @@ def session_config(
   Estimator's default session config. A GPU split into logical GPUs with
   `tf.config.set_logical_device_configuration` stays split in the session
   (a v1 session makes its own devices from its config, and would have one
-  GPU), unless `base` sets its own GPU list or split.
+  GPU), unless `base` sets its own GPU list or split, or hides the GPUs.
 
   Args:
     num_devices: CPU devices the session must have, at least 1.
@@ -162,7 +162,8 @@ def _merged_session_config(num_devices, base):
         f"{num_devices} CPU devices are needed; remove 'CPU' from the base "
         f"config's device_count or set it to {num_devices}.")
   config.device_count["CPU"] = num_devices
-  _carry_logical_gpus(config.gpu_options)
+  if config.device_count.get("GPU") != 0:
+    _carry_logical_gpus(config.gpu_options)
   return config
 
 

@@ -322,6 +322,10 @@ def test_session_config_keeps_a_logical_gpu_split(monkeypatch):
   base = tf.compat.v1.ConfigProto()
   base.gpu_options.visible_device_list = "2"
   assert testing.session_config(4, base).gpu_options == base.gpu_options
+  # Nor is it added to a session without GPUs.
+  hidden = testing.session_config(4, tf.compat.v1.ConfigProto(
+      device_count={"GPU": 0}))
+  assert not hidden.gpu_options.experimental.virtual_devices
 
 
 def test_session_config_leaves_unsplit_gpus_alone(monkeypatch):
