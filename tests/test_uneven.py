@@ -2,8 +2,9 @@
 
 The grid: batch sizes from 1 to 3N+1 on N = 1..4 towers (`_batches`),
 static and dynamic batch dimensions, inputs that mix a dense tensor, a
-SparseTensor and dicts of features and labels, every loss reduction. Towers may get no examples
-(B < N); shards differ by at most one example and keep the input order.
+SparseTensor and dicts of features and labels, every loss reduction.
+Towers may get no examples (B < N); shards differ by at most one example
+and keep the input order.
 """
 
 import functools
@@ -116,9 +117,12 @@ def _run(mode, num_examples, tower_devices, reduction, static, steps=2):
 
 
 def _batches(num_towers):
-  """B = 1..N+1 (empty towers, one row each, one tower with two), then
-  2N-1, 2N, 2N+1 and 3N+1 (every remainder of B mod N, shards of 2 and 3);
-  all of 1..3N+1 on one and two towers."""
+  """The batch sizes tried on `num_towers` towers.
+
+  All of 1..3N+1 on one and two towers; on more, 1..N+1 (empty towers, a
+  row each, one tower with two), then 2N-1, 2N, 2N+1 and 3N+1 (every
+  remainder of B mod N, shards of two and three rows).
+  """
   if num_towers <= 2:
     return range(1, 3 * num_towers + 2)
   return sorted(set(range(1, num_towers + 2)) | {

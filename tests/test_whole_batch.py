@@ -259,8 +259,11 @@ BATCH_NORMS = [
 
 
 def _rotated(forms, ids):
-  """Each form on three of SHAPES: the last (4 towers, 3 rows: an empty
-  tower) and two others in turn, so that every shape meets several forms."""
+  """Each form's cases: three of SHAPES.
+
+  The last (4 towers, 3 rows: an empty tower) for every form, and two of
+  the others in turn, so that every shape meets several forms.
+  """
   rest = SHAPES[:-1]
   for index, (form, form_id) in enumerate(zip(forms, ids)):
     shapes = [rest[index % len(rest)], rest[(index + 1) % len(rest)],
