@@ -143,13 +143,3 @@ def configure_gpus(logical_gpus: int, memory_mb: int) -> None:
   for gpu in gpus:
     tf.config.experimental.set_memory_growth(gpu, True)
 
-
-def set_session_gpus(gpu_options, logical_gpus: int, memory_mb: int) -> None:
-  """The same GPU set-up in a v1 session's `gpu_options`: a session makes
-  its own devices, and without the split would have one GPU."""
-  if logical_gpus:
-    gpu_options.visible_device_list = "0"
-    gpu_options.experimental.virtual_devices.add().memory_limit_mb.extend(
-        [memory_mb] * logical_gpus)
-  else:
-    gpu_options.allow_growth = True

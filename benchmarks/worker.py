@@ -94,10 +94,12 @@ def session_config(device_type: str, towers: int) -> tf.compat.v1.ConfigProto:
       intra_op_parallelism_threads=FLAGS.intra_op_threads)
   if device_type == "CPU":
     config.device_count["CPU"] = towers
-  else:
-    common.set_session_gpus(config.gpu_options, FLAGS.logical_gpus,
-                            FLAGS.gpu_memory_mb)
-  return config
+    return config
+  if not FLAGS.logical_gpus:
+    config.gpu_options.allow_growth = True
+  # A v1 session makes its own devices: this one repeats the logical GPU
+  # split that common.configure_gpus made with tf.config.
+  return replicate.testing.session_config(1, config)
 
 
 def recording(model_fn):

@@ -91,14 +91,14 @@ def bert_like_model_fn(features, labels, mode, params):
   # The step's global step, read before the step's update increments it:
   # as a TPU outfeeds it. Without the dependency the read and the update are
   # unordered on a CPU (on one device as on towers), and a CI run read 3.
-  global_step = tf.reshape(tf.compat.v1.train.get_global_step(), [1])
+  global_step = tf.compat.v1.train.get_global_step()
+  step_read = tf.reshape(global_step, [1])
   optimizer = replicate.TowerOptimizer(tf.compat.v1.train.AdamOptimizer(0.05))
-  with tf.control_dependencies([global_step]):
-    train_op = optimizer.minimize(loss,
-                                  tf.compat.v1.train.get_global_step())
+  with tf.control_dependencies([step_read]):
+    train_op = optimizer.minimize(loss, global_step)
   return TPUEstimatorSpec(
       mode, loss=loss, train_op=train_op, scaffold_fn=scaffold_fn,
-      host_call=(host_fn, [global_step, tf.reshape(loss, [1]),
+      host_call=(host_fn, [step_read, tf.reshape(loss, [1]),
                            per_example_loss]))
 
 
