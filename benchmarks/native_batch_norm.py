@@ -6,7 +6,7 @@ batch (`hub` below), and its step stays at 0.8-0.9x unsynchronised
 (benchmarks/README.md, issue 21). This script compiles three one-pass
 per-channel kernels (`native_batch_norm.cc`, with TensorFlow's compile
 flags and the system C++ compiler) and times the cnn_bn workload's graph,
-built tower by tower by hand, four ways:
+built tower by tower by hand, in these ways:
 
 - `unsync`: each tower's training-mode fused kernel on its shard;
 - `hub`: the shards concatenated on CPU:0, one training-mode kernel, split
@@ -21,9 +21,18 @@ built tower by tower by hand, four ways:
   normalisation (one pass) and, backward, both passes mask dy where the
   forward's arithmetic was not positive (no ReluGrad).
 
+Two more arrange TensorFlow's own kernels otherwise (asked for with
+`--variants`): `hub`'s forward, and backward either each tower's ReluGrad
+before the hub's concatenation and kernel gradient (`hub_tower_relu_grad`)
+or the whole gradient per tower (`hub_tower_backward`: the inference
+kernel's gradient gives a tower's share of dx and its shard's sums, merged
+on CPU:0, then an affine correction and an add).
+
 With `--replicate`, also `replicate_sync` / `replicate_unsync`: the
 library's own graphs of the workload (benchmarks/workloads.py, with their
-moving statistics and optimizer wrapping), for scale. Every variant gets
+moving statistics and optimizer wrapping), for scale; with `--ungated`,
+also both built with `gate_gradients=GATE_NONE` instead of the optimizer's
+default GATE_OP (whether gating the towers' gradients costs step time). Every variant gets
 its own graph and session in this process; after a warm-up they take
 turns window by window (the order rotated each window), and each window's
 step time is compared with `unsync`'s of the same window. `--check` first
@@ -61,6 +70,9 @@ flags.DEFINE_list("variants", ["unsync", "hub", "native", "native_backward",
                   "Hand-built variants (see the module docstring).")
 flags.DEFINE_bool("replicate", True,
                   "Also time the library's sync and unsync graphs.")
+flags.DEFINE_bool("ungated", False,
+                  "With --replicate, also the library's graphs minimised "
+                  "with gate_gradients=GATE_NONE.")
 flags.DEFINE_integer("batch_size", 256, "Global batch.")
 flags.DEFINE_integer("warmup_steps", 20, "Untimed steps per variant.")
 flags.DEFINE_integer("windows", 15, "Timed windows per variant (0: none).")
@@ -169,6 +181,95 @@ def _native_layer(kernels, xs: List[tf.Tensor], gamma, beta,
   return layer(*xs, gamma, beta)
 
 
+def _hub(xs: List[tf.Tensor], gamma, beta, with_reserve: bool = False):
+  """The library's route: the shards concatenated, one kernel, ReLU, split.
+
+  With `with_reserve`, also returns what a written-out gradient needs:
+  (the batch, the kernel op's outputs).
+  """
+  with tf.device(xs[0].device):
+    whole = tf.concat(xs, 0) if len(xs) > 1 else xs[0]
+    kernel = tf.raw_ops.FusedBatchNormV3(
+        x=whole, scale=gamma, offset=beta, mean=tf.constant([], tf.float32),
+        variance=tf.constant([], tf.float32), epsilon=EPSILON,
+        is_training=True)
+    y = tf.nn.relu(kernel.y)
+    parts = tf.split(y, len(xs)) if len(xs) > 1 else [y]
+  outputs = []
+  for x, part in zip(xs, parts):  # the ReLU ran on the hub, as the library's
+    with tf.device(x.device):
+      outputs.append(tf.identity(part))
+  return (outputs, whole, kernel) if with_reserve else outputs
+
+
+# Hub forward, TensorFlow's kernels backward: each tower's ReluGrad, then
+# the concatenated gradient through the training kernel's gradient on the
+# hub; or the whole backward per tower (the inference kernel's gradient for
+# a tower's share and its sums, merged, and an affine correction).
+_HUB_BACKWARDS = {"hub_tower_relu_grad": "hub", "hub_tower_backward": "towers"}
+
+
+def _hub_with_backward(xs: List[tf.Tensor], gamma, beta, backward: str):
+  """`_hub`'s forward with a written-out gradient of TensorFlow's kernels."""
+  hub = xs[0].device
+
+  @tf.custom_gradient
+  def layer(*inputs):
+    shards, scale = inputs[:-2], inputs[-2]
+    outputs, whole, kernel = _hub(shards, scale, inputs[-1], True)
+    with tf.device(hub):
+      total = tf.cast(tf.reduce_prod(tf.shape(whole)[:-1]), tf.float32)
+      # The kernel reports the Bessel-corrected variance; it divided by n.
+      variance = kernel.batch_variance * (total - 1.0) / total
+
+    def gradient(*doutputs):
+      relu_grads = []
+      for x, dy, y in zip(shards, doutputs, outputs):
+        with _apart(x.device):
+          relu_grads.append(tf.raw_ops.ReluGrad(gradients=dy, features=y))
+      if backward == "hub":
+        with _apart(hub):
+          whole_grad = tf.raw_ops.FusedBatchNormGradV3(
+              y_backprop=tf.concat(relu_grads, 0) if len(shards) > 1 else
+              relu_grads[0], x=whole, scale=scale,
+              reserve_space_1=kernel.reserve_space_1,
+              reserve_space_2=kernel.reserve_space_2,
+              reserve_space_3=kernel.reserve_space_3, epsilon=EPSILON,
+              is_training=True)
+          dxs = (tf.split(whole_grad.x_backprop, len(shards))
+                 if len(shards) > 1 else [whole_grad.x_backprop])
+        return dxs + [whole_grad.scale_backprop, whole_grad.offset_backprop]
+      shares = []
+      for x, g in zip(shards, relu_grads):
+        with _apart(x.device):
+          # dx share g gamma r, and the shard's sum(g) and sum(g x_hat).
+          shares.append(tf.raw_ops.FusedBatchNormGradV3(
+              y_backprop=g, x=x, scale=scale,
+              reserve_space_1=kernel.batch_mean, reserve_space_2=variance,
+              reserve_space_3=tf.constant([], tf.float32), epsilon=EPSILON,
+              is_training=False))
+      with _apart(hub):
+        sum_centred = tf.add_n([s.scale_backprop for s in shares])
+        sum_dy = tf.add_n([s.offset_backprop for s in shares])
+        r = tf.math.rsqrt(variance + EPSILON)
+        # dx = gamma r (g - sum_dy / n - x_hat sum_centred / n): the share
+        # plus b (x - mean) + c, the inference kernel given variance 1 - eps.
+        b = -scale * r * r * sum_centred / total
+        c = -scale * r * sum_dy / total
+        unit = tf.fill(tf.shape(scale), 1.0 - EPSILON)
+      dxs = []
+      for x, share in zip(shards, shares):
+        with _apart(x.device):
+          dxs.append(share.x_backprop + tf.compat.v1.nn.fused_batch_norm(
+              x, b, c, kernel.batch_mean, unit, epsilon=EPSILON,
+              is_training=False)[0])
+      return dxs + [sum_centred, sum_dy]
+
+    return outputs, gradient
+
+  return layer(*xs, gamma, beta)
+
+
 def _batch_norm_relu(kernels, variant: str, hs: List[tf.Tensor],
                      name: str) -> List[tf.Tensor]:
   channels = hs[0].shape[-1]
@@ -184,16 +285,9 @@ def _batch_norm_relu(kernels, variant: str, hs: List[tf.Tensor],
         ys.append(tf.compat.v1.nn.fused_batch_norm(
             h, gamma, beta, epsilon=EPSILON, is_training=True)[0])
   elif variant == "hub":
-    with tf.device(hs[0].device):
-      whole = tf.concat(hs, 0) if len(hs) > 1 else hs[0]
-      y = tf.nn.relu(tf.compat.v1.nn.fused_batch_norm(
-          whole, gamma, beta, epsilon=EPSILON, is_training=True)[0])
-      parts = tf.split(y, len(hs)) if len(hs) > 1 else [y]
-    outputs = []
-    for h, part in zip(hs, parts):  # the ReLU ran on the hub, as the library's
-      with tf.device(h.device):
-        outputs.append(tf.identity(part))
-    return outputs
+    return _hub(hs, gamma, beta)
+  elif variant in _HUB_BACKWARDS:
+    return _hub_with_backward(hs, gamma, beta, _HUB_BACKWARDS[variant])
   elif variant == "native_relu":
     return _native_layer(kernels, hs, gamma, beta, True, relu=True)
   else:
@@ -260,8 +354,10 @@ def _library(variant: str, towers: int, features, labels):
   tf.compat.v1.train.create_global_step()
   model_fn = replicate.replicate_model_fn(
       workloads.model_fn, devices=[f"/device:CPU:{i}" for i in range(towers)],
-      sync_batch_norm=variant == "replicate_sync")
+      sync_batch_norm=variant.startswith("replicate_sync"))
   params = dict(workload="cnn_bn", learning_rate=0.01, momentum=0.9)
+  if variant.endswith("_ungated"):
+    params["gate_gradients"] = tf.compat.v1.train.Optimizer.GATE_NONE
   spec = model_fn({"x": features}, labels, tf.estimator.ModeKeys.TRAIN,
                   params)
   return spec.loss, [], spec.train_op
@@ -341,6 +437,8 @@ def main(argv):
       return
     library = (["replicate_unsync", "replicate_sync"] if FLAGS.replicate
                else [])
+    if FLAGS.replicate and FLAGS.ungated:
+      library += ["replicate_unsync_ungated", "replicate_sync_ungated"]
     print("| N | variant | step ms (median) | × its unsync (min–max) |")
     print("|---:|---|---:|---:|")
     for n in towers:

@@ -146,7 +146,10 @@ _LOGITS = {"mlp": mlp_logits, "cnn": cnn_logits, "cnn_bn": cnn_bn_logits,
 
 def model_fn(features: Dict[str, tf.Tensor], labels: tf.Tensor, mode: str,
              params: Dict) -> tf.estimator.EstimatorSpec:
-  """Softmax classifier; params: 'workload', 'learning_rate', 'momentum'."""
+  """Softmax classifier; params: 'workload', 'learning_rate', 'momentum'.
+
+  Optional 'gate_gradients': the optimizer's (default GATE_OP).
+  """
   training = mode == tf.estimator.ModeKeys.TRAIN
   logits = _LOGITS[params["workload"]](features["x"], training)
   if mode == tf.estimator.ModeKeys.PREDICT:
@@ -159,5 +162,8 @@ def model_fn(features: Dict[str, tf.Tensor], labels: tf.Tensor, mode: str,
   # mlp and cnn: an empty control dependency adds no op).
   update_ops = tf.compat.v1.get_collection(tf.compat.v1.GraphKeys.UPDATE_OPS)
   with tf.control_dependencies(update_ops):
-    train_op = optimizer.minimize(loss, tf.compat.v1.train.get_global_step())
+    train_op = optimizer.minimize(
+        loss, tf.compat.v1.train.get_global_step(),
+        gate_gradients=params.get("gate_gradients",
+                                  tf.compat.v1.train.Optimizer.GATE_OP))
   return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
