@@ -427,11 +427,17 @@ def _run_lists(model_fn, mode, num_towers, rows):
 
 
 class PythonListInputsTest(parameterized.TestCase):
-  """Lists of numbers and strings, labels as lists; 3 rows: uneven."""
+  """Lists of numbers and strings, labels as lists, split unevenly.
 
-  @parameterized.product(
-      kind=["linear_regressor_v2", "dnn_classifier_v2", "dnn_classifier_v1"],
-      num_towers=[2, 4], rows=[5, 3])
+  Every kind takes 3 rows on 4 towers (a tower computing on a phantom row)
+  and one other split in turn: 5 rows on 2 towers (3 + 2) or on 4 (2 + 1
+  + 1 + 1), or 3 rows on 2 (2 + 1).
+  """
+
+  @parameterized.parameters(
+      ("linear_regressor_v2", 4, 3), ("linear_regressor_v2", 2, 5),
+      ("dnn_classifier_v2", 4, 3), ("dnn_classifier_v2", 4, 5),
+      ("dnn_classifier_v1", 4, 3), ("dnn_classifier_v1", 2, 3))
   def test_match_one_device(self, kind, num_towers, rows):
     model_fn = _canned_model_fn(kind)
     for mode in (harness.TRAIN, harness.EVAL, harness.PREDICT):

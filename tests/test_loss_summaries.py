@@ -152,8 +152,12 @@ def replicated(tmp_path_factory):
   return run
 
 
-@pytest.mark.parametrize("num_towers", [2, 4])
-@pytest.mark.parametrize("case", sorted(CASES))
+# Every case on 4 towers (phantom rows in evaluation); on 2 as well the
+# custom model_fn, the v1 head and the summing v2 head.
+@pytest.mark.parametrize(
+    "case,num_towers",
+    [(c, 4) for c in sorted(CASES)] +
+    [(c, 2) for c in ("custom", "v1_linear_regressor", "v2_baseline_sum")])
 def test_loss_summaries_are_one_devices(one_device, replicated, case,
                                         num_towers):
   expected, expected_eval = one_device[case]

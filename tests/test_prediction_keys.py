@@ -166,11 +166,11 @@ def model_dirs(tmp_path_factory):
       lambda towers: str(tmp_path_factory.mktemp(f"multi_head_{towers}")))
 
 
-@pytest.mark.parametrize("num_towers", [2, 4])
-def test_multi_head_trains_evaluates_predicts_as_one_device(num_towers,
-                                                           model_dirs):
+def test_multi_head_trains_evaluates_predicts_as_one_device(model_dirs):
+  # 4 towers: batches of 7 split 2 + 2 + 2 + 1, the last batch of 2 leaves
+  # two towers a phantom row (2 towers run the odd-keys tests above).
   plain, expected_metrics, expected_predictions = _run(0, model_dirs(0))
-  estimator, metrics, predictions = _run(num_towers, model_dirs(num_towers))
+  estimator, metrics, predictions = _run(4, model_dirs(4))
   names = plain.get_variable_names()
   assert sorted(estimator.get_variable_names()) == sorted(names)
   for name in names:

@@ -9,6 +9,8 @@ A scalar with no whole-batch value (a batch's maximum) is a ValueError
 naming the metric.
 """
 
+import functools
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -70,8 +72,9 @@ def _multi_head_model_fn(features, labels, mode, params):
                                     eval_metric_ops=spec.eval_metric_ops)
 
 
+@functools.lru_cache(maxsize=None)
 def _evaluate(model_fn, num_towers, reduction=None):
-  """The eval set once: the metrics' values.
+  """The eval set once: the metrics' values (one device's computed once).
 
   `reduction`: a Keras reduction the model_fn's heads use (its `params`).
   """
