@@ -131,8 +131,13 @@ LOOKUPS = ["gather_resource", "embedding_lookup_ref", "keras_embedding",
            "embedding_column"]
 
 
-@pytest.mark.parametrize("towers,placement,batch", LAYOUTS)
-@pytest.mark.parametrize("lookup", LOOKUPS)
+# Each lookup on 2 and on 4 towers, the placements swapped by turns: every
+# layout meets two lookups.
+_LOOKUP_LAYOUTS = [(lookup,) + layout for index, lookup in enumerate(LOOKUPS)
+                   for layout in (LAYOUTS[index % 2], LAYOUTS[3 - index % 2])]
+
+
+@pytest.mark.parametrize("lookup,towers,placement,batch", _LOOKUP_LAYOUTS)
 def test_lookups_place_without_soft_placement_with_one_devices_values(
     lookup, towers, placement, batch):
   expected = _run(lookup, None, None, batch)
