@@ -31,11 +31,12 @@ on CPU:0, then an affine correction and an add).
 With `--replicate`, also `replicate_sync` / `replicate_unsync`: the
 library's own graphs of the workload (benchmarks/workloads.py, with their
 moving statistics and optimizer wrapping), for scale; with `--ungated`,
-also both built with `gate_gradients=GATE_NONE` instead of the optimizer's
-default GATE_OP (whether gating the towers' gradients costs step time). Every variant gets
-its own graph and session in this process; after a warm-up they take
-turns window by window (the order rotated each window), and each window's
-step time is compared with `unsync`'s of the same window. `--check` first
+also both built with `gate_gradients=GATE_NONE` instead of the
+optimizer's default GATE_OP (whether gating the towers' gradients costs
+step time). Every variant gets its own graph and session in this process;
+after a warm-up they take turns window by window (the order rotated each
+window), and each window's step time is compared with `unsync`'s of the
+same window (the library's with `replicate_unsync`'s). `--check` first
 compares the first step's loss and gradients with one device's.
 
   python benchmarks/native_batch_norm.py --towers=2,4 --windows=20
