@@ -1,99 +1,43 @@
-"""Batch normalization with the whole batch's statistics (`sync_batch_norm`).
+"""Batch normalization in training with the whole batch's statistics.
 
-On one device a batch-norm layer in training normalises with the batch's
-mean and variance, and its gradients run through them. A tower sees only
-its shard, so while the towers are built for training, Keras'
-`BatchNormalization` (which `tf.compat.v1.layers.batch_normalization` and
-the canned DNN estimators' `batch_norm=True` use too) takes its moments
-from one meeting of the towers per layer (see `_lockstep`): each tower
-brings its shard's count, mean and sum of squared distances from that mean
-(two passes, as `tf.nn.moments` and the fused kernel make them), and the
-hub merges them into the whole batch's (Chan et al.'s pairwise update: no
-cancellation between large sums). Gradients run back through the merge to
-every tower. A layer Keras would fuse gets its shard moments from the fused
-kernel in training mode, normalises with the fused kernel in inference
-mode given the whole batch's statistics (the gradients that kernel does
-not give, written out on the hub and per tower, are kernel calls too), and
-updates its moving statistics as the fused kernel would (Bessel-corrected
-variance). Where the towers are CPUs of one machine (one memory: a tensor
-passed between them is shared, not copied), a fused layer instead runs the
-kernel once, on the hub, on the towers' shards concatenated: one device's
-kernel on one device's rows, for one copy of the inputs and of their
-gradient (a ReLU of the output runs there too: see `_host_relu`). Layers
-with `virtual_batch_size` keep their own statistics (their ghost batches
-do not follow the towers' shards), and so does a fused layer whose
-`training` is a tensor rather than a Python bool (its kernel runs inside a
-tf.cond).
+On one device a batch-norm kernel in training (`FusedBatchNorm*` with
+`is_training`: Keras' fused layer, `tf.compat.v1.layers`, tf-slim, canned
+estimators' `batch_norm=True` on images, a direct
+`tf.compat.v1.nn.fused_batch_norm`) normalises with the batch's mean and
+variance, and its gradients run through them. Each tower's kernel sees its
+shard only; `_whole` hands every such kernel of the towers here, after
+they are built, and every reader of its outputs is given the whole batch's
+(`sync_batch_norm=True`, the default). Batch norm written with reductions
+(`tf.nn.moments`, the non-fused layers) needs nothing: its reductions are
+the whole batch's by construction (`_whole`).
+
+Two ways, both one device's result:
+
+- where the towers are CPUs of one machine (one memory: a tensor passed
+  between them is shared, not copied), one kernel in training runs on the
+  towers' shards concatenated, on the consolidation device, and each tower
+  reads its rows of the output (a ReLU reading them runs there too, once:
+  TensorFlow's graph optimiser fuses it into the kernel on one device);
+- otherwise each tower's shard moments come from the kernel itself, are
+  merged on the consolidation device (Chan et al.'s pairwise update, no
+  cancellation between large sums), and each tower normalises its rows
+  with the kernel in inference mode; the gradients through the statistics
+  that kernel does not give are written out (`_merged`).
 """
 
-
-import contextlib
-import threading
 import weakref
+from typing import Any, Dict, List, Sequence, Tuple
 
 import numpy as np
 import tensorflow as tf
 from absl import logging
 
 from replicate import _aggregate
-from replicate import _collectives
 from replicate import _context
-from replicate import _host_relu
-from replicate import _lockstep
-from replicate import _patches
-
-try:
-  # Keras' batch normalization has no public hook for its moments; these
-  # private methods are where every flavour of the layer computes them.
-  from keras.src.layers.normalization import batch_normalization as _keras_bn  # pylint: disable=g-import-not-at-top
-  from keras.src.utils import control_flow_util as _control_flow_util  # pylint: disable=g-import-not-at-top
-except ImportError:
-  _keras_bn = None
+from replicate import _tf
 
 # tf.compat.v1.nn.fused_batch_norm raises a smaller epsilon to this.
 FUSED_MIN_EPSILON = 1.001e-5
-_MEETING = "synchronised batch normalization"
-
-
-def _whole_batch(layer, axes) -> bool:
-  replication = _context.current_replication()
-  synced = (replication is not None and replication.sync_batch_norm and
-            replication.num_towers > 1 and replication.tower is not None)
-  if synced and layer.virtual_batch_size is not None:
-    if replication.tower.index == 0:
-      logging.warning(
-          "replicate: %s has virtual_batch_size=%d: its ghost batches are "
-          "drawn from each tower's shard, not from the whole batch as on "
-          "one device", layer.name, layer.virtual_batch_size)
-    return False
-  return synced and 0 in axes
-
-
-def whole_batch_moments(x, axes, keep_dims: bool, weights=None):
-  """The whole batch's (mean, variance, count) over `axes`, from every tower.
-
-  Two passes, as `tf.nn.moments` / `tf.nn.weighted_moments`: the mean, then
-  the mean squared distance from it (the mean held constant for the
-  gradient), each a sum over the towers; zero where the weights sum to
-  zero, as `tf.nn.weighted_moments`. Used for masked layers and weighted
-  moments; unmasked ones take the leaner `_shard_moments` / `_merged` route.
-  """
-  axes = list(axes)
-  ones = tf.ones_like(x) if weights is None else tf.broadcast_to(
-      tf.cast(weights, x.dtype), tf.shape(x))
-  with tf.name_scope("whole_batch_moments"):
-    count, total = _collectives.batch_sum([
-        tf.reduce_sum(ones, axes, keepdims=True),
-        tf.reduce_sum(x * ones, axes, keepdims=True)])
-    mean = tf.math.divide_no_nan(total, count)
-    distance = tf.reduce_sum(
-        ones * tf.math.squared_difference(x, tf.stop_gradient(mean)), axes,
-        keepdims=True)
-    variance = tf.math.divide_no_nan(_collectives.batch_sum(distance), count)
-    if not keep_dims:
-      mean, variance, count = (tf.squeeze(t, axes)
-                               for t in (mean, variance, count))
-  return mean, variance, count
 
 
 def _shard_count(x, axes):
@@ -102,26 +46,6 @@ def _shard_count(x, axes):
   if all(d is not None for d in dims):
     return float(np.prod(dims))
   return tf.cast(tf.reduce_prod(tf.gather(tf.shape(x), axes)), x.dtype)
-
-
-def _shard_moments(x, axes, count):
-  """This shard's [mean, sum of squared distances from it] (keepdims shape).
-
-  Two passes, as the fused kernel. A custom gradient, d x = dmean / count
-  + 2 (x - mean) dm2: four ops where automatic differentiation of the
-  reductions builds about fifteen.
-  """
-  axes_t = tf.constant(axes, tf.int32)
-  mean = tf.reduce_mean(x, axes_t, keepdims=True)
-  m2 = tf.reduce_sum(tf.math.squared_difference(x, mean), axes_t,
-                     keepdims=True)
-  stats = tf.stack([mean, m2])
-
-  def grad(dstats):
-    dmean, dm2 = tf.unstack(_zero_if_none(dstats, stats))
-    return [(x - mean) * (2.0 * dm2) + dmean / count]
-
-  return _with_gradient([stats], [x], grad)[0]
 
 
 _KERNEL_MOMENTS_GRADIENT = "ReplicateShardMomentsOfFusedBatchNorm"
@@ -249,8 +173,8 @@ def _with_gradient(outputs, inputs, backward):
 
   `backward(*doutputs)` -> the gradients of `inputs`. What
   `tf.custom_gradient` does in a graph, without its per-call bookkeeping
-  (it watches for variables: a third of the hub's build time): one IdentityN
-  whose registered gradient looks `backward` up.
+  (it watches for variables): one IdentityN whose registered gradient looks
+  `backward` up.
   """
   outputs, inputs = list(outputs), list(inputs)
   graph = outputs[0].graph
@@ -269,168 +193,42 @@ def _written_out_gradient(op, *doutputs):
   return [None] * num_outputs + list(backward(*doutputs[:num_outputs]))
 
 
-def meet(x, axes, args, head, fused_format=None, epsilon=None):
-  """Meets the other towers with this shard's moments of `x` over `axes`.
-
-  `head` (see `_merged`) runs once, on the hub, with the whole batch's
-  statistics and tower 0's `args`; every tower gets its outputs. With
-  `fused_format` (a data format), the fused kernel computes the moments.
-  """
-  replication = _context.current_replication()
-  count = _shard_count(x, axes)
-  if fused_format:
-    stats = _kernel_moments(x, fused_format, epsilon)
-  else:
-    stats = _shard_moments(x, axes, count)
-
-  def combine(values):
-    with tf.device(replication.hub), tf.name_scope("sync_batch_norm"):
-      result = _merged(replication, [v[:2] for v in values], head,
-                       values[0][2], corrected=bool(fused_format))
-    return [result] * len(values)
-
-  return _lockstep.meet(_MEETING, (stats, count, args), combine)
-
-
-def moments_head(axes, keep_dims: bool):
-  """A `meet` head giving (mean, variance), squeezed over `axes` unless kept."""
-  def head(mean, variance, count):
-    del count
-    if keep_dims:
-      return (mean, variance), lambda dmean, dvariance: (
-          _zero_if_none(dmean, mean), _zero_if_none(dvariance, variance))
-    shape = _shape(mean)
-    return (tf.squeeze(mean, axes), tf.squeeze(variance, axes)), (
-        lambda dmean, dvariance: (
-            tf.reshape(_zero_if_none(dmean, mean), shape),
-            tf.reshape(_zero_if_none(dvariance, variance), shape)))
-  return head
-
-
-def _moments(original):
-  def calculate_mean_and_var(layer, inputs, reduction_axes, keep_dims,
-                             mask=None):
-    if not _whole_batch(layer, reduction_axes):
-      with keras_decides():
-        return original(layer, inputs, reduction_axes, keep_dims, mask=mask)
-    if mask is not None:
-      weights = tf.expand_dims(tf.cast(mask, inputs.dtype), axis=-1)
-      mean, variance, _ = whole_batch_moments(inputs, reduction_axes,
-                                              keep_dims, weights)
-      return mean, variance
-    axes = list(reduction_axes)
-    return meet(inputs, axes, (), moments_head(axes, keep_dims))
-  return calculate_mean_and_var
-
-
-_local = threading.local()
-
-
-@contextlib.contextmanager
-def keras_decides():
-  """Inside, Keras' layer keeps the statistics it chose (see `_nn_batch_norm`).
-
-  A layer left to its own statistics (ghost batches, a tensor `training`)
-  calls `tf.nn.moments` / `fused_batch_norm` itself.
-  """
-  before = getattr(_local, "keras", False)
-  _local.keras = True
-  try:
-    yield
-  finally:
-    _local.keras = before
-
-
-def in_keras_layer() -> bool:
-  """Whether a Keras layer that keeps its own statistics is being built."""
-  return getattr(_local, "keras", False)
-
-
-def _shape(t):
-  return t.shape.as_list() if t.shape.is_fully_defined() else tf.shape(t)
-
-
 def _zero_if_none(gradient, like):
   return tf.zeros_like(like) if gradient is None else gradient
 
 
-def _learning_phase(training) -> bool:
-  """Whether `training` is Keras' learning-phase placeholder.
+class _Kernel:
+  """The attributes and inputs of one tower-0 kernel in training."""
 
-  A functional Keras model built in a graph first calls its layers on its
-  `Input`s with that placeholder: ops that never run in training.
+  def __init__(self, op: tf.Operation):
+    self.op = op
+    self.data_format = op.get_attr("data_format").decode()
+    self.epsilon = op.get_attr("epsilon")
+    try:
+      self.factor = op.get_attr("exponential_avg_factor")
+    except ValueError:
+      self.factor = 1.0
+    self.scale, self.offset, self.mean, self.variance = op.inputs[1:5]
+    rank = op.inputs[0].shape.rank
+    channel = 1 if self.data_format.startswith("NC") else rank - 1
+    self.axes = [a for a in range(rank) if a != channel]
+
+
+def whole_batch(replication: _context.Replication, op: tf.Operation,
+                shards: Sequence[tf.Tensor]
+                ) -> Tuple[List[tf.Tensor], List[tf.Tensor]]:
+  """Each tower's rows and the batch statistics, for kernel `op` (tower 0's).
+
+  `shards`: every tower's input of the kernel. Returns (each tower's
+  normalised rows, [batch mean, batch variance] as the kernel in training
+  returns them: the variance Bessel-corrected, both moved towards the
+  running statistics it was given with an `exponential_avg_factor`).
   """
-  return (isinstance(training, tf.Tensor) and
-          training.op.name.split("/")[-1].startswith("keras_learning_phase"))
-
-
-def _fused(original):
-  def fused_batch_norm(layer, inputs, mask, training):
-    channel = 1 if layer._data_format.startswith("NC") else -1  # pylint: disable=protected-access
-    rank = inputs.shape.rank
-    axes = [a for a in range(rank) if a != channel % rank]
-    training_value = _control_flow_util.constant_value(training)
-    if not _whole_batch(layer, axes) or training_value is not True:
-      if (training_value is None and _whole_batch(layer, axes) and
-          not _learning_phase(training)):
-        logging.warning(
-            "replicate: %s has a tensor `training`; it normalises with each "
-            "tower's statistics (pass a Python bool for the whole batch's)",
-            layer.name)
-      with keras_decides():
-        return original(layer, inputs, mask, training)
-    return _fused_whole_batch(layer, inputs, axes)
-  return fused_batch_norm
-
-
-def _fused_whole_batch(layer, inputs, axes):
-  """The fused kernel's training step, on the whole batch's statistics."""
-  # pylint: disable=protected-access
-  dtype = layer._param_dtype
-  params = None
-  if _context.current_replication().tower.index == 0:
-    # The hub normalises with tower 0's reads: the other towers read none.
-    params = tuple(tf.convert_to_tensor(
-        getattr(layer, name) if used else fill(layer._param_shape, dtype))
-                   for name, used, fill in (("gamma", layer.scale, tf.ones),
-                                            ("beta", layer.center, tf.zeros)))
-  outputs, mean, corrected = fused_whole_batch(
-      inputs, params, max(layer.epsilon, FUSED_MIN_EPSILON),
-      layer._data_format, axes)
-  momentum = tf.convert_to_tensor(layer.momentum)
-  size = tf.shape(inputs)[0] if layer._support_zero_size_input() else None
-  layer.add_update(lambda: layer._assign_moving_average(
-      layer.moving_mean, mean, momentum, size))
-  layer.add_update(lambda: layer._assign_moving_average(
-      layer.moving_variance, corrected, momentum, size))
-  # pylint: enable=protected-access
-  return outputs
-
-
-def fused_whole_batch(inputs, params, epsilon: float, data_format: str,
-                      axes, running=None):
-  """The fused kernel in training, normalising with the whole batch's moments.
-
-  `params`: tower 0's (scale, offset), float32 for half-precision inputs
-  (the other towers' are not read: pass None); `running`: the tower's
-  (mean, variance, exponential_avg_factor) when the kernel should move
-  running statistics towards the batch's, else None. Returns (outputs, the
-  batch mean, the Bessel-corrected batch variance) or the moved running
-  statistics, as the kernel in training mode does (and, as its gradient,
-  passing no gradient back from the returned statistics).
-  """
-  replication = _context.current_replication()
-  if _CONCATENATE_ON_HOST and _on_one_host(replication):
-    return _fused_on_concatenation(replication, inputs, params, epsilon,
-                                   data_format, running)
-  outputs, mean, corrected = _fused_through_hub(inputs, params, epsilon,
-                                                data_format, axes)
-  if running is not None:
-    # The kernel's running statistics: the inputs moved towards the batch's.
-    moving_mean, moving_variance, factor = running
-    mean = (1.0 - factor) * moving_mean + factor * mean
-    corrected = (1.0 - factor) * moving_variance + factor * corrected
-  return outputs, mean, corrected
+  kernel = _Kernel(op)
+  with tf.name_scope(op.name + "_whole_batch/"):
+    if _CONCATENATE_ON_HOST and _on_one_host(replication):
+      return _on_concatenation(replication, kernel, shards)
+    return _through_hub(replication, kernel, shards)
 
 
 # Whether towers on one machine's CPUs normalise the concatenated batch
@@ -440,11 +238,7 @@ _logged_host = weakref.WeakSet()
 
 
 def _on_one_host(replication) -> bool:
-  """Whether every tower is a CPU of the hub's task: one memory, one pool.
-
-  There a tensor passed between towers is shared, not copied: the
-  concatenated batch costs one copy.
-  """
+  """Whether every tower is a CPU of the hub's task: one memory, one pool."""
   hub = tf.DeviceSpec.from_string(replication.hub or "")
   place = (hub.job, hub.replica, hub.task)
   specs = [tf.DeviceSpec.from_string(d or "") for d in replication.devices]
@@ -455,38 +249,33 @@ def _on_one_host(replication) -> bool:
     _logged_host.add(replication.graph)
     logging.info(
         "replicate: the towers are CPUs of one machine: each fused batch-norm "
-        "layer in training runs one kernel on the concatenated batch on %s",
+        "kernel in training runs once, on the concatenated batch, on %s",
         replication.hub)
   return shared
 
 
-def _fused_on_concatenation(replication, inputs, params, epsilon: float,
-                            data_format: str, running):
-  """One fused kernel in training on the towers' shards, concatenated.
+# Per graph: a tower's rows of a kernel's output -> (the output, placement).
+_WHOLE_OUTPUTS = "batch-norm outputs on the concatenated batch"
+
+
+def _on_concatenation(replication, kernel: _Kernel, shards):
+  """One kernel in training on the towers' shards, concatenated.
 
   What one device runs, on the same rows in the same order: its outputs,
-  statistics and gradients are one device's. Costs a copy of the inputs
-  forward and of the outputs' gradients backward (the split back and the
-  gradient's slices share buffers).
+  statistics and gradients are one device's.
   """
-  def combine(values):
-    scale, offset = values[0][1]
-    tower_running = values[0][2]
-    with tf.device(replication.hub), tf.name_scope("sync_batch_norm"):
-      whole, place = _concatenated(replication, [v[0] for v in values])
-      if tower_running is None:
-        mean = variance = tf.constant([], scale.dtype)
-        factor = 1.0
-      else:
-        mean, variance, factor = tower_running
-      y, batch_mean, batch_variance, _, _, _ = tf.raw_ops.FusedBatchNormV3(
-          x=whole, scale=scale, offset=offset, mean=mean, variance=variance,
-          epsilon=epsilon, exponential_avg_factor=factor,
-          data_format=data_format, is_training=True)
-      rows = _host_relu.WholeBatch(replication, y, place).hand_out()
-      return [(y_i, batch_mean, batch_variance) for y_i in rows]
-
-  return _lockstep.meet(_MEETING, (inputs, params, running), combine)
+  with tf.device(replication.hub):
+    whole, place = _concatenated(replication, shards)
+    outputs = tf.raw_ops.FusedBatchNormV3(
+        x=whole, scale=kernel.scale, offset=kernel.offset, mean=kernel.mean,
+        variance=kernel.variance, epsilon=kernel.epsilon,
+        exponential_avg_factor=kernel.factor,
+        data_format=kernel.data_format, is_training=True)
+    rows = place(outputs.y)
+  store = _context.graph_store(replication.graph, _WHOLE_OUTPUTS)
+  for tower_rows in rows:
+    store[tower_rows.ref()] = (outputs.y, place)
+  return rows, [outputs.batch_mean, outputs.batch_variance]
 
 
 def _concatenated(replication, shards):
@@ -528,21 +317,45 @@ def _concatenated(replication, shards):
   return real, place
 
 
-def _fused_through_hub(inputs, params, epsilon: float, data_format: str,
-                       axes):
-  """`fused_whole_batch` on devices apart: the towers' moments meet."""
-  dtype = (params[0].dtype if params is not None else
-           tf.float32 if inputs.dtype in (tf.float16, tf.bfloat16) else
-           inputs.dtype)
-  x = inputs if inputs.dtype == dtype else tf.cast(inputs, dtype)
+def relu_once(replication: _context.Replication, rows: Sequence[tf.Tensor]):
+  """A ReLU of a kernel's rows runs once, on the concatenated output.
+
+  Grappler fuses a ReLU into the kernel on one device; each tower's ReLU of
+  its rows would run separately. So every tower's `tf.nn.relu` of its rows
+  reads its rows of one ReLU of the whole output instead (elementwise: the
+  same values).
+  """
+  store = _context.graph_store(replication.graph, _WHOLE_OUTPUTS)
+  relus = []
+  for tower_rows in rows:
+    found = store.get(tower_rows.ref())
+    if found is None:
+      return
+    relus.append([op for op in tower_rows.consumers() if op.type == "Relu"])
+  if not all(relus):
+    return
+  whole, place = store[rows[0].ref()]
+  with tf.device(replication.hub):
+    activated = place(tf.nn.relu(whole))
+  for tower_relus, tower_rows in zip(relus, activated):
+    for relu in tower_relus:
+      _tf.rewire(relu.outputs[0], tower_rows)
+
+
+def _through_hub(replication, kernel: _Kernel, shards):
+  """Shard moments merged on the hub; each tower normalises its rows."""
+  dtype = kernel.scale.dtype
+  inputs = [x if x.dtype == dtype else tf.cast(x, dtype) for x in shards]
+  stats = []
+  for index, x in enumerate(inputs):
+    with tf.device(replication.devices[index]):
+      stats.append((_kernel_moments(x, kernel.data_format, kernel.epsilon),
+                    _shard_count(x, kernel.axes)))
+  epsilon = kernel.epsilon
 
   def head(mean, variance, count, gamma, beta):
-    """On the hub: the kernel's inputs and the batch statistics' values.
-
-    `mean` and `variance` are per channel (`_kernel_moments`' shape).
-    """
+    """On the hub: the kernel's inputs and the batch statistics' values."""
     r = tf.math.rsqrt(variance + epsilon)
-    # The fused kernel's batch variance output is Bessel-corrected.
     if isinstance(count, float):
       bessel = count / max(count - 1.0, 1.0)
     else:
@@ -565,35 +378,20 @@ def _fused_through_hub(inputs, params, epsilon: float, data_format: str,
 
     return (gamma, beta, mean, variance, corrected), backward
 
-  scale, offset, mean, variance, corrected = meet(
-      x, axes, params, head, data_format, epsilon)
-  # Half-precision inputs normalise in float32: the kernel's gradient and
-  # the moments' (written out) nearly cancel, and the training kernel adds
-  # them in float32 before it rounds.
-  outputs, _, _ = tf.compat.v1.nn.fused_batch_norm(
-      x, scale, offset, mean=mean, variance=variance,
-      epsilon=epsilon, data_format=data_format, is_training=False)
-  if outputs.dtype != inputs.dtype:
-    outputs = tf.cast(outputs, inputs.dtype)
-  return outputs, mean, corrected
-
-
-def _install() -> _patches.Patched:
-  base = _keras_bn.BatchNormalizationBase
-  # pylint: disable=protected-access
-  originals = [(base, "_calculate_mean_and_var", base._calculate_mean_and_var),
-               (base, "_fused_batch_norm", base._fused_batch_norm)]
-  base._calculate_mean_and_var = _moments(originals[0][2])
-  base._fused_batch_norm = _fused(originals[1][2])
-  # pylint: enable=protected-access
-  return originals
-
-
-_PATCHES = _patches.Patches("Keras batch norm's moments", _install)
-
-
-def synchronized(replication: _context.Replication):
-  """Batch norm built inside uses the whole batch's statistics (see above)."""
-  return _PATCHES.applied(replication.sync_batch_norm and
-                          replication.num_towers > 1 and
-                          _keras_bn is not None)
+  with tf.device(replication.hub):
+    scale, offset, mean, variance, corrected = _merged(
+        replication, stats, head, (kernel.scale, kernel.offset),
+        corrected=True)
+  rows = []
+  for index, (x, shard) in enumerate(zip(inputs, shards)):
+    with tf.device(replication.devices[index]):
+      y, _, _ = tf.compat.v1.nn.fused_batch_norm(
+          x, scale, offset, mean=mean, variance=variance, epsilon=epsilon,
+          data_format=kernel.data_format, is_training=False)
+      rows.append(y if y.dtype == shard.dtype else tf.cast(y, shard.dtype))
+  if kernel.factor != 1.0:
+    with tf.device(replication.hub):
+      factor = kernel.factor
+      mean = (1.0 - factor) * kernel.mean + factor * mean
+      corrected = (1.0 - factor) * kernel.variance + factor * corrected
+  return rows, [mean, corrected]

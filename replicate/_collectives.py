@@ -1,11 +1,13 @@
 """Whole-batch values inside a tower: `batch_sum` and `batch_concat`.
 
 A tower holds only its shard of the batch; a model that needs a value of
-the whole batch (a masked mean's count of valid tokens, in-batch negatives,
-batch statistics) asks for it here. Each call is a meeting point of the
-towers (see `_lockstep`): the towers' values are added or concatenated once
+the whole batch asks for it here. Each call is a meeting (`_meetings`):
+tower 0, the last to make it, adds or concatenates the towers' values once
 on the consolidation device and every tower gets the result, so gradients
-flow back to every tower that contributed. A tower computing on a phantom
+flow back to every tower that contributed. A value that is already the
+whole batch's (every batch reduction is, see `_whole`: the count of a
+masked mean's valid tokens, say) is one device's value as it is: on one
+device both functions return it unchanged. A tower computing on a phantom
 row (a batch smaller than the towers, see `_split`) contributes nothing.
 """
 
@@ -15,8 +17,9 @@ import tensorflow as tf
 
 from replicate import _aggregate
 from replicate import _context
-from replicate import _lockstep
-from replicate import _merge
+from replicate import _meetings
+from replicate import _rows
+from replicate import _whole
 
 
 def _tower_replication(what: str):
@@ -27,16 +30,16 @@ def _tower_replication(what: str):
       of a tower, where other towers' values cannot be reached.
   """
   replication = _context.current_replication()
-  if replication is None:
-    if _context.replication_on_thread() is not None:
-      raise ValueError(
-          f"replicate.{what} was called inside a tf.cond, tf.while_loop or "
-          "tf.function of a tower, where the other towers' values cannot be "
-          f"reached; call it outside (e.g. give Keras layers a Python bool "
-          "`training=`).")
+  if replication is None or replication.num_towers == 1 or (
+      replication.tower is None):
     return None
-  if replication.num_towers == 1 or replication.tower is None:
-    return None
+  graph = tf.compat.v1.get_default_graph()
+  if graph is not replication.graph:
+    raise ValueError(
+        f"replicate.{what} was called inside a tf.cond, tf.while_loop or "
+        "tf.function of a tower, where the other towers' values cannot be "
+        "reached; call it outside (e.g. give Keras layers a Python bool "
+        "`training=`).")
   return replication
 
 
@@ -74,14 +77,26 @@ def batch_sum(x):
   if replication is None:
     return x
 
-  def combine(values):
-    with tf.device(replication.hub), tf.name_scope("batch_sum"):
-      summed = [_aggregate.real_sum(parts, replication.validity)
-                for parts in zip(*values)]
+  def build(values):
+    with _context.outside(replication, "batch_sum"), \
+        tf.device(replication.hub):
+      summed = [_whole_sum(replication, parts) for parts in zip(*values)]
     return [tf.nest.pack_sequence_as(x, summed)] * len(values)
 
-  return _lockstep.meet("replicate.batch_sum",
-                        [_as_summable(t) for t in _flat(x)], combine)
+  components = [_as_summable(t) for t in _flat(x)]
+  flat = replication.meetings.meet(
+      "replicate.batch_sum", components, build,
+      lambda value: tf.nest.pack_sequence_as(
+          x, [_meetings.tensor_spec(t) for t in value]),
+      signature=[t.dtype.name for t in components])
+  return flat
+
+
+def _whole_sum(replication, parts):
+  """The whole batch's value: tower 0's where it is already, else the sum."""
+  if _rows.shares_value(replication.rewiring.kind(parts[0])):
+    return tf.identity(parts[0])
+  return _aggregate.real_sum(parts, replication.validity)
 
 
 def _as_summable(value):
@@ -144,11 +159,32 @@ def batch_concat(x):
   if replication is None:
     return x
 
-  def combine(values):
-    with tf.device(replication.hub), tf.name_scope("batch_concat"):
-      joined = [_concat(_merge.real_rows(parts, replication))
-                for parts in zip(*values)]
+  def build(values):
+    with _context.outside(replication, "batch_concat"), \
+        tf.device(replication.hub):
+      joined = [_whole_rows(replication, parts) for parts in zip(*values)]
     return [tf.nest.pack_sequence_as(x, joined)] * len(values)
 
-  return _lockstep.meet("replicate.batch_concat",
-                        [_as_concatenable(t) for t in _flat(x)], combine)
+  components = [_as_concatenable(t) for t in _flat(x)]
+  return replication.meetings.meet(
+      "replicate.batch_concat", components, build,
+      lambda value: tf.nest.pack_sequence_as(
+          x, [_concat_spec(t) for t in value]),
+      signature=[t.dtype.name for t in components])
+
+
+def _concat_spec(tensor):
+  if isinstance(tensor, (tf.SparseTensor, tf.RaggedTensor)):
+    raise ValueError(
+        f"replicate.batch_concat got a {type(tensor).__name__}; concatenate "
+        "its dense form (tf.sparse.to_dense, RaggedTensor.to_tensor) or its "
+        "values.")
+  return _meetings.TensorSpec(
+      tf.TensorShape([None]).concatenate(tensor.shape[1:]), tensor.dtype)
+
+
+def _whole_rows(replication, parts):
+  """One device's value: the towers' rows in order, or the value itself."""
+  if _rows.shares_value(replication.rewiring.kind(parts[0])):
+    return tf.identity(parts[0])
+  return _concat(_whole.real_rows(parts, replication))

@@ -12,6 +12,8 @@ from typing import Any, Dict, List, NamedTuple, Optional
 
 import tensorflow as tf
 
+from replicate import _tf
+
 
 class Tower(NamedTuple):
   """Where a model_fn call stands: returned by `replicate.current_tower()`.
@@ -43,49 +45,99 @@ class Replication:
   tower: Optional[Tower] = None
   # Per tower: variable creation key -> variable.
   created: List[Dict[Any, tf.Variable]] = dataclasses.field(default_factory=list)
+  # The tower that creates the variables: the first one built.
+  creator: int = 0
   # True while variables are created for no tower (gradient apply, sinks).
   unshared: bool = False
-  # Names of the ops that apply the whole batch's gradients (tower 0's).
-  apply_ops: set = dataclasses.field(default_factory=set)
   # Where inputs are split and results merged; None with one tower.
   hub: Optional[str] = None
   # Each tower's device.
   devices: List[str] = dataclasses.field(default_factory=list)
   # Whether batch normalization in training uses the whole batch's statistics.
   sync_batch_norm: bool = True
-  # Per-tower collections as they were before tower 0 (each tower sees these
-  # and its own additions).
+  # Per-tower collections as they were before the towers (each tower sees
+  # these and its own additions).
   collections_before: Dict[str, List[Any]] = dataclasses.field(
       default_factory=dict)
-  # The combined loss built for each tuple of tower losses (see _loss).
-  combined_losses: Dict[Any, Any] = dataclasses.field(default_factory=dict)
-  # The whole batch's gradients handed to the towers (tensor refs).
-  whole_batch_gradients: set = dataclasses.field(default_factory=set)
-  # How many TowerOptimizer.apply_gradients calls tower 0 made.
-  apply_calls: int = 0
   # Per tower: the (features, labels) shard of the batch it was given.
   inputs: List[Any] = dataclasses.field(default_factory=list)
-  # Per tower: the ops its model_fn call built.
+  # Per tower: the ops its model_fn call built (set once the towers are).
   tower_ops: List[List[tf.Operation]] = dataclasses.field(default_factory=list)
   # Names of the ops that split the batch, and of every tower's ops.
   split_op_names: set = dataclasses.field(default_factory=set)
   tower_op_names: set = dataclasses.field(default_factory=set)
-  # Tensor ref of a tower's rows of a whole-batch result -> (the result,
-  # the tower's index); see _host_relu.
-  host_rows: Dict[Any, Any] = dataclasses.field(default_factory=dict)
   # Ref of a variable's copy shared by the towers (and of a reference
   # variable itself) -> the variable's own read (see
   # _sharing.read_once_per_step).
   shared_copies: Dict[Any, Any] = dataclasses.field(default_factory=dict)
+  # Per tower: [first, end) of the graph versions its model_fn call built.
+  ranges: Dict[int, List[Optional[int]]] = dataclasses.field(
+      default_factory=dict)
+  # [first, end) graph versions of ops the library built (not the model's).
+  library_ranges: List[List[int]] = dataclasses.field(default_factory=list)
+  # Names of ops whose statistics stay the tower's (sync_batch_norm=False).
+  per_tower_ops: set = dataclasses.field(default_factory=set)
+  # The meetings and the whole-batch rewiring of this call (set by _core).
+  meetings: Any = None
+  rewiring: Any = None
+  # How many optimizer updates tower 0's meetings applied.
+  apply_calls: int = 0
 
   @contextlib.contextmanager
   def unshared_creation(self):
     """Variables created inside belong to no tower (never shared)."""
+    before = self.unshared
     self.unshared = True
     try:
       yield
     finally:
-      self.unshared = False
+      self.unshared = before
+
+  @contextlib.contextmanager
+  def library(self):
+    """Ops built inside are the library's, not the model's."""
+    start = self.graph.version
+    try:
+      yield
+    finally:
+      end = self.graph.version
+      if end > start:
+        if self.library_ranges and self.library_ranges[-1][1] == start:
+          self.library_ranges[-1][1] = end
+        else:
+          self.library_ranges.append([start, end])
+
+  def model_ops(self, index: int, since: int = 0) -> List[tf.Operation]:
+    """The ops tower `index`'s model_fn built (so far), library's left out."""
+    first, end = self.ranges[index]
+    first = max(first, since)
+    end = self.graph.version if end is None else end
+    if end <= first:
+      return []
+    ops = self.graph.get_operations()[first:end]
+    holes = [(max(a, first), min(b, end)) for a, b in self.library_ranges
+             if b > first and a < end]
+    if not holes:
+      return ops
+    kept, position = [], first
+    for a, b in holes:
+      kept.extend(ops[position - first:a - first])
+      position = b
+    kept.extend(ops[position - first:])
+    return kept
+
+  def tower_prefix(self, index: int) -> str:
+    """The name prefix of tower `index`'s ops."""
+    root = self.root_name_scope + "/" if self.root_name_scope else ""
+    return root + (f"tower_{index}/" if index else "")
+
+  def is_per_tower(self, op: tf.Operation) -> bool:
+    """Whether `op`'s statistics stay the tower's (sync_batch_norm=False)."""
+    if op.name in self.per_tower_ops:
+      return True
+    return (not self.sync_batch_norm and
+            op.type in ("FusedBatchNorm", "FusedBatchNormV2",
+                        "FusedBatchNormV3"))
 
   def fraction(self, index: Optional[int] = None):
     return self.fractions[self.tower.index if index is None else index]
@@ -107,73 +159,39 @@ class Replication:
     """Every tower's `is_valid`, in tower order."""
     return [self.is_valid(index) for index in range(self.num_towers)]
 
-  @contextlib.contextmanager
-  def scopes(self, scopes: "Scopes"):
-    """Builds in `scopes` on the hub, unshared, recorded as apply ops.
-
-    Tower 0 applies the gradients where it made the optimizer call, so slot
-    variables and update ops get the unreplicated model's names, and
-    variables created there are not tower 0's to share.
-    """
-    first_op = len(self.graph.get_operations())
-    # On the consolidation device, so that e.g. learning-rate tensors are
-    # not sent there from a tower every step; per-variable updates stay
-    # with their variables (TensorFlow colocates them).
-    try:
-      with self.unshared_creation(), \
-          tf.compat.v1.variable_scope(scopes.variable_scope), \
-          absolute_name_scope(self.graph, scopes.name_scope), \
-          self.graph.device(self.hub):
-        yield
-    finally:
-      self.apply_ops.update(
-          op.name for op in self.graph.get_operations()[first_op:])
-
-
-class Scopes(NamedTuple):
-  """The name scope and variable scope some code was built under."""
-  name_scope: str
-  variable_scope: Any
-
-  @classmethod
-  def current(cls) -> "Scopes":
-    return cls(tf.compat.v1.get_default_graph().get_name_scope(),
-               tf.compat.v1.get_variable_scope())
-
-
-def in_v1_control_flow(graph: tf.Graph) -> bool:
-  """Whether ops built now in `graph` sit in a v1 tf.cond / tf.while_loop.
-
-  (v2 control flow and tf.function build in graphs of their own.)
-  """
-  # Private: Graph._get_control_flow_context is the only way to see it.
-  return graph._get_control_flow_context() is not None  # pylint: disable=protected-access
-
 
 def absolute_name_scope(graph: tf.Graph, scope: str):
   """Enters name scope `scope` exactly ('' is the top level)."""
   return graph.name_scope(scope + "/" if scope else None)
 
 
-_local = threading.local()
+@contextlib.contextmanager
+def outside(replication: Replication, name_scope: str = ""):
+  """Builds in the replication's graph as if outside every tower.
+
+  Outside any tf.cond / tf.while_loop / tf.function body, control
+  dependency, device or colocation scope, in name scope `name_scope`: for
+  what the library adds between the towers (whole-batch values, stand-ins'
+  placeholders), whichever tower's code is being built.
+  """
+  graph = replication.graph
+  with graph.as_default(), graph.control_dependencies(None), \
+      graph.device(None), graph.colocate_with(None, ignore_existing=True), \
+      absolute_name_scope(graph, name_scope):
+    yield
 
 
 def graph_store(graph: tf.Graph, name: str) -> Dict[Any, Any]:
-  """A dict of ours that lives exactly as long as `graph`.
+  """A dict of ours that lives exactly as long as `graph` (held by it).
 
-  The graph holds it. A module-level map keyed weakly by graph would not
-  do: its values (functions over the graph's tensors, optimizers holding
-  its variables) reach the graph and would keep every graph alive.
+  A module-level map keyed weakly by graph would not do: its values
+  (functions over the graph's tensors, optimizers holding its variables)
+  reach the graph and would keep every graph alive.
   """
-  with _store_lock:  # towers build on threads of their own
-    store = getattr(graph, "_replicate_store", None)
-    if store is None:
-      store = {}
-      graph._replicate_store = store  # pylint: disable=protected-access
-    return store.setdefault(name, {})
+  return _tf.graph_store(graph, name)
 
 
-_store_lock = threading.Lock()
+_local = threading.local()
 
 
 def current_replication() -> Optional[Replication]:
@@ -182,9 +200,10 @@ def current_replication() -> Optional[Replication]:
   if not stack:
     return None
   replication = stack[-1]
-  if replication.graph is not tf.compat.v1.get_default_graph():
-    return None
-  return replication
+  graph = tf.compat.v1.get_default_graph()
+  while graph is not None and graph is not replication.graph:
+    graph = getattr(graph, "outer_graph", None)
+  return replication if graph is not None else None
 
 
 def replication_on_thread() -> Optional[Replication]:

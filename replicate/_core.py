@@ -1,12 +1,14 @@
 """replicate_model_fn: one model_fn, run as one tower per device.
 
-One call reads top-down: resolve devices, split the inputs on the
-consolidation device, build the towers in lockstep (they meet at every
-optimizer call, wrapped or routed by `_routing`, at `tf.gradients` of a
-scalar (`_own_gradients`), batch_sum / batch_concat and synchronised batch
-norm; tower 0 makes the optimizer's call with the whole batch's loss),
-combine loss summaries, check that an update was applied, combine the
-towers' state writes, merge the specs.
+One call reads top-down: resolve devices; split the inputs on the
+consolidation device; build each tower to its end, one after another,
+tower 0 last (`_towers`): calls that need every tower meet
+(`_meetings`: optimizer calls, wrapped or routed by `_routing`, gradients
+the model_fn takes itself, batch_sum / batch_concat), and tower 0, the last
+to arrive, builds each once; make every batch reduction of every tower
+the whole batch's (`_whole`); check that the towers built the same
+model and that an update was applied; make the towers' state writes one
+device's (`_state`); merge the specs (`_merge`).
 """
 
 import contextlib
@@ -18,22 +20,23 @@ import tensorflow as tf
 from absl import logging
 
 from replicate import _aggregate
-from replicate import _batch_norm
 from replicate import _cluster
 from replicate import _context
 from replicate import _devices
-from replicate import _host_relu
 from replicate import _lookups
+from replicate import _meetings
 from replicate import _merge
 from replicate import _nn_batch_norm
 from replicate import _own_gradients
+from replicate import _patches
 from replicate import _routing
 from replicate import _source
 from replicate import _split
 from replicate import _state
-from replicate import _summaries
+from replicate import _tf
 from replicate import _towers
 from replicate import _tpu
+from replicate import _whole
 
 _ModeKeys = tf.estimator.ModeKeys
 _PLACEHOLDER_OPS = frozenset(["Placeholder"])
@@ -253,9 +256,15 @@ def _run_on_one_device(model_fn, features, labels, arguments, device,
       return model_fn(**arguments(features, labels))
 
 
+_UNFOLDED_SHAPES = _patches.Patches("tf.shape and tf.size of static tensors",
+                                    _tf.install_unfolded_shapes)
+_TOWER_ROOTS = _patches.Patches("absolute name scopes of towers",
+                                _tf.install_tower_roots)
+
+
 def _run_towers(model_fn, features, labels, mode, arguments, devices,
                 reduction, placement, sync_batch_norm):
-  """Several devices: split, build every tower in lockstep, check, merge."""
+  """Several devices: split, build the towers in turn, check, merge."""
   graph = tf.compat.v1.get_default_graph()
   hub = _devices.consolidation_device(devices)
   logging.info("replicate: %d towers on %s, variables %s, merging on %s",
@@ -270,21 +279,24 @@ def _run_towers(model_fn, features, labels, mode, arguments, devices,
       sync_batch_norm=sync_batch_norm,
       split_op_names={op.name for op in graph.get_operations()[first_op:]},
       inputs=list(zip(shards.features, shards.labels)))
+  replication.meetings = _meetings.Meetings(replication)
+  replication.rewiring = _whole.Rewiring(replication)
   choose = _devices.variable_device_chooser(placement, devices)
   device_functions = [_devices.tower_device_function(device, choose)
                       for device in devices]
   with _context.replication_scope(replication), \
-      _batch_norm.synchronized(replication), \
-      _nn_batch_norm.synchronized(replication), \
-      _host_relu.routed(replication), _lookups.routed(replication), \
-      _routing.routed(replication), _own_gradients.routed(replication):
+      _UNFOLDED_SHAPES.applied(), _TOWER_ROOTS.applied(), \
+      _nn_batch_norm.per_tower(replication), \
+      _lookups.routed(replication), _routing.routed(replication), \
+      _own_gradients.routed(replication):
     specs = _towers.build_towers(
         replication,
         lambda i: model_fn(**arguments.for_tower(
             shards.features[i], shards.labels[i], i, len(devices))),
         device_functions)
+    replication.meetings.check_complete()
+    replication.rewiring.finish()
   _merge.check_same_metrics(specs)
-  _summaries.combine_scalar_summaries(replication, specs)
   if mode == _ModeKeys.TRAIN:
     _check_optimizer_calls(replication)
   try:

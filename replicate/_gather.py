@@ -1,74 +1,104 @@
-"""TowerOptimizer calls across towers: one device's gradients, one update.
+"""Optimizer calls across towers: one device's gradients, one update.
 
-`compute_gradients` (and Keras' `get_gradients` / `minimize`) is a meeting
-point of the towers (see `_lockstep`): once every tower has built its loss,
-the towers' losses are combined into the whole batch's loss (`_loss`) and
-differentiated once, each gradient op on its forward op's device, and every
-tower gets that one device's gradient. Code between `compute_gradients` and
-`apply_gradients` (clipping, multipliers, summaries) then computes what it
-would on one device. `apply_gradients` is a meeting point too: tower 0's
-gradients are applied once, where tower 0 made the call, and every tower
-gets that update op as its own.
+`compute_gradients` (and Keras' `get_gradients`) is a meeting (`_meetings`):
+tower 0, the last tower to make the call, differentiates the whole
+batch's loss once, each gradient op on its forward op's device, and every
+tower gets that one device's gradient. Code between `compute_gradients`
+and `apply_gradients` (clipping, multipliers, summaries) then computes
+what it would on one device. `apply_gradients` is a meeting too: tower 0
+applies its gradients once, in its own scopes, and every tower gets that
+update as its own.
+
+The whole batch's loss is tower 0's own: every batch reduction a tower
+builds has the whole batch's value (`_whole`), so a loss computed from
+them is one device's in every tower. A loss with rows (a per-example loss
+handed to an optimizer, which sums it) is the towers' rows together.
 """
 
-from typing import Any, Callable, Sequence
+import contextlib
+from typing import Any, Callable, List, Optional, Sequence
 
 import tensorflow as tf
 
-from replicate import _aggregate
 from replicate import _context
-from replicate import _inputs
-from replicate import _lockstep
-from replicate import _loss
+from replicate import _meetings
+from replicate import _rows
+from replicate import _tf
 from replicate import _transform
+from replicate import _whole
 
 _COMPUTE = "TowerOptimizer.compute_gradients"
 _APPLY = "TowerOptimizer.apply_gradients"
 
 
-def replicated():
-  """The current replication if it has several towers, else None."""
+def replicated() -> Optional[_context.Replication]:
+  """The current replication if a tower of several is being built."""
   replication = _context.current_replication()
-  if replication is None or replication.num_towers == 1:
+  if (replication is None or replication.num_towers == 1 or
+      replication.tower is None):
     return None
   return replication
 
 
-def whole_batch_gradients(loss, compute: Callable[[Any, bool], Any],
-                          variables=None):
-  """`compute(loss)` on one device; in a tower, on the whole batch's loss.
+@contextlib.contextmanager
+def meeting_scope(replication: _context.Replication, pure: bool = False):
+  """Where tower 0 builds a meeting's optimizer work.
 
-  Args:
-    loss: the tower's loss, as the model_fn passed it.
-    compute: `compute(loss, replicated)` returns gradients (as the
-      optimizer returns them); in towers, tower 0's runs once, on the
-      combined loss of every tower, with `replicated` True (colocate the
-      gradient ops with their forward ops).
-    variables: the variables the call differentiates for, if it names
-      them: every tower must name the same.
+  Its variables (slots) belong to no tower; its ops that follow no
+  variable sit on the consolidation device (updates run where their
+  variables are). A `pure` computation (gradients) made inside a tf.cond
+  or tf.while_loop of tower 0 is built outside it, where the other towers'
+  losses are.
+  """
+  graph = tf.compat.v1.get_default_graph()
+  inside = graph is not replication.graph or _tf.in_v1_control_flow(graph)
+  with contextlib.ExitStack() as stack:
+    if pure and inside:
+      stack.enter_context(_context.outside(replication,
+                                           graph.get_name_scope()))
+    stack.enter_context(replication.unshared_creation())
+    stack.enter_context(tf.device(replication.hub))
+    yield
 
-  Returns:
-    What `compute` returned, the same for every tower.
+
+def whole_batch_loss(replication, losses: Sequence[Any], call: str):
+  """The loss one device would hand `call`: tower 0's, or all rows of it.
 
   Raises:
-    ValueError: the towers name different variables.
+    ValueError: the loss is computed per tower in a way that is not the
+      whole batch's (e.g. from a value picked by its position in the
+      shard, or by an op that mixes rows).
   """
-  replication = replicated()
-  if replication is None:
-    return compute(loss, False)
+  loss = replication.rewiring.resolve(tf.convert_to_tensor(losses[0]))
+  kind = replication.rewiring.kind(loss)
+  if _rows.shares_value(kind):
+    return loss
+  if isinstance(kind, _rows.Rows) and kind.axis == 0:
+    parts = [tf.convert_to_tensor(replication.rewiring.counterpart(loss, i))
+             for i in range(replication.num_towers)]
+    with _context.outside(replication, "whole_batch_loss"), \
+        tf.device(replication.hub):
+      return tf.concat(_whole.real_rows(parts, replication), 0)
+  raise ValueError(not_whole_batch(loss, kind, f"the loss handed to {call}"))
 
-  def combine(calls):
-    check_same_variables("TowerOptimizer call", [n for _, n in calls])
-    combined = _loss.combine(replication, [l for l, _ in calls])
-    result = compute(combined, True)
-    replication.whole_batch_gradients.update(
-        t.ref() for t in tf.nest.flatten(result, expand_composites=True)
-        if isinstance(t, tf.Tensor))
-    return [result] * len(calls)
 
-  names = None if variables is None else [
-      v.op.name for v in tf.nest.flatten(variables)]
-  return _lockstep.meet(_COMPUTE, (loss, names), combine)
+def not_whole_batch(tensor, kind, what: str) -> str:
+  """The error message for a value that is not the whole batch's."""
+  if isinstance(kind, _rows.Local):
+    cause = (f"op {kind.op!r} {kind.why}" if kind.op else kind.why)
+  elif kind is _rows.SHARD:
+    cause = ("it is computed from each tower's own batch statistics "
+             "(sync_batch_norm=False)")
+  elif isinstance(kind, _rows.Size):
+    cause = "it is the tower's shard size"
+  else:
+    cause = f"it holds the tower's rows ({kind})"
+  return (f"{what}, {tensor.name}, is computed from each tower's shard of "
+          f"the batch in a way replicate cannot make the whole batch's: "
+          f"{cause}. Compute it with TensorFlow ops over the whole batch's "
+          "rows (reductions such as tf.reduce_sum / tf.reduce_mean, per-row "
+          "ops), use replicate.batch_concat where rows must meet rows, or "
+          "run the model_fn unreplicated.")
 
 
 def require_gradients(grads, variables):
@@ -81,15 +111,134 @@ def require_gradients(grads, variables):
           "differentiable).")
 
 
+def gradient_spec(loss, variables, pairs: bool):
+  """The structure of the gradients of `loss` one device's call returns.
+
+  For the towers built before tower 0: None for a variable the loss does
+  not read, an IndexedSlices where every read of it on the way is a
+  gather (a lookup), else a dense tensor of its shape.
+  """
+  ancestors = _ancestors([tf.convert_to_tensor(loss)])
+  specs = []
+  for variable in variables:
+    specs.append(_variable_gradient_spec(variable, ancestors))
+  if pairs:
+    return list(zip(specs, variables))
+  return specs
+
+
+def _handle(variable) -> Optional[tf.Tensor]:
+  handle = getattr(variable, "handle", None)
+  if isinstance(handle, tf.Tensor):
+    return handle
+  op = getattr(variable, "op", None)
+  return op.outputs[0] if op is not None else None
+
+
+def _variable_gradient_spec(variable, ancestors):
+  handle = _handle(variable)
+  if handle is None:
+    return None
+  readers = [op for op in _readers(handle) if op in ancestors]
+  if not readers:
+    return None
+  if all(op.type in ("ResourceGather", "Gather", "GatherV2") and
+         op.inputs[0] is not None for op in readers):
+    shape = variable.shape
+    return _meetings.SlicesSpec(
+        tf.TensorShape([None]).concatenate(shape[1:]),
+        variable.dtype.base_dtype,
+        shape.as_list() if shape.is_fully_defined() else None)
+  return _meetings.TensorSpec(variable.shape, variable.dtype.base_dtype)
+
+
+def _readers(tensor) -> List[tf.Operation]:
+  """The ops reading `tensor`, through Identity ops (a ref variable's read)
+  and a resource variable's reads (whose reader then reads the value)."""
+  readers, pending = [], list(tensor.consumers())
+  while pending:
+    op = pending.pop()
+    if op.type in ("Identity", "ReadVariableOp") and not (
+        op.type == "Identity" and op.inputs[0].dtype == tf.resource):
+      consumers = op.outputs[0].consumers()
+      gathers = [c for c in consumers
+                 if c.type in ("Gather", "GatherV2") and c.inputs[0] is
+                 op.outputs[0]]
+      others = [c for c in consumers if c not in gathers]
+      readers.extend(gathers)
+      if others:
+        readers.append(op)
+    else:
+      readers.append(op)
+  return readers
+
+
+def _ancestors(tensors, limit: int = 200000) -> set:
+  found, pending = set(), [t.op for t in tensors]
+  while pending and len(found) < limit:
+    op = pending.pop()
+    if op in found:
+      continue
+    found.add(op)
+    pending.extend(t.op for t in op.inputs)
+  return found
+
+
+def whole_batch_gradients(loss, compute: Callable[[Any, bool], Any],
+                          variables=None, pairs: bool = True,
+                          call: str = _COMPUTE):
+  """`compute(loss)` on one device; in a tower, on the whole batch's loss.
+
+  Args:
+    loss: the tower's loss, as the model_fn passed it.
+    compute: `compute(loss, replicated)` returns gradients (as the
+      optimizer returns them); in towers, tower 0 calls it once, on the
+      whole batch's loss, with `replicated` True (colocate the gradient
+      ops with their forward ops).
+    variables: the variables the call differentiates for, if it names
+      them: every tower must name the same.
+    pairs: whether `compute` returns (gradient, variable) pairs (v1) or
+      gradients (Keras).
+    call: the call, for errors.
+
+  Returns:
+    What `compute` returned; the same in every tower.
+  """
+  replication = replicated()
+  if replication is None:
+    return compute(loss, False)
+  names = None if variables is None else [
+      v.op.name for v in tf.nest.flatten(variables)]
+  listed = (tf.nest.flatten(variables) if variables is not None else
+            _trainable_variables())
+
+  def build(values):
+    whole = whole_batch_loss(replication, [v for v in values], call)
+    with meeting_scope(replication, pure=True):
+      result = compute(whole, True)
+    return [result] * len(values)
+
+  def spec(value):
+    return gradient_spec(value, listed, pairs)
+
+  return replication.meetings.meet(call, loss, build, spec, signature=names)
+
+
+def _trainable_variables():
+  return (tf.compat.v1.trainable_variables() +
+          tf.compat.v1.get_collection(
+              tf.compat.v1.GraphKeys.TRAINABLE_RESOURCE_VARIABLES))
+
+
 def one_device_slices(grads_and_vars):
-  """Sparse gradients with the rows one device's would have.
+  """Sparse gradients with each row once, as a lookup of unique ids gives.
 
   A lookup that takes unique ids (`embedding_lookup_sparse`, feature
   columns) gives one device one row per id of the whole batch; each tower
-  looks up its shard's ids, so the whole batch's gradient has a row per
-  tower for ids several shards share. Those are summed into one, in order
-  of first appearance, as one device's `unique` orders them. Lookups of
-  ids as given keep every row, as on one device.
+  looks up its shard's unique ids, so the whole batch's gradient has a row
+  per tower for ids several shards share. Those are summed into one, in
+  order of first appearance, as one device's `unique` orders them.
+  Lookups of ids as given keep every row, as on one device.
   """
   return [(_transform.merge_duplicate_rows(grad)
            if isinstance(grad, tf.IndexedSlices) and _looks_up_unique_ids(
@@ -98,24 +247,13 @@ def one_device_slices(grads_and_vars):
 
 
 def _looks_up_unique_ids(variable) -> bool:
-  handle = getattr(variable, "handle", None)
-  handle = handle if isinstance(handle, tf.Tensor) else variable.op.outputs[0]
+  handle = _handle(variable)
+  if handle is None:
+    return False
   gathers = [op for op in _readers(handle)
              if op.type in ("ResourceGather", "Gather", "GatherV2")]
   return bool(gathers) and all(
       _source_type(op.inputs[1]) == "Unique" for op in gathers)
-
-
-def _readers(tensor):
-  """The ops reading `tensor`, through Identity ops (a ref variable's read)."""
-  readers, pending = [], list(tensor.consumers())
-  while pending:
-    op = pending.pop()
-    if op.type == "Identity":
-      pending.extend(op.outputs[0].consumers())
-    else:
-      readers.append(op)
-  return readers
 
 
 def _source_type(tensor) -> str:
@@ -125,113 +263,55 @@ def _source_type(tensor) -> str:
 
 
 def transform_and_apply(grads_and_vars, transforms: "_transform.Pipeline",
-                        apply_fn: Callable[[Any], Any]):
-  """A TowerOptimizer's apply_gradients: the transforms, then `apply_fn`.
+                        apply_fn: Callable[[Any], Any],
+                        call: str = _APPLY):
+  """An apply_gradients call: the transforms, then `apply_fn`, once.
 
   Outside replication (or on one device) the transforms run on this
-  device's gradients. In a tower, the towers meet: tower 0 applies the
-  whole batch's gradients once, in its own scopes, and every tower returns
-  that update.
+  device's gradients. In towers, tower 0 applies its gradients (one
+  device's, see `whole_batch_gradients`) once, in its own scopes, and every
+  tower gets that update.
+
+  Raises:
+    ValueError: a gradient handed to it is not the whole batch's (taken by
+      hand from the tower's rows in a way that is not a batch reduction).
   """
   replication = replicated()
   if replication is None:
     return apply_fn(transforms(transforms.prepare(grads_and_vars)))
   grads_and_vars = list(grads_and_vars)
-  state = {}
+  names = [v.op.name for g, v in grads_and_vars if g is not None]
 
-  def combine(towers_grads_and_vars):
-    check_same_variables("TowerOptimizer.apply_gradients",
-                          [_variable_names(p) for p in towers_grads_and_vars])
-    pairs = _whole_batch_pairs(replication, towers_grads_and_vars)
-    state["pairs"] = pairs
-    return [state] * len(towers_grads_and_vars)
-
-  shared = _lockstep.meet(_APPLY, grads_and_vars, combine)
-  if replication.tower.index == 0:
-    with replication.scopes(_context.Scopes.current()):
-      shared["applied"] = apply_fn(
-          transforms(transforms.prepare(shared["pairs"])))
+  def build(values):
+    pairs = [(_resolved(replication, grad), variable)
+             for grad, variable in values[0]]
+    for grad, variable in pairs:
+      if grad is None:
+        continue
+      for part in _components(grad):
+        kind = replication.rewiring.kind(part)
+        if not _rows.shares_value(kind):
+          raise ValueError(not_whole_batch(
+              part, kind, f"the gradient of {variable.op.name} handed to "
+              f"{call}"))
+    with meeting_scope(replication):
+      result = apply_fn(transforms(transforms.prepare(pairs)))
     replication.apply_calls += 1
-  return shared["applied"]
+    return [result] * len(values)
+
+  return replication.meetings.meet(call, grads_and_vars, build,
+                                   lambda value: _meetings.OP,
+                                   signature=names)
 
 
-def _variable_names(grads_and_vars):
-  return [v.op.name for _, v in grads_and_vars]
-
-
-def check_same_variables(call: str, names_per_tower: Sequence[Any]):
-  """Every tower's call must name the variables tower 0's names."""
-  first = names_per_tower[0]
-  for tower, names in enumerate(names_per_tower[1:], start=1):
-    if names != first:
-      raise ValueError(
-          f"{call} of tower {tower} updates variables {names} but tower 0's "
-          f"updates {first}; every tower must make the same optimizer calls "
-          "on the same variables in the same order.")
-
-
-def _whole_batch_pairs(replication, towers_grads_and_vars):
-  """Per variable, the gradient one device would apply.
-
-  A gradient of the whole batch's loss (`compute_gradients`, or the
-  model_fn's own `tf.gradients` of a scalar, see `_own_gradients`), or one
-  the model_fn computed from it (clipped, scaled), is the same in every
-  tower: tower 0's is applied. So is one that reads no batch input (e.g.
-  computed from the variables alone). Any other is its tower's share of a
-  gradient taken per tower (e.g. `tf.gradients` with `grad_ys`, or of
-  per-example losses): under Reduction.SUM the shares add up to one
-  device's gradient and are summed; under an averaging reduction they do
-  not, which is an error naming the fix.
-  """
-  derived = _derived_from(replication.whole_batch_gradients,
-                          [g for g, _ in towers_grads_and_vars[0]])
-  pairs = []
-  for index, (grad, variable) in enumerate(towers_grads_and_vars[0]):
-    if grad is None or _is_derived(grad, derived) or (
-        replication.inputs and not _inputs.reads_batch(
-            _components(grad), replication.inputs)):
-      pairs.append((grad, variable))
-      continue
-    if not _aggregate.is_sum(replication.loss_reduction):
-      raise ValueError(
-          f"The gradient for {variable.op.name} handed to apply_gradients "
-          "was taken in each tower, not of the whole batch's loss (e.g. "
-          "tf.gradients or GradientTape.gradient with grad_ys / "
-          "output_gradients, of a non-scalar target, or inside a "
-          f"tf.function); under loss_reduction={replication.loss_reduction!r} "
-          "the towers' gradients do not add up to one device's. Take it with "
-          "the optimizer's compute_gradients (or tf.gradients / "
-          "tape.gradient of the scalar loss, nothing else given), or use "
-          "Reduction.SUM with a loss that sums over the batch.")
-    grads = [tower[index][0] for tower in towers_grads_and_vars]
-    pairs.extend(_aggregate.sum_gradients([[(g, variable)] for g in grads]))
-  return pairs
+def _resolved(replication, grad):
+  if isinstance(grad, tf.IndexedSlices):
+    return tf.IndexedSlices(replication.rewiring.resolve(grad.values),
+                            replication.rewiring.resolve(grad.indices),
+                            grad.dense_shape)
+  return replication.rewiring.resolve(grad)
 
 
 def _components(grad):
   return [grad.values, grad.indices] if isinstance(
       grad, tf.IndexedSlices) else [grad]
-
-
-def _op(grad) -> tf.Operation:
-  return (grad.values if isinstance(grad, tf.IndexedSlices) else grad).op
-
-
-def _is_derived(grad, derived) -> bool:
-  return _op(grad) in derived
-
-
-def _derived_from(sources, targets) -> set:
-  """The ops between `sources` (tensor refs) and `targets`, sources included."""
-  target_ops = {_op(g) for g in targets if g is not None}
-  derived = set()
-  pending = [ref.deref().op for ref in sources]
-  while pending:
-    op = pending.pop()
-    if op in derived:
-      continue
-    derived.add(op)
-    if op in target_ops:
-      continue
-    pending.extend(c for out in op.outputs for c in out.consumers())
-  return derived

@@ -9,6 +9,7 @@ applies gradients like the v1 TowerOptimizer.
 import tensorflow as tf
 
 from replicate import _gather
+from replicate import _meetings
 from replicate import _routing
 from replicate import _tracking
 from replicate import _transform
@@ -100,7 +101,9 @@ class KerasTowerOptimizer(_tracking.TracksWrapped, _KerasOptimizer):
       _gather.require_gradients(grads, params)
       return grads
 
-    return _gather.whole_batch_gradients(loss, compute, params)
+    return _gather.whole_batch_gradients(
+        loss, compute, params, pairs=False,
+        call="TowerOptimizer.get_gradients")
 
   def get_updates(self, loss, params):
     """The wrapped optimizer's own `get_updates`, once, on the whole batch.
@@ -117,7 +120,8 @@ class KerasTowerOptimizer(_tracking.TracksWrapped, _KerasOptimizer):
         with _routing.direct():
           return optimizer.get_updates(loss, params)
       return _routing.once("TowerOptimizer.get_updates", loss, params,
-                           lambda whole: optimizer.get_updates(whole, params))
+                           lambda whole: optimizer.get_updates(whole, params),
+                           spec=[_meetings.OP])
     grads = self.get_gradients(loss, params)
     return [self.apply_gradients(zip(grads, tf.nest.flatten(params)))]
 
@@ -152,7 +156,8 @@ class KerasTowerOptimizer(_tracking.TracksWrapped, _KerasOptimizer):
               tape=_routing.GraphTape()))
     grads = _gather.whole_batch_gradients(
         loss, lambda whole_loss, _: _colocated_gradients(
-            optimizer, whole_loss, var_list, grad_loss), var_list)
+            optimizer, whole_loss, var_list, grad_loss), var_list,
+        pairs=False, call="TowerOptimizer.get_gradients")
     return self.apply_gradients(zip(grads, var_list), name=name)
 
   def apply_gradients(self, grads_and_vars, name=None, **kwargs):

@@ -1,25 +1,21 @@
-"""Gradients a model_fn takes itself (`tf.gradients`), as one device's.
+"""Gradients a model_fn takes itself (`tf.gradients`, a tape), as one device's.
 
 Research code often differentiates its loss itself and hands the result,
 clipped, to `apply_gradients` (BERT's `optimization.py`:
 `tf.gradients(loss, tvars)`, `tf.clip_by_global_norm`, its own
 optimizer's `apply_gradients`). On one device that is the gradient of the
 whole batch's loss. While towers are built (`routed`), the public
-`tf.gradients` / `tf.compat.v1.gradients` called on a tower thread with a
-scalar `ys` (each a scalar, no `grad_ys`) is a meeting point of the towers:
-their `ys` are combined into the whole batch's (a sum over the rows is
-added up, any other scalar is combined as the loss is, see `_loss`) and
-differentiated once, each gradient op colocated
+`tf.gradients` / `tf.compat.v1.gradients` and `tf.GradientTape.gradient`
+called in a tower are a meeting (`_meetings`): tower 0, the last to make
+the call, differentiates once what one device would: each of its `ys`
+that is one device's value (a loss: see `_whole`) as it is, each with rows
+as every tower's rows (with their `grad_ys`), each gradient op colocated
 with its forward op. Every tower gets the gradient with respect to each of
-its `xs`: for a shared variable one device's gradient (recorded as the
-whole batch's, so `apply_gradients` applies it once, not summed); for a
-tensor of the tower (an activation, its inputs) that tower's rows of one
-device's gradient. Other calls (a non-scalar `ys`, `grad_ys` given) are
-each tower's own, as TensorFlow computes them. The library's own calls and
-TensorFlow's (optimizers call `gradients.gradients`, a module function
-this leaves alone) pass straight through. `tf.GradientTape.gradient` of a
-scalar target (no `output_gradients`) in a tower meets the towers the same
-way: TF2-style model_fns differentiate with a tape.
+its `xs`: for a shared variable one device's gradient, for a tensor of the
+tower (an activation, its inputs) that tower's rows of one device's
+gradient. TensorFlow's own calls (optimizers call `gradients.gradients`, a
+module function this leaves alone) and the library's pass straight
+through.
 """
 
 import functools
@@ -29,14 +25,12 @@ from typing import Any, List
 import tensorflow as tf
 from absl import logging
 
-from replicate import _aggregate
 from replicate import _context
 from replicate import _gather
-from replicate import _inputs
-from replicate import _lockstep
-from replicate import _loss
+from replicate import _meetings
 from replicate import _patches
 from replicate import _routing
+from replicate import _rows
 
 _ORIGINAL_V1 = tf.compat.v1.gradients
 _ORIGINAL_V2 = tf.gradients
@@ -76,62 +70,54 @@ def _key(x):
   return x.ref() if isinstance(x, (tf.Tensor, tf.Variable)) else id(x)
 
 
-def _sums_rows(tensor) -> bool:
-  """Whether a scalar is a `reduce_sum` over all of a tensor's axes."""
-  while tensor.op.type == "Identity":
-    tensor = tensor.op.inputs[0]
-  return tensor.op.type == "Sum" and tensor.op.inputs[0].shape.rank != 0
-
-
-def _combine(replication, terms):
-  """The whole batch's value of the towers' scalars `terms`.
-
-  A sum over the rows (`tf.reduce_sum(logits)`, of a saliency map, say) is
-  one device's summed over the towers, whatever the loss reduction; any
-  other scalar is combined as the loss is (`_loss`).
-  """
-  if (not _aggregate.is_sum(replication.loss_reduction) and
-      all(map(_sums_rows, terms)) and replication.inputs and
-      _inputs.reads_batch(terms, replication.inputs)):
-    logging.info("replicate: tf.gradients of a sum over the rows: the "
-                 "towers' sums are added")
-    with tf.device(replication.hub), tf.name_scope("whole_batch_sum"):
-      return _aggregate.real_sum(terms, replication.validity)
-  return _loss.combine(replication, terms)
-
-
 def _whole_batch(replication, calls):
-  """One differentiation of the combined `ys` for every tower's call."""
-  counts = {len(call["ys"]) for call in calls}
-  if len(counts) != 1:
-    raise ValueError(
-        f"tf.gradients was called with {sorted(counts)} scalars in `ys` in "
-        "different towers; every tower must differentiate the same terms.")
-  combined = [_combine(replication, [call["ys"][k] for call in calls])
-              for k in range(counts.pop())]
+  """One differentiation of what one device would, for every tower's call."""
+  rewiring = replication.rewiring
+  first = calls[0]
+  ys, grad_ys = [], []
+  for k, y0 in enumerate(first["ys"]):
+    y0 = rewiring.resolve(y0)
+    kind = rewiring.kind(y0)
+    if _rows.shares_value(kind):
+      ys.append(y0)
+      grad_ys.append(first["grad_ys"][k] if first["grad_ys"] else None)
+      continue
+    if not isinstance(kind, _rows.Rows):
+      raise ValueError(_gather.not_whole_batch(
+          y0, kind, "the tensor differentiated by tf.gradients"))
+    for index, call in enumerate(calls):
+      valid = replication.is_valid(index)
+      if valid is False:
+        continue
+      y = call["ys"][k]
+      grad = call["grad_ys"][k] if call["grad_ys"] else None
+      if valid is not True:
+        grad = tf.ones_like(y) if grad is None else grad
+        grad = tf.where(valid, grad, tf.zeros_like(grad))
+      ys.append(y)
+      grad_ys.append(grad)
   union, stops = {}, {}
   for call in calls:
     for x in call["xs"]:
       union.setdefault(_key(x), x)
     for stop in call["stop_gradients"]:
       stops.setdefault(_key(stop), stop)
-  first = calls[0]
-  xs = list(union.values())
-  grads = _ORIGINAL_V1(
-      combined, xs, name=first["name"], colocate_gradients_with_ops=True,
-      gate_gradients=first["gate_gradients"],
-      aggregation_method=first["aggregation_method"],
-      stop_gradients=list(stops.values()) or None,
-      unconnected_gradients=first["unconnected_gradients"])
+  xs = [rewiring.resolve(x) for x in union.values()]
+  with _gather.meeting_scope(replication, pure=True):
+    grads = _ORIGINAL_V1(
+        ys, xs, grad_ys=grad_ys if any(g is not None for g in grad_ys)
+        else None, name=first["name"], colocate_gradients_with_ops=True,
+        gate_gradients=first["gate_gradients"],
+        aggregation_method=first["aggregation_method"],
+        stop_gradients=list(stops.values()) or None,
+        unconnected_gradients=first["unconnected_gradients"])
   by_key = {}
-  for x, grad in zip(xs, grads):
+  for x, grad in zip(union.values(), grads):
     if isinstance(x, tf.Variable):
-      # One device's rows for a lookup of unique ids; recorded as the whole
-      # batch's, so that apply_gradients applies it once.
+      # One device's rows for a lookup of unique ids.
       grad = _gather.one_device_slices([(grad, x)])[0][0]
-      replication.whole_batch_gradients.update(
-          t.ref() for t in tf.nest.flatten(grad, expand_composites=True)
-          if isinstance(t, tf.Tensor))
+    elif grad is not None and not isinstance(grad, tf.IndexedSlices):
+      rewiring.declare(grad, _rows.Like(x))
     by_key[_key(x)] = grad
   return [[_phantom_zeros(replication, index, x, by_key[_key(x)])
            for x in call["xs"]] for index, call in enumerate(calls)]
@@ -150,6 +136,22 @@ def _phantom_zeros(replication, index: int, x, grad):
   return grad
 
 
+def _spec(call):
+  """The gradients' structure, for a tower built before tower 0."""
+  ancestors = _gather._ancestors(call["ys"])  # pylint: disable=protected-access
+  specs = []
+  for x in call["xs"]:
+    if isinstance(x, tf.Variable):
+      specs.append(_gather.gradient_spec(call["ys"][0], [x], False)[0]
+                   if len(call["ys"]) == 1 else
+                   _meetings.TensorSpec(x.shape, x.dtype.base_dtype))
+    elif isinstance(x, tf.Tensor) and x.op in ancestors:
+      specs.append(_meetings.TensorSpec(x.shape, x.dtype, _rows.Like(x)))
+    else:
+      specs.append(None)
+  return specs
+
+
 def _routed(original):
   """`original` (a public gradients function), meeting the towers."""
 
@@ -159,16 +161,16 @@ def _routed(original):
     if replication is None:
       return original(*args, **kwargs)
     arguments = _bound(original, args, kwargs)
-    ys = tf.nest.flatten(arguments["ys"])
-    if arguments["grad_ys"] is not None or not all(map(_is_scalar, ys)):
-      logging.info("replicate: tf.gradients of a non-scalar ys or with "
-                   "grad_ys: each tower's own")
-      return original(*args, **kwargs)
+    ys = [tf.convert_to_tensor(y) for y in tf.nest.flatten(arguments["ys"])]
+    grad_ys = arguments["grad_ys"]
     call = dict(arguments, ys=ys, xs=tf.nest.flatten(arguments["xs"]),
+                grad_ys=None if grad_ys is None else tf.nest.flatten(grad_ys),
                 stop_gradients=tf.nest.flatten(
                     arguments.get("stop_gradients") or []))
-    return _lockstep.meet(
-        _KIND, call, functools.partial(_whole_batch, replication))
+    grads = replication.meetings.meet(
+        _KIND, call, functools.partial(_whole_batch, replication), _spec,
+        signature=(len(ys), len(call["xs"])))
+    return grads
 
   return gradients
 
@@ -185,20 +187,19 @@ def _routed_tape(original):
   def gradient(self, target, sources, output_gradients=None,
                unconnected_gradients=tf.UnconnectedGradients.NONE):
     replication = _routing.routes()
-    targets = tf.nest.flatten(target)
-    if (replication is None or output_gradients is not None or
-        not all(map(_is_scalar, targets))):
-      if replication is not None:
-        logging.info("replicate: GradientTape.gradient of a non-scalar "
-                     "target or with output_gradients: each tower's own")
+    if replication is None:
       return original(self, target, sources, output_gradients,
                       unconnected_gradients)
+    targets = [tf.convert_to_tensor(t) for t in tf.nest.flatten(target)]
     call = dict(ys=targets, xs=tf.nest.flatten(sources), stop_gradients=[],
+                grad_ys=None if output_gradients is None else
+                tf.nest.flatten(output_gradients),
                 name="gradients", gate_gradients=False,
                 aggregation_method=None,
                 unconnected_gradients=unconnected_gradients)
-    grads = _lockstep.meet(_TAPE_KIND, call,
-                           functools.partial(_whole_batch, replication))
+    grads = replication.meetings.meet(
+        _TAPE_KIND, call, functools.partial(_whole_batch, replication),
+        _spec, signature=(len(targets), len(call["xs"])))
     # A variable the tape never saw read has no gradient from it.
     watched = {v.ref() for v in self.watched_variables()}
     grads = [None if isinstance(x, tf.Variable) and x.ref() not in watched

@@ -2,13 +2,12 @@
 
 An optimizer's `minimize` (v1) or `get_updates` / `minimize` (Keras) is
 called once per step on one device, with the whole batch's loss. In towers
-every tower makes the call; here the towers meet (see `_lockstep`), their
-losses are combined into the whole batch's (`_loss`), and tower 0 makes the
-optimizer's own call once, with that loss, in its own scopes on the hub
-(`Replication.scopes`, so that state combining skips the update); every
-tower gets that update. `compute_gradients` / `get_gradients` give every
-tower one device's gradients and `apply_gradients` applies tower 0's once
-(see `_gather`).
+every tower makes the call; it is a meeting (`_meetings`): tower 0, the
+last to make it, makes the optimizer's own call once, with the whole
+batch's loss (its own: see `_gather`), in its own scopes, and every tower
+gets that update. `compute_gradients` / `get_gradients` give every tower
+one device's gradients and `apply_gradients` applies tower 0's once (see
+`_gather`).
 
 While towers are built (`routed`), the base classes' methods
 (`tf.compat.v1.train.Optimizer`, `tf.keras.optimizers.legacy.Optimizer`) and
@@ -31,8 +30,7 @@ from absl import logging
 
 from replicate import _context
 from replicate import _gather
-from replicate import _lockstep
-from replicate import _loss
+from replicate import _meetings
 from replicate import _patches
 from replicate import _transform
 
@@ -67,12 +65,25 @@ def _colocates() -> bool:
 
 def routes():
   """The replication whose towers this optimizer call meets, or None."""
-  if getattr(_local, "direct", 0) or _lockstep.current_thread() is None:
+  if getattr(_local, "direct", 0):
     return None
   return _gather.replicated()
 
 
-def once(kind: str, loss, variables, call: Callable[[Any], Any]):
+@contextlib.contextmanager
+def meeting_scope(replication: _context.Replication):
+  """Where tower 0 makes a meeting's optimizer call.
+
+  Its variables (slots) belong to no tower; its ops that follow no
+  variable sit on the consolidation device, as the variables' updates run
+  where the variables are.
+  """
+  with _gather.meeting_scope(replication), direct(), colocating():
+    yield
+
+
+def once(kind: str, loss, variables, call: Callable[[Any], Any],
+         spec=_meetings.OP):
   """`call(whole_batch_loss)` once, by tower 0; every tower gets its result.
 
   Args:
@@ -81,24 +92,21 @@ def once(kind: str, loss, variables, call: Callable[[Any], Any]):
     variables: the variables the call names (None: unnamed); every tower
       must name the same.
     call: makes the optimizer's own call with the whole batch's loss.
+    spec: the structure of the call's result (`_meetings`).
   """
   replication = _gather.replicated()
-  state = {}
-
-  def combine(calls):
-    _gather.check_same_variables(kind, [names for _, names in calls])
-    state["loss"] = _loss.combine(replication, [l for l, _ in calls])
-    return [state] * len(calls)
-
   names = None if variables is None else [
       v.op.name for v in tf.nest.flatten(variables)]
-  shared = _lockstep.meet(kind, (loss, names), combine)
-  if replication.tower.index == 0:
-    with replication.scopes(_context.Scopes.current()), direct(), \
-        colocating():
-      shared["result"] = call(shared["loss"])
+
+  def build(values):
+    whole = _gather.whole_batch_loss(replication, values, kind)
+    with meeting_scope(replication):
+      result = call(whole)
     replication.apply_calls += 1
-  return shared["result"]
+    return [result] * len(values)
+
+  return replication.meetings.meet(kind, loss, build, lambda value: spec,
+                                   signature=names)
 
 
 class GraphTape:
@@ -184,12 +192,15 @@ def _v1_compute_gradients(original, optimizer, args, kwargs):
   loss = args[0] if args else kwargs.get("loss")
   var_list = argument(args, kwargs, "var_list", 1)
 
+  replication = _gather.replicated()
+
   def compute(whole, unused_replicated):
-    with colocating():
+    with meeting_scope(replication):
       return _gather.one_device_slices(call_with_loss(
           bound, args, kwargs, whole, colocate_gradients_with_ops=True))
 
-  return _gather.whole_batch_gradients(loss, compute, var_list)
+  return _gather.whole_batch_gradients(
+      loss, compute, var_list, call=_kind(optimizer, "compute_gradients"))
 
 
 def _v1_compute_pass(original, optimizer, args, kwargs):
@@ -209,7 +220,8 @@ def _apply_gradients(original, optimizer, args, kwargs):
     with direct():
       return original(optimizer, whole_pairs, *rest, **kwargs)
 
-  return _gather.transform_and_apply(pairs, _NO_TRANSFORMS, apply)
+  return _gather.transform_and_apply(
+      pairs, _NO_TRANSFORMS, apply, call=_kind(optimizer, "apply_gradients"))
 
 
 def _keras_get_updates(original, optimizer, args, kwargs):
@@ -217,7 +229,8 @@ def _keras_get_updates(original, optimizer, args, kwargs):
   loss = args[0] if args else kwargs.get("loss")
   params = argument(args, kwargs, "params", 1)
   return once(_kind(optimizer, "get_updates"), loss, params,
-              lambda whole: call_with_loss(bound, args, kwargs, whole))
+              lambda whole: call_with_loss(bound, args, kwargs, whole),
+              spec=[_meetings.OP])
 
 
 def _keras_get_gradients(original, optimizer, args, kwargs):
@@ -225,11 +238,15 @@ def _keras_get_gradients(original, optimizer, args, kwargs):
   loss = args[0] if args else kwargs.get("loss")
   params = tf.nest.flatten(argument(args, kwargs, "params", 1))
 
+  replication = _gather.replicated()
+
   def compute(whole, unused_replicated):
-    with colocating():
+    with meeting_scope(replication):
       return call_with_loss(bound, args, kwargs, whole)
 
-  return _gather.whole_batch_gradients(loss, compute, params)
+  return _gather.whole_batch_gradients(
+      loss, compute, params, pairs=False,
+      call=_kind(optimizer, "get_gradients"))
 
 
 def _keras_get_gradients_pass(original, optimizer, args, kwargs):

@@ -1,73 +1,22 @@
 """One set of variables for all towers.
 
-Towers after the first get tower 0's variables back from a variable creator
-(Keras layers ignore variable-scope reuse) and find their layers under tower
-0's names (name counters restored per tower).
+The first tower built creates the model's variables, under the names the
+unwrapped model_fn gives them (its `tower_i/` name scope left out); every
+later tower gets them back from a variable creator (Keras layers ignore
+variable-scope reuse), matched by the name asked for and how often.
 """
 
 import collections
-import copy
 import re
 from typing import Any, Dict, Optional
 
 import tensorflow as tf
 from absl import logging
-# Variable-scope name counters have no public accessor.
-from tensorflow.python.ops import variable_scope as variable_scope_lib  # pylint: disable=g-direct-tensorflow-import
 
+from replicate import _context
 from replicate import _devices
+from replicate import _tf
 from replicate._context import Replication
-
-
-class NameCounters:
-  """Per-graph name counters, restored before every tower.
-
-  Keras names layers `dense`, `dense_1`, ... and variable scopes opened
-  with a default name are numbered the same way, by counters kept per
-  graph. Restored before each tower, every tower names its layers as tower 0
-  did, so tower i finds tower 0's variables and Keras layers line up.
-  """
-
-  def __init__(self):
-    try:
-      from keras.src import backend  # pylint: disable=g-import-not-at-top
-    except ImportError:  # Keras moved or is absent: no counters to restore.
-      backend = None
-    self._keras = backend
-    self.save()
-
-  def save(self):
-    """Takes the counters as they are now (on this thread)."""
-    if self._keras is not None:
-      self._uids = dict(self._keras.get_default_graph_uid_map())
-      self._observed = set(self._keras.OBSERVED_NAMES)
-    self._scope_counts = dict(_variable_scope_counts())
-
-  def copy(self) -> "NameCounters":
-    other = copy.copy(self)
-    if self._keras is not None:
-      other._uids = dict(self._uids)
-      other._observed = set(self._observed)
-    other._scope_counts = dict(self._scope_counts)
-    return other
-
-  def restore(self):
-    """Puts the saved counters back (on this thread)."""
-    if self._keras is not None:
-      uids = self._keras.get_default_graph_uid_map()
-      uids.clear()
-      uids.update(self._uids)
-      self._keras.OBSERVED_NAMES.clear()
-      self._keras.OBSERVED_NAMES.update(self._observed)
-    counts = _variable_scope_counts()
-    counts.clear()
-    counts.update(self._scope_counts)
-
-
-def _variable_scope_counts() -> dict:
-  """The graph's count of variable scopes opened under each name."""
-  store = variable_scope_lib.get_variable_scope_store()
-  return store.variable_scopes_count
 
 
 def _is_model_state(kwargs) -> bool:
@@ -113,13 +62,7 @@ def _after_writes_possible() -> bool:
   That is a read under control dependencies (an EMA of the weights after
   the train_op), in this graph or one a function body is built in.
   """
-  graph = tf.compat.v1.get_default_graph()
-  while graph is not None:
-    # The active control dependencies have no public accessor.
-    if graph._current_control_dependencies():  # pylint: disable=protected-access
-      return True
-    graph = getattr(graph, "outer_graph", None)
-  return False
+  return _tf.active_control_inputs(tf.compat.v1.get_default_graph())
 
 
 def _is_resource(variable) -> bool:
@@ -179,45 +122,107 @@ def own_read(value, copies: Dict[Any, Any]) -> Optional[tf.Tensor]:
   return None if own is None else own()
 
 
-def variable_creator(replication: Replication, index: int, name_root: str):
-  """Returns a creator giving towers after the first tower 0's variables.
+def _shape_of(kwargs) -> Optional[tf.TensorShape]:
+  shape = kwargs.get("shape")
+  if shape is None:
+    initial = kwargs.get("initial_value")
+    shape = getattr(initial, "shape", None)
+  try:
+    return None if shape is None else tf.TensorShape(shape)
+  except (TypeError, ValueError):
+    return None
 
-  Variables are matched by the name they are asked for (relative to the
-  tower's root scope) and how many times that name was asked for before,
-  so TensorFlow's own uniquifying of names cannot pair the wrong ones.
-  Local (metric) variables are shared too, like those `get_local_variable`
-  gets back by variable-scope reuse, so that every tower's writes reach one
-  variable and are combined by its aggregation (`_state`). A checkpointed
-  variable tower 0 did not create is an error; a local one is the tower's.
+
+def variable_creator(replication: Replication, index: int, name_root: str):
+  """Returns a creator sharing the first built tower's variables.
+
+  The first tower built (`replication.creator`) creates each variable under
+  the name the unwrapped model_fn gives it: its own `tower_i/` name scope
+  is left out. Every other tower gets those variables back, matched by the
+  name asked for (relative to the tower's scope) and how many times that
+  name was asked for before, so TensorFlow's own uniquifying of names
+  cannot pair the wrong ones. Local (metric) variables are shared too, like
+  those `get_local_variable` gets back by variable-scope reuse, so that the
+  towers' writes reach one variable (`_state`). A checkpointed variable the
+  first tower did not create, or asked for with another shape, is an
+  error; a local one is the tower's.
   """
   counts = collections.Counter()
   created = replication.created[index]
-  # Later towers get tower 0's variables and create no trained ones.
-  cache = _cache_device(replication) if index == 0 else None
+  creating = index == replication.creator
+  # Trained variables of a parameter server are read once per step.
+  cache = _cache_device(replication) if creating else None
+  root = replication.root_name_scope
 
   def creator(next_creator, **kwargs):
     if replication.unshared:
       return next_creator(**kwargs)
-    scope = tf.compat.v1.get_default_graph().get_name_scope()
+    graph = tf.compat.v1.get_default_graph()
+    scope = graph.get_name_scope()
     name = kwargs.get("name") or "Variable"
     full = f"{scope}/{name}" if scope else name
     relative = _without_root(full, name_root)
     counts[relative] += 1
     key = (relative, counts[relative])
-    if index > 0:
-      original = replication.created[0].get(key)
+    if not creating:
+      original = replication.created[replication.creator].get(key)
       if original is not None:
+        _check_shape(replication, index, relative, original, kwargs)
         return original
       if _is_model_state(kwargs):
         raise ValueError(
-            f"Tower {index} creates variable {full!r} that tower 0 did not "
-            f"create (tower 0 created {len(replication.created[0])} "
+            f"Tower {index} creates variable {relative!r} that tower "
+            f"{replication.creator}, the first built, did not create (it "
+            f"created {len(replication.created[replication.creator])} "
             "variables); every tower must build the same model, so make the "
             "model_fn create the same variables in every call.")
-    variable = next_creator(**kwargs)
+    unwrapped = _without_root(scope + "/", name_root).rstrip("/") if (
+        scope) else ""
+    unwrapped = "/".join(part for part in (root, unwrapped) if part)
+    with replication.library(), _tf.top_level_name_scopes(), \
+        _context.absolute_name_scope(graph, unwrapped):
+      variable = next_creator(**kwargs)
     if cache is not None:
       read_once_per_step(variable, cache, replication)
     created[key] = variable
     return variable
 
   return creator
+
+
+def _check_shape(replication, index, relative, original, kwargs):
+  shape = _shape_of(kwargs)
+  if shape is not None and not shape.is_compatible_with(original.shape):
+    raise ValueError(
+        f"Tower {index} asks for variable {relative!r} with shape {shape}, "
+        f"but tower {replication.creator}, the first built, created it with "
+        f"shape {original.shape}; every tower must build the same model "
+        "(e.g. not draw a layer's width in each model_fn call).")
+
+
+def sharing_getter(replication: Replication, index: int):
+  """A custom getter for `tf.compat.v1.get_variable` in a later tower.
+
+  It gets the first tower's variables back (variable-scope reuse, for the
+  tower's own calls only: a meeting's optimizer creates its slots). The
+  variable store checks a variable it reuses itself, before any creator:
+  its errors are given the towers' terms here.
+  """
+  def getter(getter, *args, **kwargs):  # pylint: disable=redefined-outer-name
+    if replication.unshared:
+      return getter(*args, **kwargs)
+    name = kwargs.get("name", args[0] if args else None)
+    if kwargs.get("reuse") is not tf.compat.v1.AUTO_REUSE:
+      kwargs["reuse"] = True
+    try:
+      return getter(*args, **kwargs)
+    except ValueError as error:
+      if "share variable" not in str(error) and (
+          "does not exist" not in str(error)):
+        raise
+      raise ValueError(
+          f"Tower {index}'s model_fn call asks for variable {name!r} "
+          f"differently from tower {replication.creator}, the first built "
+          f"({error}); every tower must build the same model: the same "
+          "variables with the same shapes in every model_fn call.") from None
+  return getter

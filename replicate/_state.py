@@ -1,41 +1,30 @@
-"""Model-state writes: one write per step, combined over the towers.
+"""Model-state writes: one write per step, as on one device.
 
 A model_fn changes model state outside the optimizer: batch-norm moving
-statistics, EMA shadows, counters, the global step, and the local variables
-that hold eval metrics' state (TensorFlow's, Keras' or hand-made). Every
-tower builds such a write; this module turns the towers' writes to one
-variable into one write per step, combined by the variable's declared
-`tf.VariableAggregation` as `tf.distribute` defines it:
+statistics, EMA shadows, counters, the global step, the local variables
+that hold eval metrics' state. Every tower builds such a write; this module
+makes the towers' writes to one variable the one write of one device:
 
-- MEAN: the towers' values (assign) or changes (assign_add/sub, scatter
-  add/sub) weighted by their share of the batch (tower 0's where every
-  tower computes its value alike from the same tensors, as synchronised
-  batch norm's moving statistics);
-- SUM: the towers' changes added up (an assign adds up `value - old`);
-- ONLY_FIRST_REPLICA: tower 0's write;
-- NONE: a running maximum or minimum (an assign of `tf.maximum` of the
-  old value and a `tf.reduce_max` over the batch, or `tf.minimum` and
-  `tf.reduce_min`; a scatter_max or scatter_min) takes the maximum or
-  minimum over the towers; any other write is tower 0's where
-  every tower writes the same thing (nothing computed from the tower's
-  inputs), else a ValueError asking for an aggregation.
+- a value the towers share with one device (every batch reduction is the
+  whole batch's, see `_whole`: a metric's totals, a moving mean, a
+  counter) is written once, by tower 0;
+- rows written into a variable (a scatter of the rows' indices and values)
+  are every tower's rows, in batch order, written once;
+- a value that stays each tower's (statistics asked for per tower,
+  `sync_batch_norm=False`, or computed by ops replicate cannot split) is
+  combined by the variable's declared `tf.VariableAggregation`: MEAN
+  weighted by shard (with the variance between the shards added to a
+  moving variance), SUM, ONLY_FIRST_REPLICA; NONE takes a running maximum
+  or minimum over the towers, else a ValueError asks for an aggregation.
 
-A metric fed a per-batch scalar (`tf.compat.v1.metrics.mean(loss)`) is
-neither: its writes are tower 0's, with the whole batch's scalar, or a
-ValueError naming the metric (see `_scalars.MetricsOfScalars`).
-
-A tower that computed on a phantom row (see _split) adds nothing: its SUM
-changes count zero, its MEAN weight is zero and its scatter rows are
-dropped.
-
-Tower 0's write op carries the combined value; later towers' writes go to a
-throwaway variable (dense) or write no rows (scatter) and run after tower
-0's, so whatever a tower ordered after its write sees the combined state;
-tower 0's waits for every tower's written value, so whatever a tower
-ordered before its write sees the state before it.
-Initializers (`init_from_checkpoint` included) are never touched, and a
-trainable variable written by an optimizer outside `TowerOptimizer` is an
-error.
+A tower that computed on a phantom row (see _split) adds nothing. Tower 0's
+write op carries the value; later towers' writes go to a throwaway
+variable (dense) or write no rows (scatter) and run after tower 0's, so
+whatever a tower ordered after its write sees the new state; tower 0's
+waits for every tower's written value, so whatever a tower ordered before
+its write sees the state before it. Initializers (`init_from_checkpoint`
+included) are never touched, and a trainable variable updated by an
+optimizer the towers could not share is an error.
 """
 
 import collections
@@ -48,8 +37,9 @@ import tensorflow as tf
 from absl import logging
 
 from replicate import _aggregate
-from replicate import _scalars
+from replicate import _rows
 from replicate import _step_ops
+from replicate import _tf
 from replicate._context import Replication
 from replicate._variance import add_between_shard_variance
 
@@ -113,14 +103,13 @@ def combine_state_writes(replication: Replication, specs: Sequence = ()):
       tower's inputs; or the write has no combined form for its aggregation.
   """
   variables = _state_variables(replication)
-  skip = replication.apply_ops | _initializer_ops(variables.values())
-  _check_no_writes_in_functions(replication, variables, skip, specs)
+  skip = _initializer_ops(variables.values())
+  _check_writes_in_functions(replication, variables, skip, specs)
   writes = [_tower_writes(ops, variables, skip) for ops in replication.tower_ops]
   sinks = _Sinks()
-  metrics = _scalars.MetricsOfScalars(replication, specs) if specs else None
   for key in sorted({k for tower in writes for k in tower}):
     group = [tower.get(key) for tower in writes]
-    _combine(replication, group, sinks, metrics)
+    _combine(replication, group, sinks)
 
 
 def _state_variables(replication: Replication) -> Dict[str, tf.Variable]:
@@ -131,7 +120,8 @@ def _state_variables(replication: Replication) -> Dict[str, tf.Variable]:
   every tower writes the same one, since towers share them (`_sharing`).
   """
   variables = {}
-  created = replication.created[0].values() if replication.created else ()
+  created = (replication.created[replication.creator].values()
+             if replication.created else ())
   for variable in (*tf.compat.v1.global_variables(),
                    *tf.compat.v1.local_variables(), *created):
     handle = getattr(variable, "handle", None)
@@ -160,38 +150,44 @@ def _is_initializer(op: tf.Operation) -> bool:
   return any(_source(t).type in _RESTORES for t in op.inputs[1:])
 
 
-def _check_no_writes_in_functions(replication: Replication, variables, skip,
-                                  specs: Sequence):
-  """Refuses writes inside tf.cond / tf.while_loop bodies (functions).
+def _check_writes_in_functions(replication: Replication, variables, skip,
+                               specs: Sequence):
+  """Refuses writes inside tf.cond / tf.while_loop bodies that differ.
 
-  Their ops are not in the graph to combine, so every tower would write.
-  TensorFlow marks a function call's resource inputs that are only read.
-  The summed gradients' apply (in `skip`) runs once, so it may (a
-  loss-scale optimizer applies inside a tf.cond). So may a call no step
-  runs: a Keras functional model's layers built on its `Input`. Tower 0's
-  ops are the model's (a later tower's train_op is tower 0's update), so a
-  later tower's write is left alone where neither it nor its counterpart
-  in tower 0 (the same write of the same variable) is run by the step.
+  A function call's writes cannot be combined with another tower's (its
+  ops are in its body, not in the graph). Tower 0's are the model's where
+  the body sees no rows (a gradient accumulator zeroed or applied every k
+  steps, say: the values are the whole batch's); the other towers' are
+  never run unless something the step runs reads them.
   """
   run = None  # names of the ops the step runs, found on first need
-  first = _function_writes(replication.tower_ops[0], variables, skip)
-  for ops in replication.tower_ops[1:]:
-    for key, (op, variable) in _function_writes(ops, variables, skip).items():
-      counterpart = first.get(key)
-      if specs and counterpart is not None and run is None:
-        run = _step_ops.run_by_the_step(replication.graph, specs)
-      if (run is not None and counterpart is not None and
-          op.name not in run and counterpart[0].name not in run):
-        logging.info("replicate: %s %s (and tower 0's %s) writes %s inside a "
-                     "function no step runs; left alone", op.type, op.name,
-                     counterpart[0].name, variable.op.name)
+  rewiring = replication.rewiring
+  for index, ops in enumerate(replication.tower_ops):
+    for op, variable in _function_writes(ops, variables, skip).values():
+      if index == 0:
+        kinds = [rewiring.kind(t) for t in op.inputs]
+        if all(_rows.shares_value(k) for k in kinds):
+          continue
+      else:
+        if run is None:
+          run = _step_ops.run_by_the_step(
+              replication.graph, specs[:1],
+              [s.predictions for s in specs[1:]])
+        if op.name not in run:
+          continue
+      if run is None:
+        run = _step_ops.run_by_the_step(
+            replication.graph, specs[:1], [s.predictions for s in specs[1:]])
+      if op.name not in run:
+        logging.info("replicate: %s %s writes %s inside a function no step "
+                     "runs; left alone", op.type, op.name, variable.op.name)
         continue
       raise ValueError(
           f"{op.type} op {op.name!r} writes variable {variable.op.name!r} "
-          "inside a tf.cond, tf.while_loop or tf.function, where the "
-          "towers' writes cannot be combined; write it outside (e.g. give "
-          "Keras layers a Python bool `training=mode == "
-          "tf.estimator.ModeKeys.TRAIN`, not a tensor).")
+          "inside a tf.cond, tf.while_loop or tf.function that reads the "
+          "tower's rows, where the towers' writes cannot be combined; write "
+          "it outside (e.g. give Keras layers a Python bool `training=mode "
+          "== tf.estimator.ModeKeys.TRAIN`, not a tensor).")
 
 
 def _function_writes(ops, variables, skip):
@@ -249,8 +245,20 @@ def _aggregation(variable) -> _Aggregation:
   return _Aggregation(value)
 
 
+def _written_kind(replication: Replication, write: _Write):
+  """The kind (`_rows`) of what tower 0's write writes."""
+  kinds = [replication.rewiring.kind(t) for t in write.op.inputs[1:]]
+  for kind in kinds:
+    if isinstance(kind, _rows.Local) or kind is _rows.SHARD:
+      return kind
+  for kind in kinds:
+    if isinstance(kind, _rows.Rows):
+      return kind
+  return _rows.WHOLE
+
+
 def _combine(replication: Replication, group: List[Optional[_Write]],
-             sinks: "_Sinks", metrics: Optional[_scalars.MetricsOfScalars]):
+             sinks: "_Sinks"):
   """One write for one (variable, occurrence) across the towers."""
   present = [w for w in group if w is not None]
   first = present[0]
@@ -261,14 +269,36 @@ def _combine(replication: Replication, group: List[Optional[_Write]],
         f"The towers write variable {name!r} in different ways "
         f"({[w.op.type if w else None for w in group]}); every tower must "
         "make the same writes.")
-  if group[0] is not None and metrics is not None and (
-      metrics.make_tower_0s(group[0].op, name)):
-    for write in group[1:]:
-      if write is not None:
-        _follow(write, group[0], sinks)
-    logging.info("replicate: %d writes to %s (%s) of a per-batch scalar made "
-                 "tower 0's", len(present), name, first.kind.value)
-    return
+  if group[0] is None:
+    raise ValueError(
+        f"Variable {name!r} is written by towers "
+        f"{[i for i, w in enumerate(group) if w]} but not by tower 0, whose "
+        "writes are the model's; write it in every tower or in tower 0.")
+  kind = _written_kind(replication, group[0])
+  if _rows.shares_value(kind):
+    how = "tower 0's (the whole batch's value)"
+  elif isinstance(kind, _rows.Rows):
+    if first.kind not in (_Kind.SCATTER_ADD, _Kind.SCATTER):
+      raise ValueError(
+          f"Variable {name!r} is assigned a value with a row per example "
+          f"({first.op.name}); a variable cannot hold the batch's rows "
+          "across towers: write a reduction of them, or scatter rows.")
+    with tf.name_scope("combined_writes"), tf.device(first.variable.device):
+      _set_rows(first, *_concatenated_rows(replication, group, None))
+    how = "every tower's rows"
+  else:
+    how = _combine_by_aggregation(replication, group, present, aggregation)
+  for write in group[1:]:
+    if write is not None:
+      _follow(write, group[0], sinks)
+  logging.info("replicate: %d writes to %s (%s) made one: %s", len(present),
+               name, first.kind.value, how)
+
+
+def _combine_by_aggregation(replication, group, present, aggregation) -> str:
+  """Each tower's own value, combined by the variable's aggregation."""
+  first = present[0]
+  name = first.variable.op.name
   extremum = (_running_extremum(present) if aggregation == _Aggregation.NONE
               else None)
   if (aggregation in (_Aggregation.SUM, _Aggregation.MEAN) or extremum) and (
@@ -277,22 +307,13 @@ def _combine(replication: Replication, group: List[Optional[_Write]],
         f"Variable {name!r} (aggregation {aggregation.name}) is written by "
         f"towers {[i for i, w in enumerate(group) if w]} only; every tower "
         "must make the same writes for them to be combined.")
-  if group[0] is None:
-    raise ValueError(
-        f"Variable {name!r} is written by towers "
-        f"{[i for i, w in enumerate(group) if w]} but not by tower 0, whose "
-        "writes are the model's; write it in every tower or in tower 0.")
   if aggregation in (_Aggregation.SUM, _Aggregation.MEAN):
     _feed_combined(replication, group, aggregation)
   elif extremum:
     _feed_extremum(replication, group, extremum)
   elif aggregation == _Aggregation.NONE:
     _check_same_in_every_tower(replication, group)
-  for write in group[1:]:
-    if write is not None:
-      _follow(write, group[0], sinks)
-  logging.info("replicate: %d writes to %s (%s, aggregation %s) made one",
-               len(present), name, first.kind.value, aggregation.name)
+  return f"each tower's value, aggregation {aggregation.name}"
 
 
 def _feed_combined(replication, group: List[_Write], aggregation):
@@ -326,8 +347,7 @@ def _feed_combined(replication, group: List[_Write], aggregation):
       combined = _weighted_sum(replication, values)
     else:
       combined = _real_sum(replication, values)
-    # Ops have no public way to change an input once built.
-    first.op._update_input(1, combined)  # pylint: disable=protected-access
+    _tf.update_input(first.op, 1, combined)
 
 
 # Ops `_computed_alike` compares per write before it gives up (and the
@@ -434,14 +454,13 @@ def _feed_extremum(replication, group: List[_Write], extremum: str):
       return
     combined = functools.reduce(_EXTREMA[extremum],
                                 [w.op.inputs[1] for w in group])
-    # Ops have no public way to change an input once built.
-    first.op._update_input(1, combined)  # pylint: disable=protected-access
+    _tf.update_input(first.op, 1, combined)
 
 
 def _read(write: _Write) -> tf.Tensor:
   """The variable's value before the combined write."""
   with tf.control_dependencies([w for w in write.op.inputs[1:]]):
-    if write.variable.dtype._is_ref_dtype:  # pylint: disable=protected-access
+    if write.variable.dtype != write.variable.dtype.base_dtype:
       return tf.identity(write.op.inputs[0])
     return tf.raw_ops.ReadVariableOp(
         resource=write.op.inputs[0], dtype=write.op.get_attr("dtype"))
@@ -504,9 +523,8 @@ def _set_rows(write: _Write, indices: tf.Tensor, updates: tf.Tensor):
       indices, [None] if depth is None else [None, depth])
   updates = tf.compat.v1.placeholder_with_default(
       updates, [None] + row_shape.as_list())
-  # Ops have no public way to change an input once built.
-  write.op._update_input(1, indices)  # pylint: disable=protected-access
-  write.op._update_input(2, updates)  # pylint: disable=protected-access
+  _tf.update_input(write.op, 1, indices)
+  _tf.update_input(write.op, 2, updates)
 
 
 def _concatenated_rows(replication, group: List[_Write], weights):
@@ -534,59 +552,24 @@ def _concatenated_rows(replication, group: List[_Write], weights):
 
 
 def _check_same_in_every_tower(replication, group: List[Optional[_Write]]):
-  """NONE: tower 0's write is one device's only if no tower's input shows."""
-  fingerprints = set()
-  for index, write in enumerate(group):
-    if write is None:
-      continue
-    reaches_input, fingerprint = _trace(replication, write.op.inputs[1:],
-                                        replication.sizes[index])
-    fingerprints.add(fingerprint)
-    if reaches_input or len(fingerprints) > 1:
-      name = write.variable.op.name
-      fix = ("wrap every optimizer in replicate.TowerOptimizer"
-             if write.variable.trainable else
-             "declare how the towers' writes combine when creating it, "
-             "e.g. aggregation=tf.VariableAggregation.MEAN for averages "
-             "(moving statistics, EMA of a loss) or SUM for counts and "
-             "totals (metric state); a running maximum (minimum) needs "
-             "none when written as tf.maximum(old value, tf.reduce_max(x)) "
-             "(tf.minimum, tf.reduce_min)")
-      raise ValueError(
-          f"Tower {index} writes {name!r} ({write.op.type} "
-          f"{write.op.name!r}) with a value computed from its own shard of "
-          f"the batch, and {name!r} declares no aggregation "
-          "(VariableAggregation.NONE), so the towers' writes cannot be made "
-          f"one device's; {fix}.")
-
-
-def _trace(replication, tensors, shard_size=None):
-  """Whether `tensors` are computed from the towers' inputs, and their shape.
-
-  The fingerprint (op types and constant values met on the way) tells
-  apart towers that compute differently, e.g. from a static shard size.
-  `shard_size` (the tower's examples, an int where the batch is static)
-  tells a shard's folded shape from a true constant.
-  """
-  inside = replication.tower_op_names
-  pending = [t.op for t in tensors]
-  seen, fingerprint, reaches_input = set(), [], False
-  while pending:
-    op = pending.pop()
-    if op.name in seen:
-      continue
-    seen.add(op.name)
-    if op.name in replication.split_op_names or _scalars.is_folded_shard_shape(
-        op, shard_size):
-      reaches_input = True
-      continue
-    if op.name not in inside:
-      continue
-    if op.type == "Const":
-      fingerprint.append(op.get_attr("value").SerializeToString())
-    fingerprint.append(op.type)
-    pending.extend(t.op for t in op.inputs)
-  return reaches_input, tuple(fingerprint)
+  """NONE: a value each tower computes from its own shard has no answer."""
+  write = group[0]
+  name = write.variable.op.name
+  fix = ("wrap every optimizer in replicate.TowerOptimizer"
+         if write.variable.trainable else
+         "declare how the towers' writes combine when creating it, e.g. "
+         "aggregation=tf.VariableAggregation.MEAN for averages of per-tower "
+         "statistics or SUM for per-tower counts; a running maximum "
+         "(minimum) needs none when written as tf.maximum(old value, "
+         "tf.reduce_max(x)) (tf.minimum, tf.reduce_min)")
+  kind = _written_kind(replication, write)
+  cause = (f": op {kind.op!r} {kind.why}" if isinstance(kind, _rows.Local)
+           and kind.op else "")
+  raise ValueError(
+      f"Tower 0 writes {name!r} ({write.op.type} {write.op.name!r}) with a "
+      f"value computed from its own shard of the batch{cause}, and {name!r} "
+      "declares no aggregation (VariableAggregation.NONE), so the towers' "
+      f"writes cannot be made one device's; {fix}.")
 
 
 def _follow(write: _Write, first: _Write, sinks: "_Sinks"):
@@ -599,9 +582,8 @@ def _follow(write: _Write, first: _Write, sinks: "_Sinks"):
   reads ordered before its own write are.
   """
   op = write.op
-  # No public API adds a control input to an op once built.
   for tensor in op.inputs[1:]:
-    first.op._add_control_input(tensor.op)  # pylint: disable=protected-access
+    _tf.add_control_input(first.op, tensor.op)
   if write.kind in (_Kind.SCATTER_ADD, _Kind.SCATTER):
     depth, row_shape = _row_layout(write)
     with tf.name_scope("no_rows"), tf.device(write.variable.device):
@@ -609,14 +591,11 @@ def _follow(write: _Write, first: _Write, sinks: "_Sinks"):
                                 op.inputs[1].dtype),
                 tf.zeros([0] + row_shape.as_list(), op.inputs[2].dtype))
   else:
-    op._update_input(0, sinks.get(write))  # pylint: disable=protected-access
+    _tf.update_input(op, 0, sinks.get(write))
   # A ref write's output is the variable: its readers get the combined one.
   for output, first_output in zip(op.outputs, first.op.outputs):
-    for consumer in output.consumers():
-      for position, tensor in enumerate(consumer.inputs):
-        if tensor is output:
-          consumer._update_input(position, first_output)  # pylint: disable=protected-access
-  op._add_control_input(first.op)  # pylint: disable=protected-access
+    _tf.rewire(output, first_output)
+  _tf.add_control_input(op, first.op)
 
 
 class _Sinks:
@@ -629,7 +608,8 @@ class _Sinks:
 
   def get(self, write: _Write) -> tf.Tensor:
     variable = write.variable
-    is_ref = write.op.inputs[0].dtype._is_ref_dtype  # pylint: disable=protected-access
+    dtype = write.op.inputs[0].dtype
+    is_ref = dtype != dtype.base_dtype
     key = (variable.device, variable.dtype.base_dtype, tuple(
         variable.shape.as_list()), is_ref)
     if key not in self._sinks:

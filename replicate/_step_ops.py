@@ -51,9 +51,16 @@ def _roots(graph: tf.Graph, specs: Iterable[Any]) -> list:
   return found
 
 
-def run_by_the_step(graph: tf.Graph, specs: Iterable[Any]) -> Set[str]:
-  """Names of the ops that what the step fetches depends on (see above)."""
+def run_by_the_step(graph: tf.Graph, specs: Iterable[Any],
+                    extra: Iterable[Any] = ()) -> Set[str]:
+  """Names of the ops that what the step fetches depends on (see above).
+
+  `extra`: more tensors (nests) the step fetches.
+  """
   pending = _roots(graph, specs)
+  found, seen = [], set()
+  _ops_in(list(extra), 0, seen, found)
+  pending.extend(found)
   reached = set()
   while pending:
     op = pending.pop()

@@ -105,106 +105,31 @@ def metric_keys(spec) -> List[str]:
   return [f"eval_metrics tensor {i}" for i in range(len(tensors))]
 
 
-def _loss_shaped(tensor, tower_loss, whole_loss):
-  """The whole batch's loss shaped as `tensor`, if `tensor` is the tower's.
-
-  TPU code hands its loss to a host call as `tf.reshape(loss, [1])`: not one
-  row per example, so it is not concatenated but is the whole batch's loss.
-  """
-  if tower_loss is None or whole_loss is None:
-    return None
-  if tensor is tower_loss:
-    return whole_loss
-  op = tensor.op
-  if op.type in ("Reshape", "ExpandDims", "Identity") and (
-      op.inputs[0] is tower_loss):
-    return tf.reshape(whole_loss, tf.shape(tensor))
-  return None
-
-
-def _rows_differ(tensors, replication):
-  """(tower, rows, size) where a tower's tensor is not one row per example.
-
-  None where every tower's is. Only statically known row counts are compared; a phantom row's tower is
-  left out of the concatenation, so it is not compared.
-  """
-  for index, tensor in enumerate(tensors):
-    rows = tf.compat.dimension_value(tensor.shape[0])
-    size = replication.size(index)
-    if (rows is not None and isinstance(size, int) and size and
-        rows != size and replication.is_valid(index) is True):
-      return index, rows, size
-  return None
-
-
-def _not_batch_major(tensors, path: str, replication, reads_batch):
-  """Tower 0's tensor where it has no row per example and reads no input.
-
-  Such a tensor (`tf.reshape(global_step, [1])`) is the same in every
-  tower. One that reads the batch is refused: its towers' values cannot be
-  made one device's.
-  """
-  differ = _rows_differ(tensors, replication)
-  if differ is None:
-    return None
-  if not reads_batch(tensors[0]):
-    return tensors[0]
-  index, rows, size = differ
-  raise ValueError(
-      f"{path} has {rows} rows in tower {index}, which holds {size} "
-      "examples: TPUEstimatorSpec's eval_metrics and host_call tensors "
-      "must be batch-major (one row per example), as on a TPU, whose "
-      "shards' tensors are concatenated; pass per-example values (the "
-      "loss itself, or tf.reshape(loss, [1]), is recognised as the whole "
-      "batch's loss).")
-
-
-def _merge_tensors(per_tower: Sequence[Any], path: str, name: str,
-                   replication, losses, helpers):
-  """One host-call tensor: the whole batch's loss, tower 0's, or the rows."""
-  concat, reads_batch = helpers
-  tensors = [tf.convert_to_tensor(t) for t in per_tower]
-  whole = _loss_shaped(tensors[0], losses[0], losses[1])
-  if whole is not None:
-    return whole
-  if tensors[0].shape.rank:
-    same = _not_batch_major(tensors, path, replication, reads_batch)
-    if same is not None:
-      return same
-  return concat(tensors, path, name)
-
-
-def _merge_host_call(calls, name: str, replication, losses, helpers):
-  """(fn, tensors) with each tensor the towers' concatenated along rows."""
+def _merge_host_call(calls, name: str, merge):
+  """(fn, tensors) with each tensor merged across the towers."""
   fn, first = calls[0]
   keys = list(first) if isinstance(first, dict) else range(len(first))
-  merged = [_merge_tensors([c[1][key] for c in calls],
-                           f"{name}[1][{key!r}]", f"{name}_{key}",
-                           replication, losses, helpers) for key in keys]
+  merged = [merge([c[1][key] for c in calls], f"{name}[1][{key!r}]",
+                  f"{name}_{key}") for key in keys]
   if isinstance(first, dict):
     return (fn, dict(zip(keys, merged)))
   return (fn, merged)
 
 
-def merge_host_calls(specs: Sequence[Any], replication: _context.Replication,
-                     loss, concat, reads_batch) -> Dict[str, Any]:
-  """The merged spec's `eval_metrics` and `host_call` (see above).
+def merge_host_calls(specs: Sequence[Any], merge) -> Dict[str, Any]:
+  """The merged spec's `eval_metrics` and `host_call`.
 
   Args:
     specs: the towers' TPUEstimatorSpecs.
-    replication: the towers.
-    loss: the whole batch's loss (None in PREDICT).
-    concat: `concat(tensors, path, name)` concatenating the towers' rows
-      (a scalar: tower 0's where it reads no input, else refused).
-    reads_batch: `reads_batch(tensor)`, whether it reads the towers' inputs.
+    merge: `merge(tensors, path, name)`: one device's value of the towers'
+      tensors (tower 0's where it is the whole batch's, such as
+      `tf.reshape(loss, [1])`; the rows concatenated where they hold rows).
   """
   fields = {}
-  losses = (specs[0].loss, loss)
   for name in _HOST_CALLS:
     calls = [getattr(spec, name) for spec in specs]
     if calls[0] is not None:
-      fields[name] = _merge_host_call(calls, name, replication, losses,
-                                      (concat, reads_batch))
+      fields[name] = _merge_host_call(calls, name, merge)
   return fields
 
 

@@ -1,0 +1,246 @@
+"""Every private TensorFlow and Keras access of the library, named.
+
+TensorFlow has no public API to rewire an op's input after it is built,
+to read a function call's body, to see a graph's control-flow context or
+its per-thread scope stacks, or to reach Keras' name counters and batch
+normalization internals. Each access below says what it reads or changes
+and was checked on TensorFlow 2.13, 2.14 and 2.15 (with Keras of the same
+line); nothing else in the library touches a private name (a test checks).
+"""
+
+import contextlib
+import threading
+from typing import Any, Dict, List, Optional, Sequence
+
+import tensorflow as tf
+
+# pylint: disable=protected-access,g-direct-tensorflow-import,g-import-not-at-top
+
+from tensorflow.python.framework import ops as _ops
+from tensorflow.python.ops import array_ops as _array_ops
+from tensorflow.python.ops import nn_impl as _nn_impl
+from tensorflow.python.ops import variable_scope as _variable_scope
+from tensorflow.python.ops.variables import PartitionedVariable
+
+try:
+  from keras.src import backend as _keras_backend
+except ImportError:  # Keras moved or is absent.
+  _keras_backend = None
+
+__all__ = ["PartitionedVariable"]
+
+
+# ------------------------------------------------------------ graph edits
+
+def update_input(op: tf.Operation, index: int, tensor: tf.Tensor) -> None:
+  """Makes `op` read `tensor` as its input `index` (Operation._update_input)."""
+  op._update_input(index, tensor)
+
+
+def add_control_input(op: tf.Operation, control: tf.Operation) -> None:
+  """Makes `op` run after `control` (Operation._add_control_input)."""
+  op._add_control_input(control)
+
+
+def rewire(tensor: tf.Tensor, replacement: tf.Tensor,
+           keep: Sequence[tf.Operation] = ()) -> int:
+  """Every consumer of `tensor` but `keep` reads `replacement` instead.
+
+  Returns how many inputs changed.
+  """
+  kept = set(keep)
+  changed = 0
+  for consumer in list(tensor.consumers()):
+    if consumer in kept:
+      continue
+    for index, value in enumerate(consumer.inputs):
+      if value is tensor:
+        update_input(consumer, index, replacement)
+        changed += 1
+  return changed
+
+
+def gradient_function(op: tf.Operation):
+  """The gradient function TensorFlow registered for `op`, or None."""
+  try:
+    return _ops.get_gradient_function(op)
+  except LookupError:
+    return None
+
+
+# ------------------------------------------------------------ graph state
+
+def in_v1_control_flow(graph: tf.Graph) -> bool:
+  """Whether ops built now in `graph` sit in a v1 tf.cond / tf.while_loop
+  (Graph._get_control_flow_context)."""
+  return graph._get_control_flow_context() is not None
+
+
+def active_control_inputs(graph: tf.Graph) -> bool:
+  """Whether ops built now get control inputs, in `graph` or an outer one
+  (Graph._current_control_dependencies)."""
+  while graph is not None:
+    if graph._current_control_dependencies():
+      return True
+    graph = getattr(graph, "outer_graph", None)
+  return False
+
+
+def graph_store(graph: tf.Graph, name: str) -> Dict[Any, Any]:
+  """A dict of ours held by `graph` (an attribute set on the graph)."""
+  store = getattr(graph, "_replicate_store", None)
+  if store is None:
+    store = {}
+    graph._replicate_store = store
+  return store.setdefault(name, {})
+
+
+def function_bodies(op: tf.Operation) -> Optional[List[Any]]:
+  """The FuncGraphs a function-call op runs, or None where unknown.
+
+  cond_v2 keeps its branches on the If op (`_true_graph`, `_false_graph`);
+  other calls name functions of the graph's library, whose entries keep
+  the graph they were traced from (`Graph._get_function(...).graph`).
+  """
+  if op.type in ("If", "StatelessIf") and hasattr(op, "_true_graph"):
+    return [op._true_graph, op._false_graph]
+  names = []
+  for attr in ("then_branch", "else_branch", "cond", "body", "f",
+               "branches"):
+    try:
+      value = op.get_attr(attr)
+    except ValueError:
+      continue
+    values = value if isinstance(value, list) else [value]
+    names.extend(v.name for v in values)
+  if not names:
+    return None
+  graph = op.graph
+  bodies = []
+  for name in names:
+    function = graph._get_function(name)
+    body = getattr(function, "graph", None)
+    if body is None:
+      return None
+    bodies.append(body)
+  return bodies
+
+
+# ------------------------------------------------- name counters of a graph
+
+class NameCounters:
+  """Keras' layer-name counters and the variable scopes' default-name counts.
+
+  Keras names layers `dense`, `dense_1`, ... and variable scopes opened
+  with a default name are numbered alike, by counters kept per graph
+  (keras.src.backend's uid map and OBSERVED_NAMES, the variable scope
+  store's counts). Taken before the towers and put back at each tower's
+  start, every tower names its layers as the unwrapped model_fn does.
+  """
+
+  def __init__(self):
+    if _keras_backend is not None:
+      self._uids = dict(_keras_backend.get_default_graph_uid_map())
+      self._observed = set(_keras_backend.OBSERVED_NAMES)
+    self._scopes = dict(_variable_scope.get_variable_scope_store()
+                        .variable_scopes_count)
+
+  def restore(self):
+    if _keras_backend is not None:
+      uids = _keras_backend.get_default_graph_uid_map()
+      uids.clear()
+      uids.update(self._uids)
+      _keras_backend.OBSERVED_NAMES.clear()
+      _keras_backend.OBSERVED_NAMES.update(self._observed)
+    counts = _variable_scope.get_variable_scope_store().variable_scopes_count
+    counts.clear()
+    counts.update(self._scopes)
+
+
+# --------------------------------------------------------- shape functions
+
+def install_unfolded_shapes() -> List[Any]:
+  """Makes `tf.shape` / `tf.size` of a static tensor build Shape / Size ops.
+
+  TensorFlow folds them into constants (array_ops.shape_internal and
+  size_internal with `optimize=True`), where a shard's size would pass
+  for a number that is the same in every tower. Returns what to restore:
+  (module, name, original) triples.
+  """
+  shape_internal = _array_ops.shape_internal
+  size_internal = _array_ops.size_internal
+
+  def shape(input, name=None, optimize=True, out_type=None):  # pylint: disable=redefined-builtin
+    del optimize
+    if out_type is None:
+      return shape_internal(input, name, optimize=False)
+    return shape_internal(input, name, optimize=False, out_type=out_type)
+
+  def size(input, name=None, optimize=True, out_type=tf.int32):  # pylint: disable=redefined-builtin
+    del optimize
+    return size_internal(input, name, optimize=False, out_type=out_type)
+
+  _array_ops.shape_internal = shape
+  _array_ops.size_internal = size
+  return [(_array_ops, "shape_internal", shape_internal),
+          (_array_ops, "size_internal", size_internal)]
+
+
+class _TowerRoots(threading.local):
+  """The name scope a tower built before tower 0 puts absolute scopes in."""
+  graph = None
+  root = None
+  bypass = 0
+
+
+_roots = _TowerRoots()
+_GRAPH_NAME_SCOPE = tf.Graph.name_scope
+
+
+def _rooted_name_scope(self, name):
+  """Graph.name_scope, with the top level of the graph a tower's scope."""
+  root = _roots.root
+  if self is _roots.graph and root and not _roots.bypass:
+    if not name:
+      name = root + "/"
+    elif name.endswith("/") and not (name == root + "/" or
+                                     name.startswith(root + "/")):
+      name = root + "/" + name
+  return _GRAPH_NAME_SCOPE(self, name)
+
+
+def install_tower_roots() -> List[Any]:
+  """Graph.name_scope sends absolute scopes of a tower into the tower's.
+
+  Model code resets the name scope (`tf.name_scope('')`, an absolute
+  `'training/'`: the canned heads do, for Keras' names); in a tower built
+  before tower 0 that would take the top-level names tower 0 (the unwrapped
+  model's names) needs, so there they go under the tower's scope. Returns
+  what to restore.
+  """
+  tf.Graph.name_scope = _rooted_name_scope
+  return [(tf.Graph, "name_scope", _GRAPH_NAME_SCOPE)]
+
+
+@contextlib.contextmanager
+def tower_root(graph: tf.Graph, root: Optional[str]):
+  """Inside, `graph`'s absolute name scopes go under `root` (see above)."""
+  before = (_roots.graph, _roots.root)
+  _roots.graph, _roots.root = graph, root
+  try:
+    yield
+  finally:
+    _roots.graph, _roots.root = before
+
+
+@contextlib.contextmanager
+def top_level_name_scopes():
+  """Inside, absolute name scopes are the graph's own again."""
+  _roots.bypass += 1
+  try:
+    yield
+  finally:
+    _roots.bypass -= 1
+
+
+NN_IMPL = _nn_impl

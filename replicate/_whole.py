@@ -1,0 +1,535 @@
+"""The whole batch's values of the towers' batch reductions, by construction.
+
+Every op that reduces over the batch's rows (`_rows`: sums, means, extrema,
+products, norms, a matmul contracting the rows, segment sums, ...) gets,
+in every tower, the whole batch's value: each tower's partial (the same op
+on the tower's rows; the tower's own op where it built one, a copy of tower
+0's where it did not) is combined once on the consolidation device, and
+every reader of the op's output in every tower reads the combination. A
+mean combines the partial sums and counts. What is computed from such
+values (ratios, scaled terms, masked means, a loss, a metric's update) is
+then one device's in every tower, whatever its algebraic form: nothing is
+recognised by pattern.
+
+So are the other events `_rows` reports: a shard's size read as a value
+gets the whole batch's size (its arithmetic copied onto it); an op that
+mixes rows and cannot be split (`tf.py_func`) runs once on the towers'
+rows concatenated; batch normalization's kernel in training normalises
+with the whole batch's statistics (`_batch_norm`).
+
+Tower 0 is built last; its ops are analysed as far as they exist whenever
+a meeting needs the whole batch's values (`advance`), and once more after
+the tower (`finish`). The other towers are analysed once, complete; their
+events must have counterparts in tower 0's (towers building different
+models are refused).
+"""
+
+import collections
+import re
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import tensorflow as tf
+from absl import logging
+
+from replicate import _aggregate
+from replicate import _batch_norm
+from replicate import _context
+from replicate import _rows
+from replicate import _tf
+
+_SUFFIX = re.compile(r"_\d+$")
+# The inputs of a reduction that hold the reduced rows.
+_DATA_INPUTS = {"UnsortedSegmentSum": (0, 1), "UnsortedSegmentMax": (0, 1),
+                "UnsortedSegmentMin": (0, 1), "UnsortedSegmentProd": (0, 1),
+                "ScatterNd": (0, 1), "SparseToDense": (0, 2)}
+
+
+def _normalized(relative: str) -> str:
+  return "/".join(_SUFFIX.sub("", part) for part in relative.split("/"))
+
+
+class _Index:
+  """A tower's ops by (name without uniquifying suffixes, type), in order."""
+
+  def __init__(self):
+    self.groups: Dict[Tuple[str, str], List[tf.Operation]] = (
+        collections.defaultdict(list))
+
+  def add(self, op: tf.Operation, relative: str):
+    self.groups[(_normalized(relative), op.type)].append(op)
+
+
+class Rewiring:
+  """Makes the towers' batch reductions the whole batch's (see above)."""
+
+  def __init__(self, replication: _context.Replication):
+    self._replication = replication
+    self._analyses: Dict[int, _rows.TowerRows] = {}
+    self._indexes: Dict[int, _Index] = {}
+    self._taken: Dict[int, set] = collections.defaultdict(set)
+    self._ops: Dict[int, Dict[tf.Operation, tf.Operation]] = (
+        collections.defaultdict(dict))
+    self._tensors: Dict[int, Dict[Any, Any]] = collections.defaultdict(dict)
+    self._group_counts = collections.Counter()
+    self._handled: Dict[int, set] = collections.defaultdict(set)
+    self._sizes: Dict[Any, tf.Tensor] = {}
+    self._done0 = 0
+    self._started = False
+    # Tower 0's tensors given the whole batch's value: ref -> (tensor, the
+    # replacement, the combination's ops that keep reading the tensor).
+    self._replaced: Dict[Any, Tuple[tf.Tensor, tf.Tensor, List[Any]]] = {}
+
+  # ------------------------------------------------------------ analysis
+
+  def kind(self, tensor, index: int = 0):
+    """The kind (`_rows`) of tower `index`'s `tensor` as analysed so far."""
+    analysis = self._analyses.get(index)
+    return _rows.WHOLE if analysis is None else analysis.kind(tensor)
+
+  def resolve(self, tensor):
+    """The whole batch's value of tower 0's `tensor` where it was given one.
+
+    A batch reduction's output keeps its partial value; its readers read
+    the whole batch's. Code holding the tensor itself (the loss a model_fn
+    returns, hands to an optimizer or fetches in a hook) gets that here.
+    """
+    if not isinstance(tensor, tf.Tensor):
+      return tensor
+    found = self._replaced.get(tensor.ref())
+    return tensor if found is None else found[1]
+
+  def replacements(self) -> Dict[str, tf.Tensor]:
+    """Tensor name -> its whole batch's value, for every replaced tensor."""
+    return {t.name: whole for t, whole, _ in self._replaced.values()}
+
+  def _replace(self, tensor: tf.Tensor, replacement: tf.Tensor):
+    """Tower 0's `tensor` reads, now and later, as `replacement`."""
+    keep = _readers_within(replacement)
+    self._replaced[tensor.ref()] = (tensor, replacement, keep)
+    _tf.rewire(tensor, replacement, keep)
+
+  def declare(self, tensor, kind, index: int = 0):
+    """Records the kind of a meeting's result handed to tower `index`."""
+    self._analysis(index).add_sources({tensor.ref(): kind})
+
+  def pair(self, tensor0, index: int, tensor):
+    """Records that tower `index`'s `tensor` is tower 0's `tensor0`'s."""
+    self._tensors[index][tensor0.ref()] = tensor
+
+  def _analysis(self, index: int) -> _rows.TowerRows:
+    if index not in self._analyses:
+      replication = self._replication
+      sources = _rows.sources_of_inputs(replication.inputs[index])
+      sources.update(replication.meetings.standin_kinds(index))
+      self._analyses[index] = _rows.TowerRows(sources,
+                                              replication.is_per_tower)
+    return self._analyses[index]
+
+  def _start(self):
+    """Analyses the towers built before tower 0, and pairs their inputs."""
+    self._started = True
+    replication = self._replication
+    inputs0 = tf.nest.flatten(replication.inputs[0], expand_composites=True)
+    for index in range(1, replication.num_towers):
+      analysis = self._analysis(index)
+      ops = replication.model_ops(index)
+      analysis.run(ops)
+      index_ = _Index()
+      prefix = replication.tower_prefix(index)
+      own = f"tower_{index}"
+      for op in ops:
+        if op.name.startswith(prefix):
+          # Keras layers built in a Keras model carry the scope they were
+          # declared in too (dnn/tower_1/hiddenlayer_0/...).
+          relative = "/".join(part for part in op.name[len(prefix):].split(
+              "/") if part != own)
+          index_.add(op, relative)
+      self._indexes[index] = index_
+      flat = tf.nest.flatten(replication.inputs[index], expand_composites=True)
+      for t0, t in zip(inputs0, flat):
+        if t0 is not None and t is not None:
+          self._tensors[index][t0.ref()] = t
+
+  def advance(self):
+    """Makes tower 0's reductions built so far the whole batch's."""
+    replication = self._replication
+    if not self._started:
+      self._start()
+    ops = replication.model_ops(0, since=self._done0)
+    self._done0 = replication.graph.version
+    for tensor, replacement, keep in self._replaced.values():
+      # Readers built since the tensor was replaced read the replacement.
+      _tf.rewire(tensor, replacement, keep)
+    if not ops:
+      return
+    prefix = replication.tower_prefix(0)
+    for op in ops:
+      relative = op.name[len(prefix):] if op.name.startswith(prefix) else (
+          op.name)
+      self._match(op, relative)
+    events = self._analysis(0).run(ops)
+    with replication.library(), _context.outside(replication):
+      for event in events:
+        self._handle(event)
+
+  def finish(self):
+    """After tower 0: every event handled, every tower's matched."""
+    self.advance()
+    for index in range(1, self._replication.num_towers):
+      for event in self._analyses[index].events:
+        if event.op in self._handled[index] or not _has_readers(event.op):
+          continue
+        raise ValueError(
+            f"Tower {index} built {event.op.type} op {event.op.name!r}, which "
+            f"{_describe(event)}, but tower 0 built no such op; every tower "
+            "must build the same model (a model_fn whose Python code builds "
+            "a different model in each call cannot be replicated).")
+
+  # ------------------------------------------------------------ matching
+
+  def _match(self, op0: tf.Operation, relative: str):
+    """Finds each tower's op for tower 0's `op0` (same name, type, order)."""
+    key = (_normalized(relative), op0.type)
+    for index in range(1, self._replication.num_towers):
+      group = self._indexes[index].groups.get(key, ())
+      taken = self._taken[index]
+      for op in group:
+        if op in taken:
+          continue
+        if self._inputs_agree(op0, op, index):
+          taken.add(op)
+          self._ops[index][op0] = op
+          for t0, t in zip(op0.outputs, op.outputs):
+            self._tensors[index].setdefault(t0.ref(), t)
+          break
+
+  def _inputs_agree(self, op0, op, index) -> bool:
+    if len(op0.inputs) != len(op.inputs):
+      return False
+    known = self._tensors[index]
+    for t0, t in zip(op0.inputs, op.inputs):
+      mapped = known.get(t0.ref())
+      if mapped is not None and mapped is not t:
+        return False
+    return True
+
+  def counterpart(self, tensor0: tf.Tensor, index: int) -> tf.Tensor:
+    """Tower `index`'s tensor for tower 0's `tensor0` (copied if missing)."""
+    if index == 0:
+      return tensor0
+    found = self._tensors[index].get(tensor0.ref())
+    if found is not None:
+      return found
+    if _rows.shares_value(self.kind(tensor0)):
+      return tensor0
+    op0 = tensor0.op
+    if op0.type in ("Placeholder", "VarHandleOp", "VariableV2") or (
+        not op0.inputs):
+      raise ValueError(
+          f"Tower {index} has no counterpart of tower 0's {tensor0.name}, "
+          "which holds tower 0's rows; every tower must build the same "
+          "model.")
+    copy = self._copy(op0, [self.counterpart(t, index) for t in op0.inputs],
+                      self._replication.devices[index])
+    for t0, t in zip(op0.outputs, copy.outputs):
+      self._tensors[index][t0.ref()] = t
+    return copy.outputs[tensor0.value_index]
+
+  def _copy(self, op: tf.Operation, inputs: Sequence[tf.Tensor],
+            device: Optional[str], name: Optional[str] = None
+            ) -> tf.Operation:
+    attrs = {k: v for k, v in op.node_def.attr.items() if k != "_class"}
+    with tf.device(device):
+      return op.graph.create_op(
+          op.type, list(inputs), [t.dtype for t in op.outputs],
+          name=name or op.name.replace("/", "_") + "_part", attrs=attrs)
+
+  # ------------------------------------------------------------ events
+
+  def _handle(self, event):
+    if isinstance(event, _rows.Reduction):
+      self._reduction(event)
+    elif isinstance(event, _rows.SizeUse):
+      self._size_use(event)
+    elif isinstance(event, _rows.Mixing):
+      self._mixing(event)
+    elif isinstance(event, _rows.FusedNorm):
+      self._fused_norm(event)
+
+  def _towers_op(self, op0, index):
+    op = self._ops[index].get(op0)
+    if op is not None:
+      self._handled[index].add(op)
+    return op
+
+  def _reduction(self, event: _rows.Reduction):
+    replication = self._replication
+    op0 = event.op
+    output0 = op0.outputs[0]
+    with tf.name_scope(_scope(op0, "whole_batch")):
+      if event.combine == "mean":
+        whole = self._mean(op0, event.axis)
+      else:
+        partials = []
+        for index in range(replication.num_towers):
+          own = self._towers_op(op0, index) if index else op0
+          if own is not None and self._inputs_are_counterparts(op0, own,
+                                                              index):
+            partials.append(own.outputs[0])
+          else:
+            partials.append(self._copy(
+                op0, [self.counterpart(t, index) for t in op0.inputs],
+                replication.devices[index]).outputs[0])
+        whole = _combine(event.combine, partials, replication.validity)
+    self._rewire_everywhere(op0, 0, whole)
+    logging.vlog(1, "replicate: %s (%s over rows) is the whole batch's",
+                 op0.name, event.combine)
+
+  def _inputs_are_counterparts(self, op0, op, index) -> bool:
+    return index == 0 or all(
+        self._tensors[index].get(t0.ref(), t0) is t or
+        _rows.shares_value(self.kind(t0))
+        for t0, t in zip(op0.inputs, op.inputs))
+
+  def _mean(self, op0, axis):
+    """Sum of the towers' partial sums over the sum of their counts."""
+    replication = self._replication
+    data0, axes = op0.inputs[0], op0.inputs[1]
+    keep = op0.get_attr("keep_dims")
+    dtype = data0.dtype
+    compute = tf.float32 if dtype in (tf.float16, tf.bfloat16) else dtype
+    sums, counts = [], []
+    for index in range(replication.num_towers):
+      data = self.counterpart(data0, index)
+      with tf.device(replication.devices[index]):
+        values = tf.cast(data, compute) if compute != dtype else data
+        total = tf.reduce_sum(values, axes, keepdims=keep)
+        count = tf.cast(tf.size(data, out_type=tf.int64), compute) / tf.cast(
+            tf.maximum(tf.size(total, out_type=tf.int64), 1), compute)
+      sums.append(total)
+      counts.append(count)
+    validity = replication.validity
+    total = _combine("sum", sums, validity)
+    count = _combine("sum", counts, validity)
+    if compute.is_integer:
+      whole = tf.math.truncatediv(total, count)
+    else:
+      whole = total / count
+    return tf.cast(whole, dtype) if compute != dtype else whole
+
+  def _rewire_everywhere(self, op0, output_index: int, whole: tf.Tensor):
+    keep = _readers_within(whole)
+    self._replace(op0.outputs[output_index], whole)
+    for index in range(1, self._replication.num_towers):
+      op = self._ops[index].get(op0)
+      if op is not None:
+        self._handled[index].add(op)
+        _tf.rewire(op.outputs[output_index], whole, keep)
+
+  def _size_use(self, event: _rows.SizeUse):
+    op0, position = event.op, event.index
+    tensor0 = op0.inputs[position]
+    whole = self.whole_size(tensor0)
+    if op0.inputs[position] is not tensor0:
+      return
+    _tf.update_input(op0, position, whole)
+    for index in range(1, self._replication.num_towers):
+      op = self._towers_op(op0, index)
+      if op is not None:
+        _tf.update_input(op, position, whole)
+
+  def whole_size(self, tensor0: tf.Tensor) -> tf.Tensor:
+    """The whole batch's value of tower 0's shard-size tensor `tensor0`."""
+    key = tensor0.ref()
+    if key in self._sizes:
+      return self._sizes[key]
+    replication = self._replication
+    op = tensor0.op
+    kind = self.kind(tensor0)
+    with tf.name_scope(_scope(op, "whole_batch")):
+      if op.type in ("Shape", "ShapeN", "Size") and isinstance(
+          self.kind(op.inputs[tensor0.value_index if op.type == "ShapeN"
+                              else 0]), (_rows.Rows, _rows.Listed)):
+        whole = self._whole_shape(op, tensor0)
+      elif not op.inputs or not any(
+          isinstance(self.kind(t), _rows.Size) for t in op.inputs):
+        whole = self._whole_source_size(tensor0, kind)
+      else:
+        inputs = [self.whole_size(t) if isinstance(self.kind(t), _rows.Size)
+                  else t for t in op.inputs]
+        whole = self._copy(op, inputs, replication.hub,
+                           name=op.name.replace("/", "_") + "_whole"
+                           ).outputs[tensor0.value_index]
+    self._sizes[key] = whole
+    return whole
+
+  def _whole_shape(self, op, tensor0):
+    replication = self._replication
+    x0 = op.inputs[tensor0.value_index if op.type == "ShapeN" else 0]
+    rows = self.kind(x0)
+    dtype = tensor0.dtype
+    parts = []
+    for index in range(replication.num_towers):
+      x = self.counterpart(x0, index)
+      with tf.device(replication.devices[index]):
+        if op.type == "Size":
+          parts.append(tf.size(x, out_type=dtype))
+        else:
+          parts.append(tf.shape(x, out_type=dtype)[rows.axis])
+    total = _combine("sum", parts, replication.validity)
+    if op.type == "Size":
+      return total
+    shape = tf.shape(x0, out_type=dtype)
+    return tf.concat([shape[:rows.axis], [total], shape[rows.axis + 1:]], 0)
+
+  def _whole_source_size(self, tensor0, kind):
+    """A size the tower was handed: a sparse shard's dense shape."""
+    replication = self._replication
+    if not isinstance(kind, _rows.Size) or kind.scalar or (
+        kind.entries != frozenset([0])):
+      raise ValueError(
+          f"{tensor0.name} is computed from the tower's shard size in a way "
+          "replicate cannot make the whole batch's; compute counts with "
+          "tf.shape / tf.size of the batch's tensors.")
+    parts = [self.counterpart(tensor0, index)[0]
+             for index in range(replication.num_towers)]
+    total = _combine("sum", parts, replication.validity)
+    return tf.concat([[total], tensor0[1:]], 0)
+
+  def _mixing(self, event: _rows.Mixing):
+    replication = self._replication
+    op0 = event.op
+    inputs = []
+    for tensor in op0.inputs:
+      if isinstance(self.kind(tensor), _rows.Rows):
+        parts = [self.counterpart(tensor, index)
+                 for index in range(replication.num_towers)]
+        inputs.append(tf.concat(real_rows(parts, replication), 0))
+      else:
+        inputs.append(tensor)
+    once = self._copy(op0, inputs, replication.hub,
+                      name=op0.name.replace("/", "_") + "_whole_batch")
+    for position, output in enumerate(once.outputs):
+      self._rewire_everywhere(op0, position, output)
+    logging.info("replicate: %s (%s) runs once on the whole batch",
+                 op0.name, op0.type)
+
+  def _fused_norm(self, event: _rows.FusedNorm):
+    replication = self._replication
+    op0 = event.op
+    ops = [op0] + [self._towers_op(op0, index)
+                   for index in range(1, replication.num_towers)]
+    inputs = [self.counterpart(op0.inputs[0], index)
+              for index in range(replication.num_towers)]
+    rows, statistics = _batch_norm.whole_batch(replication, op0, inputs)
+    for index, (op, tower_rows) in enumerate(zip(ops, rows)):
+      if op is None:
+        self._tensors[index][op0.outputs[0].ref()] = tower_rows
+        continue
+      if index == 0:
+        self._replace(op.outputs[0], tower_rows)
+        for position, value in enumerate(statistics, start=1):
+          self._replace(op.outputs[position], value)
+      else:
+        _tf.rewire(op.outputs[0], tower_rows, _readers_within(tower_rows))
+        for position, value in enumerate(statistics, start=1):
+          _tf.rewire(op.outputs[position], value, _readers_within(value))
+      self._tensors[index][op0.outputs[0].ref()] = tower_rows
+    _batch_norm.relu_once(replication, rows)
+
+
+def _has_readers(op: tf.Operation) -> bool:
+  return any(t.consumers() for t in op.outputs)
+
+
+def _describe(event) -> str:
+  if isinstance(event, _rows.Reduction):
+    return "reduces over the batch's rows"
+  if isinstance(event, _rows.SizeUse):
+    return "reads the batch's size"
+  if isinstance(event, _rows.Mixing):
+    return "mixes the batch's rows"
+  return "normalises over the batch's rows"
+
+
+def _scope(op: tf.Operation, what: str) -> str:
+  return f"{op.name}_{what}/"
+
+
+def _readers_within(tensor: tf.Tensor) -> List[tf.Operation]:
+  """The ops computing `tensor` that read the tensors being replaced.
+
+  The combination reads the partials (which may be the very outputs being
+  rewired): those reads stay. Found as `tensor`'s ancestors within the
+  combination (ops built by `_combine`, a few levels).
+  """
+  found, pending, seen = [], [tensor.op], set()
+  while pending and len(seen) < 4096:
+    op = pending.pop()
+    if op in seen:
+      continue
+    seen.add(op)
+    found.append(op)
+    if "whole_batch" in op.name or op.name.endswith("_part"):
+      pending.extend(t.op for t in op.inputs)
+  return found
+
+
+def _combine(how: str, values: Sequence[tf.Tensor], validity) -> tf.Tensor:
+  """The towers' partial `values` combined, towers on phantom rows left out."""
+  kept = [(v, ok) for v, ok in zip(values, validity) if ok is not False]
+  if how in ("sum", "norm"):
+    gated = [_aggregate.gate(tf.square(v) if how == "norm" else v, ok)
+             for v, ok in kept]
+    total = gated[0] if len(gated) == 1 else tf.add_n(gated)
+    return tf.sqrt(total) if how == "norm" else total
+  neutral = {"max": _lowest, "min": _highest, "prod": lambda d: 1,
+             "all": lambda d: True, "any": lambda d: False}[how]
+  combined = None
+  for value, ok in kept:
+    if ok is not True:
+      value = tf.where(ok, value, tf.fill(tf.shape(value), tf.constant(
+          neutral(value.dtype), value.dtype)))
+    if combined is None:
+      combined = value
+    elif how == "max":
+      combined = tf.maximum(combined, value)
+    elif how == "min":
+      combined = tf.minimum(combined, value)
+    elif how == "prod":
+      combined = combined * value
+    elif how == "all":
+      combined = tf.logical_and(combined, value)
+    else:
+      combined = tf.logical_or(combined, value)
+  return combined
+
+
+def _lowest(dtype):
+  return -np.inf if dtype.is_floating else dtype.min
+
+
+def _highest(dtype):
+  return np.inf if dtype.is_floating else dtype.max
+
+
+def real_rows(tensors: Sequence[tf.Tensor], replication) -> List[tf.Tensor]:
+  """The towers' rows (axis 0) without those computed on phantom rows.
+
+  A tower known to hold a phantom row is left out; one that may (the batch
+  size is dynamic) keeps all its rows or none.
+  """
+  kept = []
+  for tensor, valid in zip(tensors, replication.validity):
+    if valid is True:
+      kept.append(tensor)
+    elif valid is not False:
+      if isinstance(tensor, tf.SparseTensor):
+        kept.append(tf.sparse.slice(
+            tensor, tf.zeros_like(tensor.dense_shape),
+            tf.concat([[tf.where(valid, tensor.dense_shape[0], 0)],
+                       tensor.dense_shape[1:]], 0)))
+      else:
+        kept.append(tensor[:tf.where(valid, tf.shape(tensor)[0], 0)])
+  return kept
