@@ -34,7 +34,6 @@ from absl import logging
 
 from replicate import _aggregate
 from replicate import _context
-from replicate import _tf
 
 # tf.compat.v1.nn.fused_batch_norm raises a smaller epsilon to this.
 FUSED_MIN_EPSILON = 1.001e-5
@@ -322,24 +321,26 @@ def relu_once(replication: _context.Replication, rows: Sequence[tf.Tensor]):
 
   Grappler fuses a ReLU into the kernel on one device; each tower's ReLU of
   its rows would run separately. So every tower's `tf.nn.relu` of its rows
-  reads its rows of one ReLU of the whole output instead (elementwise: the
-  same values).
+  should read its rows of one ReLU of the whole output instead
+  (elementwise: the same values). Returns (tower index, its Relu op, its
+  rows of the whole ReLU) for the caller to substitute.
   """
   store = _context.graph_store(replication.graph, _WHOLE_OUTPUTS)
   relus = []
   for tower_rows in rows:
     found = store.get(tower_rows.ref())
     if found is None:
-      return
+      return []
     relus.append([op for op in tower_rows.consumers() if op.type == "Relu"])
   if not all(relus):
-    return
+    return []
   whole, place = store[rows[0].ref()]
   with tf.device(replication.hub):
     activated = place(tf.nn.relu(whole))
-  for tower_relus, tower_rows in zip(relus, activated):
-    for relu in tower_relus:
-      _tf.rewire(relu.outputs[0], tower_rows)
+  return [(index, (relu, tower_rows))
+          for index, (tower_relus, tower_rows) in enumerate(
+              zip(relus, activated))
+          for relu in tower_relus]
 
 
 def _through_hub(replication, kernel: _Kernel, shards):

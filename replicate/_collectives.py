@@ -174,7 +174,10 @@ def batch_concat(x):
 
 
 def _concat_spec(tensor):
-  if isinstance(tensor, (tf.SparseTensor, tf.RaggedTensor)):
+  if isinstance(tensor, tf.SparseTensor):
+    return _meetings.SparseSpec(tensor.shape.rank or tf.compat.dimension_value(
+        tensor.dense_shape.shape[0]), tensor.values.dtype)
+  if isinstance(tensor, tf.RaggedTensor):
     raise ValueError(
         f"replicate.batch_concat got a {type(tensor).__name__}; concatenate "
         "its dense form (tf.sparse.to_dense, RaggedTensor.to_tensor) or its "
@@ -185,6 +188,9 @@ def _concat_spec(tensor):
 
 def _whole_rows(replication, parts):
   """One device's value: the towers' rows in order, or the value itself."""
-  if _rows.shares_value(replication.rewiring.kind(parts[0])):
-    return tf.identity(parts[0])
+  first = parts[0]
+  kind = replication.rewiring.kind(
+      first.values if isinstance(first, tf.SparseTensor) else first)
+  if _rows.shares_value(kind):
+    return first if isinstance(first, tf.SparseTensor) else tf.identity(first)
   return _concat(_whole.real_rows(parts, replication))

@@ -54,6 +54,12 @@ class SlicesSpec(NamedTuple):
   dense_shape: Any
 
 
+class SparseSpec(NamedTuple):
+  """A stand-in for a SparseTensor: its dense shape's rank, values' dtype."""
+  rank: int
+  dtype: tf.DType
+
+
 OP = OpSpec()
 Spec = Any  # a nest of OpSpec, TensorSpec, SlicesSpec and None
 
@@ -222,6 +228,11 @@ def _standins(spec: Spec, kind: str, replication):
       shape = (None if leaf.dense_shape is None else
                tf.constant(leaf.dense_shape, tf.int64))
       return tf.IndexedSlices(values, indices, shape)
+    if isinstance(leaf, SparseSpec):
+      return tf.SparseTensor(
+          tensor(tf.TensorShape([None, leaf.rank]), tf.int64, _rows.WHOLE),
+          tensor(tf.TensorShape([None]), leaf.dtype, _rows.WHOLE),
+          tensor(tf.TensorShape([leaf.rank]), tf.int64, _rows.WHOLE))
     if isinstance(leaf, list):
       return [make(item) for item in leaf]
     if isinstance(leaf, tuple) and not hasattr(leaf, "_fields"):
@@ -243,6 +254,12 @@ def _pairs(standin, real, out: List[Any]):
   """(stand-in leaf, real leaf) pairs, walking both structures together."""
   if isinstance(standin, (tf.Tensor, tf.Operation)):
     out.append((standin, real))
+  elif isinstance(standin, tf.SparseTensor):
+    parts = ([real.indices, real.values, real.dense_shape]
+             if isinstance(real, tf.SparseTensor) else [None] * 3)
+    for s, r in zip([standin.indices, standin.values, standin.dense_shape],
+                    parts):
+      out.append((s, r))
   elif isinstance(standin, tf.IndexedSlices):
     if isinstance(real, tf.IndexedSlices):
       out.append((standin.values, real.values))

@@ -106,8 +106,13 @@ class SizeUse(NamedTuple):
 
 
 class Mixing(NamedTuple):
-  """`op` mixes rows and cannot be split: it runs once on the whole batch."""
+  """`op` mixes rows and cannot be split: it runs once on the whole batch.
+
+  `kinds`: its outputs' kinds when it does (rows are handed back to the
+  towers, other values are the whole batch's).
+  """
   op: tf.Operation
+  kinds: Tuple[Any, ...] = ()
 
 
 class FusedNorm(NamedTuple):
@@ -252,6 +257,36 @@ for _type in _RANDOM_FROM_SHAPE:
 del _type
 
 
+def _partial_ints(tensor, depth: int = 0) -> Optional[List[Optional[int]]]:
+  """The entries of an int vector known when built (None: not known).
+
+  Follows constants, stacks, concatenations and slices of a static shape,
+  as a new shape is usually written (`[v, -1]` joined to `tf.shape(x)[1:]`).
+  """
+  values = _static_ints(tensor)
+  if values is not None:
+    return values
+  op = tensor.op
+  if depth > 8 or tensor.shape.rank != 1:
+    return None
+  if op.type == "Pack":
+    return [(_static_ints(t) or [None])[0] for t in op.inputs]
+  if op.type in ("ConcatV2", "Concat"):
+    parts = op.inputs[:-1] if op.type == "ConcatV2" else op.inputs[1:]
+    entries = []
+    for part in parts:
+      found = _partial_ints(part, depth + 1)
+      if found is None:
+        length = part.shape.num_elements()
+        if length is None:
+          return None
+        found = [None] * length
+      entries.extend(found)
+    return entries
+  length = tensor.shape.num_elements()
+  return None if length is None else [None] * length
+
+
 def _static_ints(tensor) -> Optional[List[int]]:
   value = tf.get_static_value(tensor)
   if value is None:
@@ -270,31 +305,89 @@ def _axis_in(axis: int, rank: Optional[int]) -> Optional[int]:
   return None if rank is None else axis % rank
 
 
+# How a run of the transfer functions treats what needs every tower.
+TOWER = "tower"   # the tower's own ops: report events, to be rewired
+BODY = "body"     # a function body run per tower: such ops are not allowed
+WHOLE_BATCH = "whole batch"  # a body run once on the whole batch: fine
+
+
 class _Context:
   """What one run of the transfer functions reports and knows."""
 
-  def __init__(self, in_function: bool, per_tower: Callable[[tf.Operation],
-                                                             bool],
-               function_kinds):
-    self.in_function = in_function
+  def __init__(self, mode: str, per_tower: Callable[[tf.Operation], bool]):
+    self.mode = mode
     self.per_tower = per_tower
-    self.function_kinds = function_kinds
     self.events: List[Event] = []
+    # Inside a BODY: the first op needing every tower, if any.
+    self.needs_towers: Optional[tf.Operation] = None
+
+  @property
+  def in_function(self) -> bool:
+    return self.mode != TOWER
+
+  def needs_every_tower(self, op, event: Optional[Event], kind: Kind,
+                        why: str) -> Kind:
+    """An op needing every tower's rows: an event, or in a body a mark."""
+    if self.mode == TOWER:
+      if event is not None:
+        self.events.append(event)
+      return kind
+    if self.mode == WHOLE_BATCH:
+      return kind
+    if self.needs_towers is None:
+      self.needs_towers = op
+    return Local(op.name, why + " inside a tf.cond, tf.while_loop or "
+                 "tf.function body run per tower")
 
   def reduce(self, op, combine: str, axis: int) -> Kind:
-    """A batch reduction: whole once rewired; Local inside a function."""
-    if self.in_function:
-      return Local(op.name, "reduces rows inside a tf.cond, tf.while_loop or "
-                   "tf.function body, where the towers' values cannot be "
-                   "combined")
+    """A batch reduction: the whole batch's value once rewired."""
     if self.per_tower(op):
       return SHARD
-    self.events.append(Reduction(op, combine, axis))
-    return WHOLE
+    return self.needs_every_tower(op, Reduction(op, combine, axis), WHOLE,
+                                  "reduces rows")
 
-  def value_of_size(self, op, index: int):
-    if not self.in_function:
-      self.events.append(SizeUse(op, index))
+  def value_of_size(self, op, index: int) -> Kind:
+    return self.needs_every_tower(op, SizeUse(op, index), WHOLE,
+                                  "reads the shard's size")
+
+  def function_kinds(self, op, kinds) -> Optional[List[Kind]]:
+    """A call's output kinds; a body needing every tower runs once."""
+    if self.mode == WHOLE_BATCH:
+      found = function_kinds(op, kinds, self.per_tower, WHOLE_BATCH)
+      return None if found is None else found[0]
+    found = function_kinds(op, kinds, self.per_tower, BODY)
+    if found is None:
+      return None
+    outputs, inner = found
+    if inner is None:
+      return outputs
+    if self.mode == BODY:
+      if self.needs_towers is None:
+        self.needs_towers = inner
+      return outputs
+    local = _any_local(kinds)
+    if local:
+      return [local] * len(op.outputs)
+    static = [t.name for t, k in zip(op.inputs, kinds) if isinstance(k, Rows)
+              and t.shape.rank is not None and t.shape[k.axis] is not None]
+    if static:
+      # Its bodies were traced for the tower's shard size: they cannot
+      # run on the whole batch.
+      return [Local(op.name, f"has {inner.type} op {inner.name!r} in its "
+                    "body, which needs every tower's rows; replicate runs "
+                    "such a call once on the whole batch, but this one was "
+                    f"built for the shard's static size ({static[0]}): "
+                    "compute it outside the tf.cond / tf.while_loop / "
+                    "tf.function (e.g. give Keras layers a Python bool "
+                    "`training`), or batch without drop_remainder")
+              for _ in op.outputs]
+    whole = function_kinds(op, kinds, self.per_tower, WHOLE_BATCH)[0]
+    if any(is_local(k) for k in whole):
+      return whole
+    self.events.append(Mixing(op, tuple(whole)))
+    logging.vlog(1, "replicate: %s runs once on the whole batch (%s %s)",
+                 op.name, inner.type, inner.name)
+    return whole
 
 
 def _join(kinds: Sequence[Kind]) -> Kind:
@@ -505,8 +598,8 @@ def _reshape(op, kinds, ctx):
       return [Rows(min(entries) if entries else 0)]
   if not isinstance(data, Rows):
     return [data]
-  values = _static_ints(op.inputs[1])
-  if values is not None:
+  values = _partial_ints(op.inputs[1])
+  if values is not None and (None not in values or values.count(-1) == 1):
     before = op.inputs[0].shape[:data.axis].num_elements()
     if values.count(-1) == 1:
       position = values.index(-1)
@@ -1027,20 +1120,24 @@ def _fused_norm(op, kinds, ctx):
   if not isinstance(kind, Rows):
     return _same_for_outputs(op, kind if is_local(kind) or kind is SHARD
                              else WHOLE)
+  rank = _rank(op.inputs[0])
+  channel = 1 if op.get_attr("data_format").decode().startswith("NC") else (
+      None if rank is None else rank - 1)
+  if kind.axis == channel:
+    # Each row normalised by itself (the batch folded into the channels:
+    # Keras' LayerNormalization): statistics per row.
+    return [kind] + [Rows(0)] * (len(op.outputs) - 1)
   if not op.get_attr("is_training"):
     return [kind] + [WHOLE] * (len(op.outputs) - 1)
   if kind.axis != 0:
     return _same_for_outputs(op, Local(op.name, "normalises over an axis "
                                        "that is not the batch's"))
-  if ctx.in_function:
-    return _same_for_outputs(op, Local(op.name, "is batch normalization in "
-                                       "training inside a tf.cond, "
-                                       "tf.while_loop or tf.function, where "
-                                       "the towers cannot meet"))
   if ctx.per_tower(op):
     return [kind] + [SHARD] * (len(op.outputs) - 1)
-  ctx.events.append(FusedNorm(op))
-  return [kind] + [WHOLE] * (len(op.outputs) - 1)
+  statistics = ctx.needs_every_tower(op, FusedNorm(op), WHOLE,
+                                     "normalises with batch statistics")
+  return [kind if statistics is WHOLE else statistics] + [statistics] * (
+      len(op.outputs) - 1)
 
 
 def _py_func(op, kinds, ctx):
@@ -1050,11 +1147,9 @@ def _py_func(op, kinds, ctx):
   local = _any_local(kinds)
   if local:
     return _same_for_outputs(op, local)
-  if ctx.in_function or any(isinstance(k, Rows) and k.axis != 0
-                            for k in kinds):
-    return _same_for_outputs(op, Local(op.name, "runs Python on the rows"))
-  ctx.events.append(Mixing(op))
-  return _same_for_outputs(op, WHOLE)
+  return _same_for_outputs(op, ctx.needs_every_tower(
+      op, Mixing(op, tuple([WHOLE] * len(op.outputs))), WHOLE,
+      "runs Python on the rows"))
 
 
 def _unique(op, kinds, ctx):
@@ -1440,16 +1535,17 @@ def _size_inputs(op, kinds, ctx) -> List[Kind]:
   roles = _SHAPE_ROLES.get(op.type, ())
   propagates = op.type in _SIZE_OPS and all(
       t.dtype.is_integer for t in op.outputs) and op.outputs
+  if any(is_local(k) for k in kinds):
+    # Compared or combined with a value of the tower itself (a ragged
+    # tensor's row splits, say): the tower's own size.
+    return list(kinds)
   result = list(kinds)
   for index, kind in enumerate(kinds):
     if not isinstance(kind, Size) or index in roles or propagates:
       continue
     if op.type in _SINKS or op.type in ("Shape", "ShapeN", "Size", "Rank"):
       continue
-    ctx.value_of_size(op, index)
-    result[index] = WHOLE if not ctx.in_function else Local(
-        op.name, "reads a shard's size inside a tf.cond, tf.while_loop or "
-        "tf.function body")
+    result[index] = ctx.value_of_size(op, index)
   return result
 
 
@@ -1536,7 +1632,7 @@ class TowerRows:
 
   def run(self, ops: Iterable[tf.Operation]):
     """Finds the kinds of `ops`' outputs (ops in creation order)."""
-    ctx = _Context(False, self._per_tower, self._function_kinds)
+    ctx = _Context(TOWER, self._per_tower)
     for op in ops:
       if op in self._done:
         continue
@@ -1548,61 +1644,63 @@ class TowerRows:
     self.events.extend(ctx.events)
     return ctx.events
 
-  def _function_kinds(self, op, kinds) -> Optional[List[Kind]]:
-    return function_kinds(op, kinds, self._per_tower)
 
-
-def function_kinds(op: tf.Operation, kinds: List[Kind],
-                   per_tower) -> Optional[List[Kind]]:
-  """The kinds of a function call's outputs from its bodies, or None."""
+def function_kinds(op: tf.Operation, kinds: List[Kind], per_tower,
+                   mode: str):
+  """(the kinds of a call's outputs, the first op of its bodies that needs
+  every tower, or None), read from its bodies; None where unreadable."""
   bodies = _tf.function_bodies(op)
   if bodies is None:
     return None
-  if op.type in ("If", "StatelessIf"):
+  needs = []
+
+  def body_kinds(body, arguments):
+    outputs, inner = _body_kinds(body, arguments, per_tower, mode)
+    if inner is not None:
+      needs.append(inner)
+    return outputs
+
+  if op.type in ("If", "StatelessIf", "Case", "StatelessCase"):
     arguments = kinds[1:]
-    branches = [_body_kinds(body, arguments, per_tower) for body in bodies]
+    branches = [body_kinds(body, arguments) for body in bodies]
     outputs = [_join(column) for column in zip(*branches)]
     if isinstance(kinds[0], Rows) or is_local(kinds[0]):
-      return [Local(op.name, "branches on a value of the tower's rows")
-              for _ in outputs]
-    return outputs
-  if op.type in ("Case", "StatelessCase"):
-    arguments = kinds[1:]
-    branches = [_body_kinds(body, arguments, per_tower) for body in bodies]
-    return [_join(column) for column in zip(*branches)]
-  if op.type in ("While", "StatelessWhile"):
+      outputs = [Local(op.name, "branches on a value of the tower's rows")
+                 for _ in outputs]
+  elif op.type in ("While", "StatelessWhile"):
     condition, body = bodies
     carried = list(kinds)
     for _ in range(3):
-      after = _body_kinds(body, carried, per_tower)
+      after = body_kinds(body, carried)
       joined = [_join([a, b]) for a, b in zip(carried, after)]
       if joined == carried:
         break
       carried = joined
-    tested = _body_kinds(condition, carried, per_tower)
+    tested = body_kinds(condition, carried)
+    outputs = carried
     if tested and (is_local(tested[0]) or isinstance(tested[0], Rows)):
       # A loop whose trip count depends on the tower's rows.
-      return [Local(op.name, "loops as long as the tower's rows say") if
-              not isinstance(k, (Rows, Listed)) and k is not WHOLE else k
-              for k in carried]
-    return carried
-  body = bodies[0]
-  return _body_kinds(body, kinds, per_tower)
+      outputs = [Local(op.name, "loops as long as the tower's rows say") if
+                 not isinstance(k, (Rows, Listed)) and k is not WHOLE else k
+                 for k in carried]
+  else:
+    outputs = body_kinds(bodies[0], kinds)
+  return outputs, (needs[0] if needs else None)
 
 
-def _body_kinds(body, arguments: List[Kind], per_tower) -> List[Kind]:
-  sources = {}
+def _body_kinds(body, arguments: List[Kind], per_tower, mode: str):
+  """(the kinds of a body's outputs, its first op needing every tower)."""
+  ctx = _Context(mode, per_tower)
+  kinds = {}
   for tensor, kind in zip(body.inputs, arguments):
-    sources[tensor.ref()] = kind
-  ctx = _Context(True, per_tower,
-                 lambda op, kinds: function_kinds(op, kinds, per_tower))
-  kinds = dict(sources)
+    kinds[tensor.ref()] = kind
   for op in body.get_operations():
     inputs = [kinds.get(t.ref(), WHOLE) for t in op.inputs]
     for tensor, kind in zip(op.outputs, transfer(op, inputs, ctx)):
       kinds.setdefault(tensor.ref(), kind)
-  return [kinds.get(t.ref(), WHOLE) if t is not None else WHOLE
-          for t in body.outputs]
+  outputs = [kinds.get(t.ref(), WHOLE) if t is not None else WHOLE
+             for t in body.outputs]
+  return outputs, ctx.needs_towers
 
 
 def sources_of_inputs(shards) -> Dict[Any, Kind]:

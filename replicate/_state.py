@@ -276,6 +276,7 @@ def _combine(replication: Replication, group: List[Optional[_Write]],
         "writes are the model's; write it in every tower or in tower 0.")
   kind = _written_kind(replication, group[0])
   if _rows.shares_value(kind):
+    _check_written_alike(group)
     how = "tower 0's (the whole batch's value)"
   elif isinstance(kind, _rows.Rows):
     if first.kind not in (_Kind.SCATTER_ADD, _Kind.SCATTER):
@@ -293,6 +294,68 @@ def _combine(replication: Replication, group: List[Optional[_Write]],
       _follow(write, group[0], sinks)
   logging.info("replicate: %d writes to %s (%s) made one: %s", len(present),
                name, first.kind.value, how)
+
+
+def _check_written_alike(group: List[Optional[_Write]]):
+  """A value one device computes once must be computed alike in every tower.
+
+  Where a tower's write differs from tower 0's in a constant (a shard's
+  size taken from a static shape as a Python number, say), the towers do
+  not agree on it and tower 0's is not one device's.
+  """
+  first = group[0]
+  for index, write in enumerate(group[1:], start=1):
+    if write is None:
+      continue
+    for a, b in zip(first.op.inputs[1:], write.op.inputs[1:]):
+      difference = _difference(a, b, [_ALIKE_BUDGET])
+      if difference is not None:
+        name = first.variable.op.name
+        raise ValueError(
+            f"Towers 0 and {index} write {name!r} ({first.op.name}, "
+            f"{write.op.name}) with values that should be one device's but "
+            f"differ: {difference}. A number taken from a tensor's static "
+            "shape (x.shape[0], a Python int) is the tower's shard size; "
+            "use tf.shape(x)[0] (the whole batch's size wherever it is a "
+            "value), or declare the variable's aggregation.")
+
+
+def _skip_identities(tensor: tf.Tensor) -> tf.Tensor:
+  while tensor.op.type in ("Identity", "Snapshot") and tensor.op.inputs:
+    tensor = tensor.op.inputs[0]
+  return tensor
+
+
+def _difference(a: tf.Tensor, b: tf.Tensor, budget: List[int]
+                ) -> Optional[str]:
+  """How tower values `a` and `b` are computed differently, or None.
+
+  None also where looking further would cost more than `budget[0]` ops:
+  only a difference found is reported.
+  """
+  a, b = _skip_identities(a), _skip_identities(b)
+  if a is b:
+    return None
+  budget[0] -= 1
+  if budget[0] < 0:
+    return None
+  op_a, op_b = a.op, b.op
+  if op_a.type != op_b.type or a.value_index != b.value_index:
+    return f"{op_a.name} is {op_a.type}, {op_b.name} is {op_b.type}"
+  if op_a.type == "Const":
+    value_a = tf.make_ndarray(op_a.get_attr("value"))
+    value_b = tf.make_ndarray(op_b.get_attr("value"))
+    if value_a.shape != value_b.shape or not np.array_equal(value_a,
+                                                            value_b):
+      return f"constant {op_a.name} is {value_a}, {op_b.name} is {value_b}"
+    return None
+  if len(op_a.inputs) != len(op_b.inputs):
+    return f"{op_a.name} and {op_b.name} read different numbers of inputs"
+  for x, y in zip(op_a.inputs, op_b.inputs):
+    found = _difference(x, y, budget)
+    if found is not None:
+      return found
+  return None
 
 
 def _combine_by_aggregation(replication, group, present, aggregation) -> str:

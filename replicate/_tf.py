@@ -16,6 +16,7 @@ import tensorflow as tf
 
 # pylint: disable=protected-access,g-direct-tensorflow-import,g-import-not-at-top
 
+from tensorflow.core.framework import attr_value_pb2 as _attr_value_pb2
 from tensorflow.python.framework import ops as _ops
 from tensorflow.python.ops import array_ops as _array_ops
 from tensorflow.python.ops import nn_impl as _nn_impl
@@ -58,6 +59,14 @@ def rewire(tensor: tf.Tensor, replacement: tf.Tensor,
         update_input(consumer, index, replacement)
         changed += 1
   return changed
+
+
+def unknown_shapes_attr(shapes) -> Any:
+  """An AttrValue listing `shapes` (TensorShapeProtos) with unknown sizes."""
+  relaxed = [tf.TensorShape(None) if s.unknown_rank else
+             tf.TensorShape([None] * len(s.dim)) for s in shapes]
+  return _attr_value_pb2.AttrValue(list=_attr_value_pb2.AttrValue.ListValue(
+      shape=[shape.as_proto() for shape in relaxed]))
 
 
 def gradient_function(op: tf.Operation):

@@ -105,9 +105,8 @@ class Rewiring:
 
   def _replace(self, tensor: tf.Tensor, replacement: tf.Tensor):
     """Tower 0's `tensor` reads, now and later, as `replacement`."""
-    keep = _readers_within(replacement)
+    replacement, keep = substitute(tensor, replacement)
     self._replaced[tensor.ref()] = (tensor, replacement, keep)
-    _tf.rewire(tensor, replacement, keep)
 
   def declare(self, tensor, kind, index: int = 0):
     """Records the kind of a meeting's result handed to tower `index`."""
@@ -240,6 +239,11 @@ class Rewiring:
             device: Optional[str], name: Optional[str] = None
             ) -> tf.Operation:
     attrs = {k: v for k, v in op.node_def.attr.items() if k != "_class"}
+    if "output_shapes" in attrs:
+      # A call copied onto other rows: its outputs' sizes are not the
+      # tower's it was built with.
+      attrs["output_shapes"] = _tf.unknown_shapes_attr(
+          op.get_attr("output_shapes"))
     with tf.device(device):
       return op.graph.create_op(
           op.type, list(inputs), [t.dtype for t in op.outputs],
@@ -319,13 +323,12 @@ class Rewiring:
     return tf.cast(whole, dtype) if compute != dtype else whole
 
   def _rewire_everywhere(self, op0, output_index: int, whole: tf.Tensor):
-    keep = _readers_within(whole)
     self._replace(op0.outputs[output_index], whole)
     for index in range(1, self._replication.num_towers):
       op = self._ops[index].get(op0)
       if op is not None:
         self._handled[index].add(op)
-        _tf.rewire(op.outputs[output_index], whole, keep)
+        substitute(op.outputs[output_index], whole)
 
   def _size_use(self, event: _rows.SizeUse):
     op0, position = event.op, event.index
@@ -398,20 +401,42 @@ class Rewiring:
     return tf.concat([[total], tensor0[1:]], 0)
 
   def _mixing(self, event: _rows.Mixing):
+    """The op runs once, on every tower's rows concatenated in order."""
     replication = self._replication
     op0 = event.op
-    inputs = []
+    inputs, place = [], None
     for tensor in op0.inputs:
-      if isinstance(self.kind(tensor), _rows.Rows):
+      kind = self.kind(tensor)
+      if isinstance(kind, _rows.Rows):
         parts = [self.counterpart(tensor, index)
                  for index in range(replication.num_towers)]
-        inputs.append(tf.concat(real_rows(parts, replication), 0))
-      else:
+        whole, placing = concatenated(replication, parts, kind.axis)
+        place = place or placing
+        inputs.append(whole)
+      elif isinstance(kind, _rows.Size):
+        inputs.append(self.whole_size(tensor))
+      elif _rows.shares_value(kind):
         inputs.append(tensor)
+      else:
+        raise ValueError(
+            f"{op0.type} op {op0.name!r} mixes the batch's rows (it runs "
+            "once on the whole batch) but reads a value of each tower's own "
+            f"({tensor.name}: {kind}); compute it from the batch's rows, or "
+            "run the model_fn unreplicated.")
     once = self._copy(op0, inputs, replication.hub,
                       name=op0.name.replace("/", "_") + "_whole_batch")
-    for position, output in enumerate(once.outputs):
-      self._rewire_everywhere(op0, position, output)
+    for position, (output, kind) in enumerate(zip(once.outputs,
+                                                  event.kinds)):
+      if isinstance(kind, _rows.Rows) and place is not None:
+        rows = place(output, kind.axis)
+        self._replace(op0.outputs[position], rows[0])
+        for index in range(1, replication.num_towers):
+          op = self._towers_op(op0, index)
+          if op is not None:
+            substitute(op.outputs[position], rows[index])
+          self._tensors[index][op0.outputs[position].ref()] = rows[index]
+      else:
+        self._rewire_everywhere(op0, position, output)
     logging.info("replicate: %s (%s) runs once on the whole batch",
                  op0.name, op0.type)
 
@@ -432,11 +457,33 @@ class Rewiring:
         for position, value in enumerate(statistics, start=1):
           self._replace(op.outputs[position], value)
       else:
-        _tf.rewire(op.outputs[0], tower_rows, _readers_within(tower_rows))
+        substitute(op.outputs[0], tower_rows)
         for position, value in enumerate(statistics, start=1):
-          _tf.rewire(op.outputs[position], value, _readers_within(value))
+          substitute(op.outputs[position], value)
       self._tensors[index][op0.outputs[0].ref()] = tower_rows
-    _batch_norm.relu_once(replication, rows)
+    for index, (relu, tower_relu) in _batch_norm.relu_once(replication,
+                                                           rows):
+      if index == 0:
+        self._replace(relu.outputs[0], tower_relu)
+      else:
+        substitute(relu.outputs[0], tower_relu)
+
+
+def substitute(tensor: tf.Tensor, replacement: tf.Tensor):
+  """Every reader of `tensor` reads `replacement`; returns (what they read,
+  the ops of the combination that keep reading `tensor`).
+
+  The op that made `tensor` may have waited for something (the model_fn's
+  control dependencies: a check, an update); its readers still do.
+  """
+  op = tensor.op
+  if op.control_inputs:
+    with tf.device(op.device), tf.control_dependencies(op.control_inputs):
+      replacement = tf.identity(replacement,
+                                name=op.name + "_whole_batch_read")
+  keep = _readers_within(replacement)
+  _tf.rewire(tensor, replacement, keep)
+  return replacement, keep
 
 
 def _has_readers(op: tf.Operation) -> bool:
@@ -512,6 +559,48 @@ def _lowest(dtype):
 
 def _highest(dtype):
   return np.inf if dtype.is_floating else dtype.max
+
+
+def concatenated(replication, parts: Sequence[tf.Tensor], axis: int = 0):
+  """The towers' rows along `axis`, in order, and how to hand rows back.
+
+  Returns (the whole batch's tensor, place): `place(output, out_axis)` ->
+  each tower's rows of an output with the same rows along `out_axis`. A
+  tower on a phantom row adds none; it gets the output's last row back
+  (its phantom row's original), so its shapes stay as built.
+  """
+  validity = replication.validity
+  counts = []
+  kept = []
+  for part, valid in zip(parts, validity):
+    size = tf.compat.dimension_value(part.shape[axis]) if (
+        part.shape.rank is not None) else None
+    size = tf.shape(part)[axis] if size is None else size
+    if valid is False:
+      counts.append(0)
+      continue
+    if valid is not True:
+      size = tf.where(valid, size, 0)
+      part = tf.gather(part, tf.range(size), axis=axis)
+    counts.append(size)
+    kept.append(part)
+  whole = kept[0] if len(kept) == 1 else tf.concat(kept, axis)
+
+  def place(output, out_axis: int):
+    sizes = [c for c, ok in zip(counts, validity) if ok is not False]
+    pieces = iter([output] if len(sizes) == 1 else tf.split(
+        output, tf.stack([tf.cast(c, tf.int64) for c in sizes]) if any(
+            isinstance(c, tf.Tensor) for c in sizes) else sizes, out_axis))
+    rows = []
+    for ok in validity:
+      if ok is False:
+        last = tf.shape(output, out_type=tf.int64)[out_axis] - 1
+        rows.append(tf.gather(output, [last], axis=out_axis))
+      else:
+        rows.append(next(pieces))
+    return rows
+
+  return whole, place
 
 
 def real_rows(tensors: Sequence[tf.Tensor], replication) -> List[tf.Tensor]:

@@ -299,12 +299,22 @@ class ScalarPredictionsTest(parameterized.TestCase):
 
   @parameterized.parameters(tf.estimator.ModeKeys.TRAIN,
                             tf.estimator.ModeKeys.PREDICT)
-  def test_scalar_computed_from_the_batch_is_refused(self, mode):
+  def test_scalar_computed_from_the_batch_is_the_whole_batchs(self, mode):
+    # A reduction over the rows has the whole batch's value in every tower.
+    with tf.Graph().as_default():
+      spec = self._spec(mode, tf.reduce_mean)
+      with tf.compat.v1.Session(config=harness.session_config()) as session:
+        session.run(tf.compat.v1.global_variables_initializer())
+        logits, scalar = session.run([spec.predictions["logits"],
+                                      spec.predictions["scalar"]])
+    np.testing.assert_allclose(scalar, logits.mean(), rtol=1e-6)
+
+  def test_scalar_picked_from_a_row_is_refused(self):
+    # A row picked by its position in the shard is not one device's row.
     with tf.Graph().as_default():
       with self.assertRaisesRegex(
-          ValueError, r"predictions\['scalar'\] is a scalar computed from the "
-          r"tower's share of the batch.*give it a batch dimension"):
-        self._spec(mode, tf.reduce_mean)
+          ValueError, r"predictions\['scalar'\].*picks single rows by position"):
+        self._spec(tf.estimator.ModeKeys.PREDICT, lambda t: t[0, 0])
 
 
 def mean_loss_model_fn(features, labels, mode):

@@ -467,13 +467,14 @@ def test_fused_batch_norm_with_a_static_phantom_row_is_one_devices(kind,
 def _training_kernels(device_kind, towers):
   """(device, type of the op making its input x) of each FusedBatchNormV3
   in training mode in a one-layer TRAIN graph."""
-  with tf.Graph().as_default() as graph:
+  with tf.Graph().as_default():
     tf.compat.v1.train.create_global_step()
     features, labels = harness.batches(_data(8, 1, image=True), 8)
-    replicate.replicate_model_fn(
+    spec = replicate.replicate_model_fn(
         _batch_norm_model_fn, devices=harness.devices(device_kind, towers))(
             features, labels, TRAIN, BATCH_NORMS[3])
-  return [(op.device, op.inputs[0].op.type) for op in graph.get_operations()
+    ops = _run_ops(spec)
+  return [(op.device, op.inputs[0].op.type) for op in ops
           if op.type == "FusedBatchNormV3" and op.get_attr("is_training")]
 
 
@@ -520,26 +521,22 @@ def _relus(device_kind, towers, activation):
   with tf.Graph().as_default() as graph:
     tf.compat.v1.train.create_global_step()
     features, labels = harness.batches(_data(8, 1, image=True), 8)
-    replicate.replicate_model_fn(
+    spec = replicate.replicate_model_fn(
         _batch_norm_model_fn, devices=harness.devices(device_kind, towers))(
             features, labels, TRAIN,
             dict(BATCH_NORMS[5], activation=activation))
+    ops = _run_ops(spec)
   return [(op.name, op.device, op.inputs[0].op.type)
-          for op in graph.get_operations() if op.type == "Relu"], graph
+          for op in ops if op.type == "Relu"], graph
 
 
 @pytest.mark.parametrize("towers", [2, 4])
 def test_relu_after_a_concatenated_layer_runs_once_on_the_batch(towers):
-  # One ReLU, on the hub, reading the kernel (grappler fuses the two); each
-  # tower gets an Identity of its rows under the ReLU's own name.
-  relus, graph = _relus(harness.VIRTUAL_CPUS, towers, "relu")
-  assert relus == [("sync_batch_norm/Relu", "/device:CPU:0",
-                    "FusedBatchNormV3")]
-  tower_relus = sorted((op.name, op.device) for op in graph.get_operations()
-                       if op.name.endswith("Relu") and op.type == "Identity")
-  assert tower_relus == sorted(
-      [("Relu", "/device:CPU:0")] +
-      [(f"tower_{i}/Relu", f"/device:CPU:{i}") for i in range(1, towers)])
+  # One ReLU runs, on the hub, reading the kernel (grappler fuses the two);
+  # each tower reads its rows of it.
+  relus, _ = _relus(harness.VIRTUAL_CPUS, towers, "relu")
+  assert [(device, source) for _, device, source in relus] == [
+      ("/device:CPU:0", "FusedBatchNormV3")]
   # Towers apart (GPU names) normalise in their own towers: their ReLUs too.
   relus, _ = _relus(harness.GPU_NAMES, towers, "relu")
   assert sorted(device for _, device, _ in relus) == [
@@ -547,16 +544,15 @@ def test_relu_after_a_concatenated_layer_runs_once_on_the_batch(towers):
 
 
 def test_relu_after_a_concatenated_layer_keeps_the_towers_dependencies():
-  # The ReLU built under each tower's control dependencies waits for that
-  # tower's check; the ReLU on the batch waits for none.
-  _, graph = _relus(harness.VIRTUAL_CPUS, 2, "control_dependency")
+  # The ReLU each tower built under its control dependencies waits for that
+  # tower's check, and reads the ReLU on the batch, which waits for none.
+  relus, graph = _relus(harness.VIRTUAL_CPUS, 2, "control_dependency")
+  whole = graph.get_operation_by_name(relus[0][0])
+  assert not whole.control_inputs
   for scope in ("", "tower_1/"):
     op = graph.get_operation_by_name(scope + "after_check")
-    assert op.type == "Identity"
     assert [c.name for c in op.control_inputs] == [
         scope + "VerifyFinite/control_dependency"]
-  assert not graph.get_operation_by_name(
-      "sync_batch_norm/Relu").control_inputs
 
 
 def test_tf_nn_batch_norm_moving_statistics_need_no_aggregation():
@@ -596,15 +592,32 @@ def _normalised_dense_model_fn(normalise):
   return model_fn
 
 
+def _run_ops(spec):
+  """The ops a TRAIN step of `spec` runs (its train_op's and loss's)."""
+  pending, seen = [spec.train_op, spec.loss.op], set()
+  while pending:
+    op = pending.pop()
+    op = getattr(op, "op", op)
+    if op in seen:
+      continue
+    seen.add(op)
+    pending.extend(t.op for t in op.inputs)
+    pending.extend(op.control_inputs)
+  return seen
+
+
 def _hub_ops(model_fn, params=None):
-  """Names of the synchronised-batch-norm hub's ops in a 2-tower TRAIN graph."""
-  with tf.Graph().as_default() as graph:
+  """Names of the ops a 2-tower TRAIN step runs to combine the towers'
+  batch statistics (the whole batch's values of their reductions)."""
+  with tf.Graph().as_default():
     tf.compat.v1.train.create_global_step()
     features, labels = harness.batches(_data(8, 1), 8)
-    replicate.replicate_model_fn(model_fn, devices=_towers(2))(
+    spec = replicate.replicate_model_fn(model_fn, devices=_towers(2))(
         features, labels, TRAIN, params or {})
-  return [op.name for op in graph.get_operations()
-          if "sync_batch_norm" in op.name]
+    ops = _run_ops(spec)
+  return [op.name for op in ops if "whole_batch" in op.name and not
+          op.name.startswith(("loss", "sparse_softmax", "tower_1/sparse"))
+          and "cross_entropy" not in op.name]
 
 
 def _per_example_statistics_model_fn(features, labels, mode, params):
@@ -646,36 +659,39 @@ def test_time_major_batch_statistics_are_one_devices(towers, batch, static):
   assert _hub_ops(_per_example_statistics_model_fn, params)
 
 
-def test_tf_nn_moments_in_a_cond_are_each_towers_with_a_warning(caplog):
-  # One tower cannot wait for the others inside a tf.cond branch: its own
-  # statistics, said in the log rather than silently.
-  def normalise(x, mode):
-    del mode  # unused
-    mean, variance = tf.cond(tf.constant(True), lambda: tf.nn.moments(x, [0]),
-                             lambda: (tf.zeros([4]), tf.ones([4])))
-    return (x - mean) * tf.math.rsqrt(variance + 1e-3)
-
-  assert not _hub_ops(_normalised_dense_model_fn(normalise))
-  warnings = [r.getMessage() for r in caplog.records
-              if "inside a tf.cond" in r.getMessage()]
-  assert len(warnings) == 2, warnings  # one per tower
-  assert "each tower's own" in warnings[0]
+def _moments_in_a_cond(x, mode):
+  del mode  # unused
+  mean, variance = tf.cond(tf.constant(True), lambda: tf.nn.moments(x, [0]),
+                           lambda: (tf.zeros([4]), tf.ones([4])))
+  return (x - mean) * tf.math.rsqrt(variance + 1e-3)
 
 
-def test_ghost_batch_norm_is_each_towers_with_a_warning(caplog):
-  # Keras' ghost batches (virtual_batch_size) are strided over the whole
-  # batch on one device; towers draw them from their shards: said in the
-  # log, once per layer.
+@pytest.mark.parametrize("towers,batch", [(2, 7), (4, 3)])
+def test_tf_nn_moments_in_a_cond_run_once_on_the_whole_batch(towers, batch):
+  # A tf.cond whose branch reduces the rows runs once, on every tower's
+  # rows concatenated: one device's statistics.
+  _assert_one_devices(_normalised_dense_model_fn(_moments_in_a_cond), towers,
+                      batch, False)
+
+
+def test_tf_nn_moments_in_a_cond_of_a_static_batch_are_refused():
+  # Its branches were traced for the shard's size: they cannot run on the
+  # whole batch, and the tower's own statistics are not one device's.
+  with pytest.raises(ValueError, match=r"cond.*moments.*static size.*outside "
+                     r"the tf.cond"):
+    _hub_ops(_normalised_dense_model_fn(_moments_in_a_cond))
+
+
+def test_ghost_batch_norm_is_refused_naming_its_reshape():
+  # Keras' ghost batches (virtual_batch_size) are chunks of the whole batch
+  # on one device; a tower's chunks are of its shard: no tower can compute
+  # one device's, and the error names the reshape that makes them.
   def normalise(x, mode):
     return tf.keras.layers.BatchNormalization(virtual_batch_size=2, name="bn")(
         x, training=mode == TRAIN)
 
-  assert not _hub_ops(_normalised_dense_model_fn(normalise))
-  warnings = [r.getMessage() for r in caplog.records
-              if "virtual_batch_size" in r.getMessage()]
-  assert warnings == [
-      "replicate: bn has virtual_batch_size=2: its ghost batches are drawn "
-      "from each tower's shard, not from the whole batch as on one device"]
+  with pytest.raises(ValueError, match=r"bn/Reshape.*reshapes rows.*\[2, -1"):
+    _hub_ops(_normalised_dense_model_fn(normalise))
 
 
 def _half_precision_gradient_model_fn(features, labels, mode, params):
