@@ -682,8 +682,11 @@ def _concat(op, kinds, ctx, axis_first=False):
   if axis is None or len(rows) > 1:
     return [Local(op.name, "concatenates rows")]
   row_axis = rows.pop()
-  if _axis_in(axis[0], rank) == row_axis:
-    return [Local(op.name, "concatenates tensors along the rows axis")]
+  if _axis_in(axis[0], rank) == row_axis and not all(
+      isinstance(k, Rows) for k in value_kinds):
+    return [Local(op.name, "concatenates rows with values of no rows")]
+  # Along the rows: the tower's rows in another order (each row computed
+  # from its own): per-row ops and reductions are unaffected.
   return [Rows(row_axis)]
 
 
@@ -768,13 +771,10 @@ def _slice(op, kinds, ctx):
 
 
 def _entry(tensor, index: int):
-  """Entry `index` of an int vector if known (from a constant or a Pack)."""
-  values = _static_ints(tensor)
-  if values is not None:
-    return values[index] if index < len(values) else None
-  if tensor.op.type == "Pack" and index < len(tensor.op.inputs):
-    values = _static_ints(tensor.op.inputs[index])
-    return values[0] if values else None
+  """Entry `index` of an int vector if known when built."""
+  values = _partial_ints(tensor)
+  if values is not None and index < len(values):
+    return values[index]
   return None
 
 

@@ -168,6 +168,7 @@ def variable_creator(replication: Replication, index: int, name_root: str):
       original = replication.created[replication.creator].get(key)
       if original is not None:
         _check_shape(replication, index, relative, original, kwargs)
+        _obtained(replication, index).add(id(original))
         return original
       if _is_model_state(kwargs):
         raise ValueError(
@@ -185,9 +186,16 @@ def variable_creator(replication: Replication, index: int, name_root: str):
     if cache is not None:
       read_once_per_step(variable, cache, replication)
     created[key] = variable
+    _obtained(replication, index).add(id(variable))
     return variable
 
   return creator
+
+
+def _obtained(replication: Replication, index: int) -> set:
+  """Ids of the variables tower `index` created or was given."""
+  store = _context.graph_store(replication.graph, "variables per tower")
+  return store.setdefault((id(replication), index), set())
 
 
 def _check_shape(replication, index, relative, original, kwargs):
@@ -198,6 +206,31 @@ def _check_shape(replication, index, relative, original, kwargs):
         f"but tower {replication.creator}, the first built, created it with "
         f"shape {original.shape}; every tower must build the same model "
         "(e.g. not draw a layer's width in each model_fn call).")
+
+
+def check_same_variables(replication: Replication):
+  """Every tower asked for the variables the first tower built created.
+
+  Raises:
+    ValueError: a tower did not ask for a model variable the first created
+      (the towers built different models), naming both.
+  """
+  creator = replication.creator
+  first = replication.created[creator]
+  model = {id(v) for v in tf.compat.v1.global_variables()}
+  for index in range(replication.num_towers):
+    if index == creator:
+      continue
+    obtained = _obtained(replication, index)
+    missing = [key for key, variable in first.items()
+               if id(variable) in model and id(variable) not in obtained]
+    if missing:
+      relative, _ = missing[0]
+      raise ValueError(
+          f"Tower {creator}, the first built, created variable {relative!r} "
+          f"that tower {index} did not ask for; every tower must build the "
+          "same model, so make the model_fn create the same variables in "
+          "every call (not, e.g., an extra layer in one tower).")
 
 
 def sharing_getter(replication: Replication, index: int):
@@ -215,7 +248,11 @@ def sharing_getter(replication: Replication, index: int):
     if kwargs.get("reuse") is not tf.compat.v1.AUTO_REUSE:
       kwargs["reuse"] = True
     try:
-      return getter(*args, **kwargs)
+      variable = getter(*args, **kwargs)
+      for part in (list(variable) if isinstance(
+          variable, _tf.PartitionedVariable) else [variable]):
+        _obtained(replication, index).add(id(part))
+      return variable
     except ValueError as error:
       if "share variable" not in str(error) and (
           "does not exist" not in str(error)):

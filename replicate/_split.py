@@ -17,8 +17,7 @@ metrics and model-state writes (see `_aggregate.gate`).
 
 Python lists that are values (`{'age': [[10.], [20.]]}`) are converted to
 tensors first, as feature columns and heads convert them on one device
-(see `_inputs`). A SparseTensor's shard is as wide as one device would see
-a batch of its rows: see `_split_sparse`.
+(see `_inputs`). A SparseTensor's shard is as wide as the batch.
 """
 
 import itertools
@@ -211,63 +210,27 @@ def _split_dense(tensor, sizes, windows, tiled):
   return [tensor[w.start:w.start + w.size] for w in windows]
 
 
-def _value_extents(indices, trailing):
-  """Max index + 1 of the values in each dimension after the first (0: none)."""
-  return tf.reduce_max(tf.concat(
-      [indices[:, 1:] + 1, tf.expand_dims(tf.zeros_like(trailing), 0)], 0), 0)
-
-
-def _static_sparse_shards(sparse, windows):
-  """The shards' dense shapes, where the batch and the windows are constants."""
-  indices = tf.get_static_value(sparse.indices)
-  shape = tf.get_static_value(sparse.dense_shape)
-  if indices is None or shape is None or not all(
-      isinstance(w.start, int) and isinstance(w.size, int) for w in windows):
-    return None
-  def extents(rows):
-    return np.max(np.concatenate([rows[:, 1:] + 1,
-                                  np.zeros([1, len(shape) - 1], np.int64)]), 0)
-  tight = extents(indices) == shape[1:]
-  shapes = []
-  for w in windows:
-    rows = indices[(indices[:, 0] >= w.start) &
-                   (indices[:, 0] < w.start + w.size)]
-    shapes.append(np.concatenate(
-        [[w.size], np.where(tight, extents(rows), shape[1:])]).astype(np.int64))
-  return shapes
-
-
 def _split_sparse(sparse, windows):
-  """Row slices of a SparseTensor, each as wide as its own rows make it.
+  """Row slices of a SparseTensor, each as wide as the batch.
 
-  On one device a variable-length feature (VarLen parsing, padded batching)
-  is as wide in each dimension after the first as its longest row: its
-  extent is the values' max index + 1, so widths and lengths computed from
-  the values agree (`tf.sequence_mask(lengths)` against the densified
-  feature). Where the whole batch is tight like that in a dimension, each
-  shard gets its own rows' extent there, as one device would see a batch of
-  those rows; where the batch is wider than its values (a fixed width, or
-  padding), each shard keeps the batch's extent. A model that reads the
-  padding itself (an unmasked mean over the padded width) thus sees its
-  shard's padding: such a value depends on which rows share a batch, on one
-  device too.
+  A shard keeps the batch's extent in every dimension after the first, as
+  one device sees it: a variable-length feature is as wide as the batch's
+  longest row, which is what the towers compute too (a maximum of lengths
+  is a batch reduction: the whole batch's, see `_whole`).
   """
   trailing = sparse.dense_shape[1:]
-  static = _static_sparse_shards(sparse, windows)
-  if static is None:
-    tight = tf.equal(trailing, _value_extents(sparse.indices, trailing))
+  static = tf.get_static_value(sparse.dense_shape)
   shards = []
-  for i, window in enumerate(windows):
+  for window in windows:
     start = tf.concat([[tf.cast(window.start, tf.int64)],
                        tf.zeros_like(trailing)], axis=0)
     extent = tf.concat([[tf.cast(window.size, tf.int64)], trailing], axis=0)
     shard = tf.sparse.slice(sparse, start, extent)
-    if static is not None:
-      shape = tf.constant(static[i])
+    if static is not None and isinstance(window.size, int):
+      shape = tf.constant(np.concatenate([[window.size], static[1:]]),
+                          tf.int64)
     else:
-      # The batch dimension from `window.size` (static where it is an int).
-      shape = tf.concat([[tf.cast(window.size, tf.int64)], tf.where(
-          tight, _value_extents(shard.indices, trailing), trailing)], axis=0)
+      shape = extent
     shards.append(tf.SparseTensor(shard.indices, shard.values, shape))
   return shards
 
@@ -334,6 +297,28 @@ def _fractions(sizes, batch_size):
   return fractions
 
 
+def _opaque(tensor: tf.Tensor) -> tf.Tensor:
+  return tf.compat.v1.placeholder_with_default(tensor, tensor.shape)
+
+
+def _unfolded(shard):
+  """A shard whose values TensorFlow's shape inference does not fold.
+
+  Built from constants, a shard's values would be folded into the static
+  shapes the tower's ops infer (a `tf.sequence_mask` of its own rows'
+  lengths as wide as its longest row), where one device's are the whole
+  batch's; the values stay the run's only. Static shapes stay.
+  """
+  if shard is None:
+    return None
+  if isinstance(shard, tf.SparseTensor):
+    return tf.SparseTensor(_opaque(shard.indices), _opaque(shard.values),
+                           shard.dense_shape)
+  if isinstance(shard, tf.RaggedTensor):
+    return shard.with_flat_values(_opaque(shard.flat_values))
+  return _opaque(shard)
+
+
 def split_batch(features, labels, num_shards: int) -> Shards:
   """Splits `features` and `labels` into `num_shards` row-aligned shards.
 
@@ -362,7 +347,8 @@ def split_batch(features, labels, num_shards: int) -> Shards:
   with tf.control_dependencies(checks):
     windows = _windows(sizes, batch_size)
     tiled = _tiled(sizes, batch_size)
-    split_leaves = [_split_leaf(leaf, sizes, windows, tiled)
+    split_leaves = [[_unfolded(shard) for shard in
+                     _split_leaf(leaf, sizes, windows, tiled)]
                     for leaf in leaves]
   towers = [tf.nest.pack_sequence_as(structure, [s[i] for s in split_leaves])
             for i in range(num_shards)]

@@ -78,7 +78,8 @@ class ArgumentErrorsTest(parameterized.TestCase):
           lambda loss: replicate.TowerOptimizer(_sgd()).minimize(loss))(
               features, labels, mode)
     _call(model_fn, devices=["/gpu:1", "/job:worker/task:0/device:cpu:0"])
-    self.assertEqual(seen, ["/device:GPU:1", "/job:worker/task:0/device:CPU:0"])
+    # Towers are built 1, ..., N-1, then 0.
+    self.assertEqual(seen, ["/job:worker/task:0/device:CPU:0", "/device:GPU:1"])
 
   def test_bad_placement_is_refused(self):
     with self.assertRaisesRegex(ValueError, "'mirrored' is not supported.*"
@@ -124,8 +125,8 @@ class ModelFnErrorsTest(parameterized.TestCase):
         replicate.TowerOptimizer(_sgd()).minimize(loss)
       return train_op
     with self.assertRaisesRegex(
-        ValueError, r"different calls that need the whole batch \(tower 0: "
-        r"TowerOptimizer.minimize, tower 1: finished"):
+        ValueError, r"Tower 0 made call 2 that needs every tower, "
+        r"TowerOptimizer.minimize, but tower 1 made only 1.*Python counter"):
       _call(_linear_model_fn(optimizer_fn))
 
   def test_towers_updating_different_variables(self):
@@ -134,8 +135,10 @@ class ModelFnErrorsTest(parameterized.TestCase):
       if replicate.current_tower().index == 1:
         variables = variables[:1]
       return replicate.TowerOptimizer(_sgd()).minimize(loss, var_list=variables)
-    with self.assertRaisesRegex(ValueError, "updates variables .*logits/kernel"
-                                ".*same variables"):
+    with self.assertRaisesRegex(
+        ValueError, r"different calls.*tower 1 is TowerOptimizer.minimize of "
+        r"\['logits/kernel'\] but tower 0's is .* of \['logits/kernel', "
+        r"'logits/bias'\].*same variables"):
       _call(_linear_model_fn(optimizer_fn))
 
   def test_towers_returning_different_metrics(self):
@@ -157,8 +160,8 @@ class ModelFnErrorsTest(parameterized.TestCase):
       loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
       opt = replicate.TowerOptimizer(_sgd())
       return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=opt.minimize(loss))
-    with self.assertRaisesRegex(ValueError, "Tower 1 creates variable "
-                                "'tower_1/extra' that tower 0 did not"):
+    with self.assertRaisesRegex(ValueError, "Tower 1, the first built, created "
+                                "variable 'extra' that tower 0 did not ask"):
       _call(model_fn)
 
   def test_nested_replication_is_refused(self):
