@@ -82,6 +82,8 @@ class Replication:
   rewiring: Any = None
   # How many optimizer updates tower 0's meetings applied.
   apply_calls: int = 0
+  # How deep tower 0 is in building meetings (calls inside pass through).
+  meeting_depth: int = 0
 
   @contextlib.contextmanager
   def unshared_creation(self):

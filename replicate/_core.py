@@ -30,7 +30,6 @@ from replicate import _nn_batch_norm
 from replicate import _own_gradients
 from replicate import _patches
 from replicate import _routing
-from replicate import _sharing
 from replicate import _source
 from replicate import _split
 from replicate import _state
@@ -296,9 +295,8 @@ def _run_towers(model_fn, features, labels, mode, arguments, devices,
             shards.features[i], shards.labels[i], i, len(devices))),
         device_functions)
     replication.meetings.check_complete()
-    _sharing.check_same_variables(replication)
     _merge.check_same_metrics(specs)
-    replication.rewiring.finish()
+    replication.rewiring.finish(specs)
   if mode == _ModeKeys.TRAIN:
     _check_optimizer_calls(replication)
   try:

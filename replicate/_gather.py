@@ -35,7 +35,7 @@ def replicated() -> Optional[_context.Replication]:
   """The current replication if a tower of several is being built."""
   replication = _context.current_replication()
   if (replication is None or replication.num_towers == 1 or
-      replication.tower is None):
+      replication.tower is None or replication.meeting_depth):
     return None
   return replication
 

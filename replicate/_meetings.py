@@ -108,8 +108,13 @@ class Meetings:
     replication.rewiring.advance()
     values = [value if i == 0 else others[i].value
               for i in range(replication.num_towers)]
+    replication.meeting_depth += 1
+    try:
+      with replication.library():
+        results = build(values)
+    finally:
+      replication.meeting_depth -= 1
     with replication.library():
-      results = build(values)
       for i in range(1, replication.num_towers):
         _wire(others[i].standins, others[i].entries, results[i],
               replication)

@@ -208,31 +208,6 @@ def _check_shape(replication, index, relative, original, kwargs):
         "(e.g. not draw a layer's width in each model_fn call).")
 
 
-def check_same_variables(replication: Replication):
-  """Every tower asked for the variables the first tower built created.
-
-  Raises:
-    ValueError: a tower did not ask for a model variable the first created
-      (the towers built different models), naming both.
-  """
-  creator = replication.creator
-  first = replication.created[creator]
-  model = {id(v) for v in tf.compat.v1.global_variables()}
-  for index in range(replication.num_towers):
-    if index == creator:
-      continue
-    obtained = _obtained(replication, index)
-    missing = [key for key, variable in first.items()
-               if id(variable) in model and id(variable) not in obtained]
-    if missing:
-      relative, _ = missing[0]
-      raise ValueError(
-          f"Tower {creator}, the first built, created variable {relative!r} "
-          f"that tower {index} did not ask for; every tower must build the "
-          "same model, so make the model_fn create the same variables in "
-          "every call (not, e.g., an extra layer in one tower).")
-
-
 def sharing_getter(replication: Replication, index: int):
   """A custom getter for `tf.compat.v1.get_variable` in a later tower.
 

@@ -40,6 +40,11 @@ def _ops_in(value: Any, depth: int, seen: set, found: list):
       _ops_in(item, depth - 1, seen, found)
 
 
+def ops_in(value: Any, found: list):
+  """Appends the ops of the tensors and ops in `value` (a nest)."""
+  _ops_in(value, 0, set(), found)
+
+
 def _roots(graph: tf.Graph, specs: Iterable[Any]) -> list:
   """The ops the Estimator fetches: the specs' and the collections'."""
   found, seen = [], set()

@@ -36,6 +36,7 @@ from replicate import _aggregate
 from replicate import _batch_norm
 from replicate import _context
 from replicate import _rows
+from replicate import _step_ops
 from replicate import _tf
 
 _SUFFIX = re.compile(r"_\d+$")
@@ -172,9 +173,12 @@ class Rewiring:
       for event in events:
         self._handle(event)
 
-  def finish(self):
-    """After tower 0: every event handled, every tower's matched."""
+  def finish(self, specs: Sequence[Any] = ()):
+    """After tower 0: every event handled, every tower's matched, and the
+    towers' models compared (see `_check_same_rows`)."""
     self.advance()
+    if specs:
+      self._check_same_rows(specs)
     for index in range(1, self._replication.num_towers):
       for event in self._analyses[index].events:
         if event.op in self._handled[index] or not _has_readers(event.op):
@@ -184,6 +188,60 @@ class Rewiring:
             f"{_describe(event)}, but tower 0 built no such op; every tower "
             "must build the same model (a model_fn whose Python code builds "
             "a different model in each call cannot be replicated).")
+
+  def _row_ops(self, index: int, spec) -> collections.Counter:
+    """Types of tower `index`'s ops computing rows the step reads."""
+    analysis = self._analyses[index]
+    ops = set(self._replication.model_ops(index))
+    others = self._tower_op_sets(index)
+    roots = []
+    _step_ops.ops_in([self.resolve(spec.loss) if index == 0 else spec.loss,
+                      spec.predictions, _metric_updates(spec)], roots)
+    counts = collections.Counter()
+    pending, seen = list(roots), set()
+    while pending:
+      op = pending.pop()
+      if op in seen or op in others:
+        continue
+      seen.add(op)
+      if op in ops and any(isinstance(analysis.kind(t), _rows.Rows)
+                           for t in op.outputs):
+        counts[op.type] += 1
+      pending.extend(t.op for t in op.inputs)
+      pending.extend(op.control_inputs)
+    return counts
+
+  def _tower_op_sets(self, index: int) -> set:
+    """The model ops of every tower but `index`, and the split's."""
+    others = set()
+    for other in range(self._replication.num_towers):
+      if other != index:
+        others.update(self._replication.model_ops(other))
+    graph = self._replication.graph
+    others.update(op for op in graph.get_operations()[
+        :self._replication.ranges[self._replication.creator][0]])
+    return others
+
+  def _check_same_rows(self, specs: Sequence[Any]):
+    """Every tower computes its rows with the same ops as tower 0.
+
+    A model_fn whose Python code builds a different model in each call (an
+    extra layer in one tower) computes different rows in each tower: not
+    one device's model.
+    """
+    expected = self._row_ops(0, specs[0])
+    for index in range(1, self._replication.num_towers):
+      found = self._row_ops(index, specs[index])
+      if found != expected:
+        differ = sorted(set(found) ^ set(expected) or
+                        {t for t in found if found[t] != expected[t]})[0]
+        raise ValueError(
+            f"Towers 0 and {index} built different models: tower {index} "
+            f"computes its rows with {found[differ]} {differ} ops, tower 0 "
+            f"with {expected[differ]}; every tower must build the same "
+            "model (a model_fn whose Python code builds a different model in "
+            "each call, e.g. an extra layer in one tower, cannot be "
+            "replicated).")
 
   # ------------------------------------------------------------ matching
 
@@ -484,6 +542,11 @@ def substitute(tensor: tf.Tensor, replacement: tf.Tensor):
   keep = _readers_within(replacement)
   _tf.rewire(tensor, replacement, keep)
   return replacement, keep
+
+
+def _metric_updates(spec):
+  metrics = getattr(spec, "eval_metric_ops", None) or {}
+  return [m[1] for m in metrics.values() if isinstance(m, tuple)]
 
 
 def _has_readers(op: tf.Operation) -> bool:

@@ -160,8 +160,9 @@ class ModelFnErrorsTest(parameterized.TestCase):
       loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
       opt = replicate.TowerOptimizer(_sgd())
       return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=opt.minimize(loss))
-    with self.assertRaisesRegex(ValueError, "Tower 1, the first built, created "
-                                "variable 'extra' that tower 0 did not ask"):
+    with self.assertRaisesRegex(ValueError, r"Towers 0 and 1 built different "
+                                r"models: tower 1 computes its rows with 1 "
+                                r"AddV2 ops, tower 0 with 0"):
       _call(model_fn)
 
   def test_nested_replication_is_refused(self):
