@@ -257,6 +257,45 @@ for _type in _RANDOM_FROM_SHAPE:
 del _type
 
 
+# Ops a small integer vector built from constants may go through.
+_FOLDABLE = frozenset([
+    "Const", "Identity", "Tile", "ConcatV2", "Concat", "Pack", "Squeeze",
+    "ExpandDims", "Reshape", "Cast", "Fill", "Range", "AddV2", "Add", "Sub",
+    "Mul", "StridedSlice", "Slice", "Neg", "Maximum", "Minimum", "Prod",
+    "Sum", "ZerosLike", "OnesLike"])
+
+
+def _folded_ints(tensor, limit: int = 32) -> Optional[List[int]]:
+  """An int vector computed from constants alone, evaluated; else None.
+
+  `tf.get_static_value` folds a few ops only (not Tile or Squeeze, which
+  MultiHead's logits slices are built with).
+  """
+  if not tensor.dtype.is_integer or tensor.shape.rank not in (0, 1):
+    return None
+  ops, pending = {}, [tensor.op]
+  while pending:
+    op = pending.pop()
+    if op.name in ops:
+      continue
+    if op.type not in _FOLDABLE or len(ops) >= limit:
+      return None
+    ops[op.name] = op
+    pending.extend(t.op for t in op.inputs)
+    if op.control_inputs:
+      return None
+  graph_def = tf.compat.v1.GraphDef()
+  for op in sorted(ops.values(), key=lambda o: o.name):
+    node = graph_def.node.add()
+    node.CopyFrom(op.node_def)
+    node.ClearField("device")
+  with tf.Graph().as_default() as graph:
+    tf.graph_util.import_graph_def(graph_def, name="")
+    with tf.compat.v1.Session(graph=graph) as session:
+      value = session.run(graph.get_tensor_by_name(tensor.name))
+  return [int(v) for v in np.reshape(value, [-1])]
+
+
 def _partial_ints(tensor, depth: int = 0) -> Optional[List[Optional[int]]]:
   """The entries of an int vector known when built (None: not known).
 
@@ -269,6 +308,25 @@ def _partial_ints(tensor, depth: int = 0) -> Optional[List[Optional[int]]]:
   op = tensor.op
   if depth > 8 or tensor.shape.rank != 1:
     return None
+  if op.type in ("Tile", "Squeeze", "Reshape", "ExpandDims"):
+    values = _folded_ints(tensor)
+    if values is not None:
+      return values
+  length = tensor.shape.num_elements()
+  if op.type in ("ZerosLike", "OnesLike") and length is not None:
+    return [0 if op.type == "ZerosLike" else 1] * length
+  if op.type in ("Mul", "AddV2", "Add", "Sub") and length is not None:
+    parts = []
+    for part in op.inputs:
+      found = (_static_ints(part) if part.shape.rank == 0 else
+               _partial_ints(part, depth + 1))
+      if found is None:
+        return None
+      parts.append(found * length if len(found) == 1 else found)
+    apply = {"Mul": lambda a, b: a * b, "Sub": lambda a, b: a - b}.get(
+        op.type, lambda a, b: a + b)
+    return [None if a is None or b is None else apply(a, b)
+            for a, b in zip(*parts)]
   if op.type == "Pack":
     return [(_static_ints(t) or [None])[0] for t in op.inputs]
   if op.type in ("ConcatV2", "Concat"):
@@ -1543,11 +1601,16 @@ def _size_inputs(op, kinds, ctx) -> List[Kind]:
   for index, kind in enumerate(kinds):
     if not isinstance(kind, Size) or index in roles or propagates:
       continue
-    if op.type in _SINKS or op.type in ("Shape", "ShapeN", "Size", "Rank"):
+    if op.type in _SINKS or op.type in _READS_NO_VALUES:
+      result[index] = WHOLE if op.type in ("ZerosLike", "OnesLike") else kind
       continue
     result[index] = ctx.value_of_size(op, index)
   return result
 
+
+# Ops that read their input's shape or type, never its values.
+_READS_NO_VALUES = frozenset(["Shape", "ShapeN", "Size", "Rank", "ZerosLike",
+                              "OnesLike"])
 
 _SIZE_ARITHMETIC = frozenset([
     "Mul", "AddV2", "Add", "Sub", "FloorDiv", "FloorMod", "TruncateDiv",

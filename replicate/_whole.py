@@ -120,8 +120,11 @@ class Rewiring:
   def _analysis(self, index: int) -> _rows.TowerRows:
     if index not in self._analyses:
       replication = self._replication
-      sources = _rows.sources_of_inputs(replication.inputs[index])
-      sources.update(replication.meetings.standin_kinds(index))
+      sources = _rows.sources_of_inputs(
+          replication.inputs[index] if index < len(replication.inputs)
+          else ())
+      if replication.meetings is not None:
+        sources.update(replication.meetings.standin_kinds(index))
       self._analyses[index] = _rows.TowerRows(sources,
                                               replication.is_per_tower)
     return self._analyses[index]

@@ -298,7 +298,8 @@ def test_static_batches_match_one_device(mode, size):
 
 def test_phantom_rows_are_left_out_of_sparse_and_ragged_predictions():
   """Outputs EstimatorSpec does not check (dict predictions of any kind)."""
-  from replicate import _context, _merge  # pylint: disable=g-import-not-at-top
+  # pylint: disable=g-import-not-at-top
+  from replicate import _context, _merge, _rows, _whole
   with tf.Graph().as_default() as graph:
     size = tf.compat.v1.placeholder_with_default(tf.constant(0, tf.int64), [])
     replication = _context.Replication(
@@ -310,6 +311,11 @@ def test_phantom_rows_are_left_out_of_sparse_and_ragged_predictions():
                "dense": tf.constant([[i]])} for i in range(3)]
     towers[0] = {k: v[:1] for k, v in towers[0].items() if k != "sparse"}
     towers[0]["sparse"] = tf.sparse.from_dense(tf.constant([[1, 0]]))
+    # Tower 0's predictions hold rows (as the towers' analysis finds).
+    replication.rewiring = _whole.Rewiring(replication)
+    for value in (towers[0]["dense"], towers[0]["sparse"].values,
+                  towers[0]["ragged"].flat_values):
+      replication.rewiring.declare(value, _rows.Rows(0))
     merged = _merge.concat_predictions(towers, replication)
     with tf.compat.v1.Session() as session:
       phantom = session.run(merged)

@@ -235,13 +235,14 @@ def test_tpu_estimator_gives_each_tower_its_shards_batch_size(
   estimator.train(_input_fn("train", True), steps=1)
   estimator.evaluate(_input_fn("eval", True))
   list(estimator.predict(_input_fn("predict", True)))
-  assert BATCH_SIZES == [(ModeKeys.TRAIN, i, s) for i, s in
-                         enumerate([3, 3, 2, 2])] + [
-      (ModeKeys.EVAL, i, s) for i, s in enumerate([2, 2, 1, 1])] + [
-      (ModeKeys.PREDICT, i, s) for i, s in enumerate([2, 2, 2, 1])]
+  # Towers are built 1, ..., N-1, then 0.
+  order = [1, 2, 3, 0]
+  assert BATCH_SIZES == [(ModeKeys.TRAIN, i, [3, 3, 2, 2][i]) for i in order] + [
+      (ModeKeys.EVAL, i, [2, 2, 1, 1][i]) for i in order] + [
+      (ModeKeys.PREDICT, i, [2, 2, 2, 1][i]) for i in order]
 
 
-def _build(mode, eval_metrics, num_towers=2):
+def _build(mode, eval_metrics, num_towers=2, graph=None):
   """Builds one replicated EVAL graph of a spec with these eval_metrics."""
   def model_fn(features, labels, mode, params):
     del params
@@ -249,7 +250,7 @@ def _build(mode, eval_metrics, num_towers=2):
     loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
     return TPUEstimatorSpec(mode, loss=loss,
                             eval_metrics=eval_metrics(logits, labels))
-  with tf.Graph().as_default():
+  with (graph or tf.Graph()).as_default():
     tf.compat.v1.train.create_global_step()
     x, y = _data(8)
     return replicate.replicate_model_fn(
@@ -257,14 +258,25 @@ def _build(mode, eval_metrics, num_towers=2):
             {"x": tf.constant(x.reshape(8, 8))}, tf.constant(y), mode, {})
 
 
-def test_a_per_batch_value_in_eval_metrics_is_refused():
+def test_a_per_batch_value_in_eval_metrics_is_one_devices():
+  # A value of the whole batch (its maximum) handed to metric_fn is one
+  # device's: a batch reduction has the whole batch's value in every tower.
   def eval_metrics(logits, labels):
     del labels
     return (lambda top: {"top": tf.compat.v1.metrics.mean(top)},
             [tf.reshape(tf.reduce_max(logits), [1])])
-  with pytest.raises(ValueError, match=r"eval_metrics\[1\]\[0\] has 1 rows "
-                     r"in tower 0, which holds 4 examples: .*batch-major"):
-    _build(ModeKeys.EVAL, eval_metrics)
+  values = []
+  for towers in (1, 2, 4):
+    with tf.Graph().as_default() as graph:
+      spec = _build(ModeKeys.EVAL, eval_metrics, towers, graph)
+      value, update = spec.eval_metric_ops["top"]
+      with tf.compat.v1.Session(config=harness.session_config()) as session:
+        session.run([tf.compat.v1.global_variables_initializer(),
+                     tf.compat.v1.local_variables_initializer()])
+        harness.set_trainable_weights(session)
+        session.run(update)
+        values.append(session.run(value))
+  np.testing.assert_allclose(values[1:], [values[0]] * 2, rtol=1e-6)
 
 
 def test_towers_with_different_eval_metrics_are_refused():
