@@ -349,7 +349,7 @@ def _through_hub(replication, kernel: _Kernel, shards):
   inputs = [x if x.dtype == dtype else tf.cast(x, dtype) for x in shards]
   stats = []
   for index, x in enumerate(inputs):
-    with tf.device(replication.devices[index]):
+    with tf.device(replication.placed[index]):
       stats.append((_kernel_moments(x, kernel.data_format, kernel.epsilon),
                     _shard_count(x, kernel.axes)))
   epsilon = kernel.epsilon
@@ -385,7 +385,7 @@ def _through_hub(replication, kernel: _Kernel, shards):
         corrected=True)
   rows = []
   for index, (x, shard) in enumerate(zip(inputs, shards)):
-    with tf.device(replication.devices[index]):
+    with tf.device(replication.placed[index]):
       y, _, _ = tf.compat.v1.nn.fused_batch_norm(
           x, scale, offset, mean=mean, variance=variance, epsilon=epsilon,
           data_format=kernel.data_format, is_training=False)

@@ -51,8 +51,9 @@ class Replication:
   unshared: bool = False
   # Where inputs are split and results merged; None with one tower.
   hub: Optional[str] = None
-  # Each tower's device.
+  # Each tower's device, as given, and as placed on the hub's task.
   devices: List[str] = dataclasses.field(default_factory=list)
+  placed: List[str] = dataclasses.field(default_factory=list)
   # Whether batch normalization in training uses the whole batch's statistics.
   sync_batch_norm: bool = True
   # Per-tower collections as they were before the towers (each tower sees

@@ -272,12 +272,18 @@ def _run_towers(model_fn, features, labels, mode, arguments, devices,
   first_op = len(graph.get_operations())
   with tf.device(hub), tf.name_scope("split_inputs"):
     shards = _split.split_batch(features, labels, len(devices))
+  # The hub and the towers as the caller's device scope (a cluster's
+  # replica_device_setter) places them: what the library builds between
+  # the towers, outside every scope, goes there.
+  split = graph.get_operations()[first_op:]
+  hub = next((op.device for op in split if op.device), hub)
   replication = _context.Replication(
       num_towers=len(devices), loss_reduction=reduction,
       fractions=shards.fractions, sizes=shards.sizes, valid=shards.valid,
       graph=graph, hub=hub, devices=list(devices),
       sync_batch_norm=sync_batch_norm,
-      split_op_names={op.name for op in graph.get_operations()[first_op:]},
+      placed=[_devices.on_task_of(device, hub) for device in devices],
+      split_op_names={op.name for op in split},
       inputs=list(zip(shards.features, shards.labels)))
   replication.meetings = _meetings.Meetings(replication)
   replication.rewiring = _whole.Rewiring(replication)

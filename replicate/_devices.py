@@ -279,6 +279,14 @@ def consolidation_device(devices: Sequence[str]) -> str:
   return host.to_string()
 
 
+def on_task_of(device: str, other: str) -> str:
+  """`device` on `other`'s job and task where it names none itself."""
+  spec = tf.DeviceSpec.from_string(device or "")
+  place = tf.DeviceSpec.from_string(other or "")
+  return tf.DeviceSpec(job=place.job, replica=place.replica,
+                       task=place.task).make_merged_spec(spec).to_string()
+
+
 def variable_device_chooser(
     placement: VariablePlacement, devices: Sequence[str]
 ) -> Callable[[tf.Operation], str]:

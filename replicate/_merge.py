@@ -77,7 +77,7 @@ def _merged(tensors: Sequence[Any], path: str, name: str,
       return rewiring.whole_size(first)
   if not isinstance(kind, _rows.Rows) or kind.axis != 0:
     raise ValueError(_gather.not_whole_batch(first, kind, path))
-  parts = _whole.real_rows(tensors, replication)
+  parts = _whole.real_rows(tensors, replication, examples=True)
   if isinstance(first, tf.SparseTensor):
     return tf.sparse.concat(axis=0, sp_inputs=parts,
                             expand_nonconcat_dims=True)

@@ -180,11 +180,11 @@ def variable_creator(replication: Replication, index: int, name_root: str):
     unwrapped = _without_root(scope + "/", name_root).rstrip("/") if (
         scope) else ""
     unwrapped = "/".join(part for part in (root, unwrapped) if part)
-    with replication.library(), _tf.top_level_name_scopes(), \
-        _context.absolute_name_scope(graph, unwrapped):
-      variable = next_creator(**kwargs)
-    if cache is not None:
-      read_once_per_step(variable, cache, replication)
+    with replication.library(), _tf.top_level_name_scopes():
+      with _context.absolute_name_scope(graph, unwrapped):
+        variable = next_creator(**kwargs)
+      if cache is not None:
+        read_once_per_step(variable, cache, replication)
     created[key] = variable
     _obtained(replication, index).add(id(variable))
     return variable

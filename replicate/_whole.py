@@ -172,7 +172,8 @@ class Rewiring:
           op.name)
       self._match(op, relative)
     events = self._analysis(0).run(ops)
-    with replication.library(), _context.outside(replication):
+    with replication.library(), _context.outside(replication), \
+        tf.device(replication.hub):
       for event in events:
         self._handle(event)
 
@@ -260,7 +261,7 @@ class Rewiring:
           "which holds tower 0's rows; every tower must build the same "
           "model.")
     copy = self._copy(op0, [self.counterpart(t, index) for t in op0.inputs],
-                      self._replication.devices[index])
+                      self._replication.placed[index])
     for t0, t in zip(op0.outputs, copy.outputs):
       self._tensors[index][t0.ref()] = t
     return copy.outputs[tensor0.value_index]
@@ -314,7 +315,7 @@ class Rewiring:
           else:
             partials.append(self._copy(
                 op0, [self.counterpart(t, index) for t in op0.inputs],
-                replication.devices[index]).outputs[0])
+                replication.placed[index]).outputs[0])
         whole = _combine(event.combine, partials, replication.validity)
     self._rewire_everywhere(op0, 0, whole)
     logging.vlog(1, "replicate: %s (%s over rows) is the whole batch's",
@@ -336,7 +337,7 @@ class Rewiring:
     sums, counts = [], []
     for index in range(replication.num_towers):
       data = self.counterpart(data0, index)
-      with tf.device(replication.devices[index]):
+      with tf.device(replication.placed[index]):
         values = tf.cast(data, compute) if compute != dtype else data
         total = tf.reduce_sum(values, axes, keepdims=keep)
         count = tf.cast(tf.size(data, out_type=tf.int64), compute) / tf.cast(
@@ -405,7 +406,7 @@ class Rewiring:
     parts = []
     for index in range(replication.num_towers):
       x = self.counterpart(x0, index)
-      with tf.device(replication.devices[index]):
+      with tf.device(replication.placed[index]):
         if op.type == "Size":
           parts.append(tf.size(x, out_type=dtype))
         else:
@@ -638,16 +639,26 @@ def concatenated(replication, parts: Sequence[tf.Tensor], axis: int = 0):
   return whole, place
 
 
-def real_rows(tensors: Sequence[tf.Tensor], replication) -> List[tf.Tensor]:
+def real_rows(tensors: Sequence[tf.Tensor], replication,
+              examples: bool = False) -> List[tf.Tensor]:
   """The towers' rows (axis 0) without those computed on phantom rows.
 
   A tower known to hold a phantom row is left out; one that may (the batch
-  size is dynamic) keeps all its rows or none.
+  size is dynamic) keeps all its rows or none; with `examples` (a row per
+  example: predictions), its first `size` rows.
   """
   kept = []
-  for tensor, valid in zip(tensors, replication.validity):
+  for index, (tensor, valid) in enumerate(zip(tensors, replication.validity)):
     if valid is True:
       kept.append(tensor)
+    elif valid is not False and examples:
+      size = tf.cast(replication.size(index), tf.int64)
+      if isinstance(tensor, tf.SparseTensor):
+        kept.append(tf.sparse.slice(
+            tensor, tf.zeros_like(tensor.dense_shape),
+            tf.concat([[size], tensor.dense_shape[1:]], 0)))
+      else:
+        kept.append(tensor[:size])
     elif valid is not False:
       if isinstance(tensor, tf.SparseTensor):
         kept.append(tf.sparse.slice(

@@ -129,8 +129,9 @@ def test_synchronised_batch_norm_on_a_parameter_server_cluster():
   assert expected_values["bn/moving_variance"].std() > 0  # it moved
   variables = _devices_of(graph, "VarHandleOp")
   assert variables["bn/moving_mean"] == "/job:ps/task:0/device:CPU:0"
+  # The whole batch's statistics are combined on the worker, not the ps.
   hub = {op.device for op in graph.get_operations()
-         if op.name.startswith("sync_batch_norm")}
+         if "whole_batch" in op.name and op.type == "AddN"}
   assert hub == {"/job:worker/task:0/device:CPU:0"}, hub
 
 

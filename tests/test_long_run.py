@@ -17,7 +17,11 @@ import pytest
 import tensorflow as tf
 
 import replicate
-from replicate import _batch_norm
+from replicate import _core
+from replicate import _lookups
+from replicate import _nn_batch_norm
+from replicate import _own_gradients
+from replicate import _routing
 from tests import harness
 from tests import test_estimator
 
@@ -111,10 +115,11 @@ def test_no_graph_or_library_state_is_left_behind(runs):
   recorder, _, _ = runs
   alive = [ref for ref in recorder.graphs if ref() is not None]
   assert not alive, f"{len(alive)} of {len(recorder.graphs)} graphs alive"
-  # No tower thread outlives its model_fn call; batch norm is unpatched.
-  assert not [t for t in threading.enumerate()
-              if t.name.startswith("replicate-tower-")]
-  assert not _batch_norm._PATCHES.installed  # pylint: disable=protected-access
+  # Every patch the towers' build installs is undone after it.
+  for patches in (_core._UNFOLDED_SHAPES, _core._TOWER_ROOTS,  # pylint: disable=protected-access
+                  _routing._PATCHES, _own_gradients._PATCHES,  # pylint: disable=protected-access
+                  _lookups._PATCHES, _nn_batch_norm._PATCHES):  # pylint: disable=protected-access
+    assert not patches.installed
 
 
 def test_memory_stays_flat(runs):
