@@ -298,24 +298,36 @@ def _fractions(sizes, batch_size):
 
 
 def _opaque(tensor: tf.Tensor) -> tf.Tensor:
-  return tf.compat.v1.placeholder_with_default(tensor, tensor.shape)
+  """`tensor` with its size in dimension 0 known at run time only."""
+  shape = tensor.shape
+  if shape.rank:
+    shape = tf.TensorShape([None]).concatenate(shape[1:])
+  return tf.compat.v1.placeholder_with_default(tensor, shape)
 
 
 def _unfolded(shard):
-  """A shard whose values TensorFlow's shape inference does not fold.
+  """A shard as the model_fn sees it: its size in dimension 0 unknown.
 
-  Built from constants, a shard's values would be folded into the static
-  shapes the tower's ops infer (a `tf.sequence_mask` of its own rows'
-  lengths as wide as its longest row), where one device's are the whole
-  batch's; the values stay the run's only. Static shapes stay.
+  A tower's code that reads the shard's size when built (`x.shape[0]`,
+  `tf.ones_like(x)` and `tf.shape(x)` of a static shape, which TensorFlow
+  folds into constants; shape inference from a constant shard's values)
+  would compute with its shard's size where one device computes with the
+  whole batch's, silently. Unknown when built, the size is a tensor of the
+  step, which the towers' batch reductions make the whole batch's where it
+  is read as a value (`_whole`). Dimensions after the first stay static.
   """
   if shard is None:
     return None
   if isinstance(shard, tf.SparseTensor):
-    return tf.SparseTensor(_opaque(shard.indices), _opaque(shard.values),
-                           shard.dense_shape)
+    return tf.SparseTensor(
+        _opaque(shard.indices), _opaque(shard.values),
+        tf.compat.v1.placeholder_with_default(shard.dense_shape,
+                                              shard.dense_shape.shape))
   if isinstance(shard, tf.RaggedTensor):
-    return shard.with_flat_values(_opaque(shard.flat_values))
+    return tf.RaggedTensor.from_nested_row_splits(
+        _opaque(shard.flat_values),
+        [_opaque(splits) for splits in shard.nested_row_splits],
+        validate=False)
   return _opaque(shard)
 
 

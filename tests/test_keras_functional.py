@@ -257,9 +257,11 @@ def test_functional_model_evaluates_and_predicts_as_one_device(towers, batch,
   harness.assert_close_nests(actual, expected, rtol=1e-5, atol=1e-6)
 
 
-def test_a_write_in_a_tf_cond_the_step_runs_is_refused():
-  """The functional model called with a tensor `training` on the features."""
-  def model_fn(features, labels, mode):
+def test_a_tensor_training_in_a_functional_model_is_one_devices():
+  """The functional model called with a tensor `training` on the features:
+  batch norm's statistics and updates in tf.conds, one device's."""
+  def model_fn(features, labels, mode, params):
+    del params  # unused
     model = _model("functional")
     training = tf.compat.v1.placeholder_with_default(True, [])
     loss = tf.compat.v1.losses.mean_squared_error(
@@ -269,10 +271,13 @@ def test_a_write_in_a_tf_cond_the_step_runs_is_refused():
           tf.compat.v1.train.AdamOptimizer(0.05)).minimize(
               loss, tf.compat.v1.train.get_global_step())
     return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
-  with pytest.raises(
-      ValueError, match=r"If op 'tower_1/model/bn/cond_\d' writes variable "
-      r"'bn/moving_(mean|variance)' inside a tf.cond.*Python bool"):
-    harness.train(model_fn, _data(8), 8, 1, tower_devices=_towers(2))
+  expected_losses, expected = harness.train(model_fn, _data(8), 8, STEPS)
+  losses, actual = harness.train(model_fn, _data(8), 8, STEPS,
+                                 tower_devices=_towers(2))
+  _assert_close(losses, expected_losses)
+  for name in expected:
+    np.testing.assert_allclose(actual[name], expected[name], rtol=1e-5,
+                               atol=1e-6, err_msg=name)
 
 
 def _counter_in_a_cond_model_fn(features, labels, mode, params):
@@ -311,8 +316,26 @@ def test_a_write_in_a_tf_cond_no_fetch_reaches_is_left_alone(towers):
   assert expected["counter"] == 0  # on one device too, nothing ran it
 
 
-def test_a_write_in_a_tf_cond_a_hook_fetches_is_refused():
-  with pytest.raises(ValueError, match=r"If op 'tower_1/cond' writes "
-                     r"variable 'counter' inside a tf.cond"):
-    harness.train(_counter_in_a_cond_model_fn, _data(7), 7, 1, _towers(2),
-                  params={"fetch": "hook"})
+def _counts_fetched_by_the_hook(tower_devices):
+  """The counter after STEPS steps whose hook fetches the tf.cond's count."""
+  with tf.Graph().as_default():
+    tf.compat.v1.train.create_global_step()
+    features, labels = harness.batches(_data(7), 7)
+    spec = harness.wrap(_counter_in_a_cond_model_fn, tower_devices)(
+        features, labels, harness.TRAIN, {"fetch": "hook"})
+    hook, = spec.training_hooks
+    hook.begin()
+    with tf.compat.v1.Session(config=harness.session_config()) as session:
+      session.run(tf.compat.v1.global_variables_initializer())
+      counts = [session.run([spec.train_op, hook.before_run(None).fetches])[1]
+                for _ in range(STEPS)]
+  return [c["count"] for c in counts]
+
+
+@pytest.mark.parametrize("towers", [2, 4])
+def test_a_write_in_a_tf_cond_a_hook_fetches_is_one_devices(towers):
+  # The tf.cond reduces the rows in its branch: it runs once, on the whole
+  # batch, when the hook fetches it (once per step, as on one device).
+  expected = _counts_fetched_by_the_hook(None)
+  assert expected == [21.0 * (step + 1) for step in range(STEPS)]  # 7 x 3
+  assert _counts_fetched_by_the_hook(_towers(towers)) == expected
