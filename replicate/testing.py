@@ -54,7 +54,6 @@ _NEVER = 10**9
 _UNTIL_STEPS = object()
 # A summed loss on uneven shards (sizes n_i of n) is weighted to
 # Σ n_i² / n² of one device's, not exactly 1/N: 0.26 for 3, 3, 2, 2.
-_LOSS_RATIO_SLACK = 0.25
 # What TensorFlow says when a Keras optimizer instance meets a second graph.
 _OPTIMIZER_REUSED = ("Cannot set `iterations`", "must be from the same graph")
 
@@ -600,16 +599,11 @@ def _compare(expected, actual, tolerance, num_towers) -> Dict[str, _Phase]:
     losses = _compare_values(_by_step(expected["losses"]),
                              _by_step(actual["losses"]), tolerance, where,
                              "losses", first_only=True)
-    if losses.differences:
-      step = losses.differences[0].name
-      losses.differences[0] = losses.differences[0]._replace(hint=_loss_hint(
-          _by_step(expected["losses"])[step], _by_step(actual["losses"])[step],
-          num_towers))
     variables = _compare_values(expected["variables"], actual["variables"],
                                 tolerance, where, "variables")
     differences = losses.differences + variables.differences
     if differences and not differences[0].hint and num_towers > 1:
-      differences[0] = differences[0]._replace(hint=_whole_batch_hint())
+      differences[0] = differences[0]._replace(hint=_tower_hint())
     phases["train"] = _Phase(differences,
                              max(losses.closest, variables.closest))
   if "metrics" in actual:
@@ -625,32 +619,15 @@ def _by_step(losses) -> Dict[str, float]:
   return {f"loss at step {i + 1}": loss for i, loss in enumerate(losses)}
 
 
-def _loss_hint(expected: float, actual: float, num_towers: int) -> str:
-  """A likely cause when the towers' loss is off by the number of towers."""
-  if num_towers < 2 or not expected:
-    return ""
-  ratio = actual / expected
-  if abs(ratio * num_towers - 1) < _LOSS_RATIO_SLACK:
-    return (f" The towers' loss is about 1/{num_towers} of one device's: the "
-            "model_fn seems to sum its loss over the batch while "
-            "loss_reduction says it averages; pass "
-            "loss_reduction=tf.compat.v1.losses.Reduction.SUM, or average.")
-  if abs(ratio / num_towers - 1) < _LOSS_RATIO_SLACK:
-    return (f" The towers' loss is about {num_towers} times one device's: "
-            "the model_fn seems to average its loss while loss_reduction=SUM; "
-            "leave loss_reduction at its default.")
-  return ""
-
-
-def _whole_batch_hint() -> str:
-  """The likely cause when towers train apart and the loss is not off by N."""
-  return (" If the model_fn computes a value of the whole batch from its "
-          "shard (a hand-written masked mean "
-          "reduce_sum(loss * mask) / reduce_sum(mask), batch statistics, "
-          "in-batch negatives), each tower computes its own shard's: use "
-          "replicate.batch_sum or replicate.batch_concat for it (with "
-          "loss_reduction=tf.compat.v1.losses.Reduction.SUM when the loss "
-          "already divides by a whole-batch count).")
+def _tower_hint() -> str:
+  """The likely causes when towers train apart from one device."""
+  return (" Every reduction over the batch is the whole batch's in every "
+          "tower, so look for what differs between the model_fn's calls: "
+          "Python code that depends on replicate.current_tower() or draws "
+          "random values (random ops also draw per tower), or an op replicate "
+          "takes to compute each row from its own row (logged once per op "
+          "type: 'replicate: ... ops are taken to compute each row from the "
+          "same row').")
 
 
 _LABELS = {

@@ -131,10 +131,10 @@ def _max_model_fn(features, labels, mode):
 
 
 @pytest.mark.parametrize("num_towers", [2, 4])
-def test_metric_of_per_batch_maximum_is_an_error(num_towers):
-  with pytest.raises(ValueError, match="Metric 'largest_label' is fed a "
-                     "per-batch scalar.*Max"):
-    _evaluate(_max_model_fn, num_towers)
+def test_metric_of_per_batch_maximum_is_one_devices(num_towers):
+  # The batch's maximum is the whole batch's in every tower.
+  expected = _evaluate(_max_model_fn, None)
+  assert _evaluate(_max_model_fn, num_towers) == expected
 
 
 def test_metric_of_per_batch_maximum_trains():
