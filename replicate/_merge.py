@@ -83,8 +83,14 @@ def _merged(tensors: Sequence[Any], path: str, name: str,
                             expand_nonconcat_dims=True)
   if isinstance(first, tf.RaggedTensor):
     return tf.concat(parts, axis=0, name=name)
-  return tf.concat(_split.padded_to_widest(
+  merged = tf.concat(_split.padded_to_widest(
       [tf.convert_to_tensor(t) for t in parts]), axis=0, name=name)
+  if all(isinstance(s, int) for s in replication.sizes) and (
+      merged.shape.rank):
+    # The batch's size, known when built (the shards hide theirs).
+    merged.set_shape([sum(replication.sizes)] + [None] * (
+        merged.shape.rank - 1))
+  return merged
 
 
 def concat_predictions(predictions: Sequence[Any],

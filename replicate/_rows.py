@@ -1588,23 +1588,42 @@ def _unknown(op, kinds, ctx):
           for t in op.outputs]
 
 
+# Ops writing a value into a variable: a size written is a count.
+_WRITES = frozenset([
+    "AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp",
+    "Assign", "AssignAdd", "AssignSub", "ResourceScatterAdd",
+    "ResourceScatterUpdate", "ScatterAdd", "ScatterUpdate"])
+
+
+def _reads_size_as_value(op, index: int) -> bool:
+  """Whether `op` reads its input `index`, a shard size, as a number.
+
+  A size turned into a floating value (a mean's denominator), or written
+  into a variable (a counter), is a count of the batch's rows; anywhere
+  else (shapes of new tensors, sparse shapes, comparisons with the
+  tower's own positions) it is the tower's own.
+  """
+  if index in _SHAPE_ROLES.get(op.type, ()):
+    return False
+  if op.type in _WRITES:
+    return True
+  return any(t.dtype.is_floating or t.dtype.is_complex for t in op.outputs)
+
+
 def _size_inputs(op, kinds, ctx) -> List[Kind]:
-  """Reads shard sizes feeding values as values: events, then WHOLE."""
-  roles = _SHAPE_ROLES.get(op.type, ())
-  propagates = op.type in _SIZE_OPS and all(
-      t.dtype.is_integer for t in op.outputs) and op.outputs
+  """Reads shard sizes as numbers: events, then WHOLE (see above)."""
   if any(is_local(k) for k in kinds):
     # Compared or combined with a value of the tower itself (a ragged
     # tensor's row splits, say): the tower's own size.
     return list(kinds)
   result = list(kinds)
   for index, kind in enumerate(kinds):
-    if not isinstance(kind, Size) or index in roles or propagates:
+    if not isinstance(kind, Size):
       continue
-    if op.type in _SINKS or op.type in _READS_NO_VALUES:
+    if op.type in _READS_NO_VALUES:
       result[index] = WHOLE if op.type in ("ZerosLike", "OnesLike") else kind
-      continue
-    result[index] = ctx.value_of_size(op, index)
+    elif _reads_size_as_value(op, index):
+      result[index] = ctx.value_of_size(op, index)
   return result
 
 
