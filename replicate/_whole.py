@@ -617,7 +617,9 @@ def concatenated(replication, parts: Sequence[tf.Tensor], axis: int = 0):
       continue
     if valid is not True:
       size = tf.where(valid, size, 0)
-      part = tf.gather(part, tf.range(size), axis=axis)
+      extent = tf.tensor_scatter_nd_update(
+          tf.shape(part), [[axis]], [size])
+      part = tf.slice(part, tf.zeros_like(extent), extent)
     counts.append(size)
     kept.append(part)
   whole = kept[0] if len(kept) == 1 else tf.concat(kept, axis)

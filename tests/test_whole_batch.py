@@ -666,20 +666,13 @@ def _moments_in_a_cond(x, mode):
   return (x - mean) * tf.math.rsqrt(variance + 1e-3)
 
 
-@pytest.mark.parametrize("towers,batch", [(2, 7), (4, 3)])
-def test_tf_nn_moments_in_a_cond_run_once_on_the_whole_batch(towers, batch):
+@pytest.mark.parametrize("towers,batch,static", [(2, 7, False), (4, 3, True)])
+def test_tf_nn_moments_in_a_cond_run_once_on_the_whole_batch(towers, batch,
+                                                             static):
   # A tf.cond whose branch reduces the rows runs once, on every tower's
   # rows concatenated: one device's statistics.
   _assert_one_devices(_normalised_dense_model_fn(_moments_in_a_cond), towers,
-                      batch, False)
-
-
-def test_tf_nn_moments_in_a_cond_of_a_static_batch_are_refused():
-  # Its branches were traced for the shard's size: they cannot run on the
-  # whole batch, and the tower's own statistics are not one device's.
-  with pytest.raises(ValueError, match=r"cond.*moments.*static size.*outside "
-                     r"the tf.cond"):
-    _hub_ops(_normalised_dense_model_fn(_moments_in_a_cond))
+                      batch, static)
 
 
 def test_ghost_batch_norm_is_refused_naming_its_reshape():
