@@ -95,7 +95,7 @@ def batch_sum(x):
 def _whole_sum(replication, parts):
   """The whole batch's value: tower 0's where it is already, else the sum."""
   if _rows.shares_value(replication.rewiring.kind(parts[0])):
-    return tf.identity(parts[0])
+    return tf.identity(replication.rewiring.resolve(parts[0]))
   return _aggregate.real_sum(parts, replication.validity)
 
 
@@ -192,5 +192,7 @@ def _whole_rows(replication, parts):
   kind = replication.rewiring.kind(
       first.values if isinstance(first, tf.SparseTensor) else first)
   if _rows.shares_value(kind):
-    return first if isinstance(first, tf.SparseTensor) else tf.identity(first)
+    if isinstance(first, tf.SparseTensor):
+      return first
+    return tf.identity(replication.rewiring.resolve(first))
   return _concat(_whole.real_rows(parts, replication))

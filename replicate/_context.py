@@ -33,7 +33,6 @@ class Tower(NamedTuple):
 class Replication:
   """One call of a replicated model_fn: what every tower needs to know."""
   num_towers: int
-  loss_reduction: str
   fractions: List[Any]          # each tower's share of the batch
   sizes: List[Any]              # each tower's number of examples
   graph: tf.Graph

@@ -65,10 +65,10 @@ def replicate_model_fn(
     model_fn: an Estimator model_fn taking `features`, `labels`, `mode` and
       optionally `params` and `config`.
     loss_reduction: how the model_fn reduces its loss over a batch, a
-      `tf.compat.v1.losses.Reduction` (or Keras reduction name). SUM adds the
-      towers' losses; every averaging reduction weights each tower's loss by
-      its share of the batch. NONE is refused. For a canned estimator's
-      model_fn the head's own reduction is used (v1 heads sum by default).
+      `tf.compat.v1.losses.Reduction` (or Keras reduction name), as
+      tf.contrib's `replicate_model_fn` asked. Nothing depends on it: the
+      whole batch's loss is built from the model_fn's own ops, whatever
+      its form; it is only checked to be a reduction.
     devices: device names, e.g. ['/device:GPU:0', '/device:GPU:1']; None
       means every local GPU, or the host CPU when there is none. Names of
       this process's devices are checked against the local devices (and
@@ -90,14 +90,14 @@ def replicate_model_fn(
     A model_fn `(features, labels, mode, params=None, config=None)`.
 
   Raises:
-    ValueError: the reduction is NONE or unknown, a device name is bad or
+    TypeError: `loss_reduction` is not a string.
+    ValueError: the reduction is unknown, a device name is bad or
       repeated, the placement is unknown, or `TF_CONFIG` is not JSON or
       names a task its cluster does not have. The returned model_fn raises
       it for a device that does not exist locally or is on another task of
       the cluster.
   """
-  reduction = _reduction_for(model_fn,
-                             _aggregate.validate_loss_reduction(loss_reduction))
+  _aggregate.validate_loss_reduction(loss_reduction)
   placement = _devices.as_variable_placement(variable_placement)
   given = None if devices is None else _devices.resolve_devices(devices)
   accepted = _accepted_arguments(model_fn)
@@ -110,15 +110,14 @@ def replicate_model_fn(
     if _fed_by_placeholders(features):
       logging.info("replicate: %s graph fed by placeholders (an export): one "
                    "tower, no device pinned", mode)
-      return _run_on_one_device(model_fn, features, labels, arguments, None,
-                                reduction)
+      return _run_on_one_device(model_fn, features, labels, arguments, None)
     if given:
       _devices.check_local_devices(given, config)
     if len(tower_devices) == 1:
       return _run_on_one_device(model_fn, features, labels, arguments,
-                                tower_devices[0], reduction)
+                                tower_devices[0])
     return _run_towers(model_fn, features, labels, mode, arguments,
-                       tower_devices, reduction, placement, sync_batch_norm)
+                       tower_devices, placement, sync_batch_norm)
 
   warm_start = _source.warm_starter(model_fn)
 
@@ -133,49 +132,6 @@ def replicate_model_fn(
   replicated_model_fn.__name__ = f"replicated_{getattr(model_fn, '__name__', 'model_fn')}"
   replicated_model_fn.__doc__ = model_fn.__doc__
   return replicated_model_fn
-
-
-def _canned_head_reduction(model_fn):
-  """(estimator, its head's loss reduction) if model_fn is a canned one's.
-
-  `canned.model_fn` closes over the Estimator, whose own model_fn closes
-  over the head; v1 heads (`_loss_reduction`) sum by default, v2 heads
-  (`loss_reduction`) average.
-  """
-  estimator = _source.estimator_of(model_fn)
-  if estimator is None:
-    return None, None
-  try:
-    head = inspect.getclosurevars(
-        estimator._model_fn).nonlocals.get("head")  # pylint: disable=protected-access
-  except (TypeError, ValueError, AttributeError):
-    return None, None
-  reduction = (getattr(head, "loss_reduction", None) or
-               getattr(head, "_loss_reduction", None))
-  if reduction is None:
-    return None, None
-  return estimator, _aggregate.validate_loss_reduction(reduction)
-
-
-def _reduction_for(model_fn, reduction: str) -> str:
-  """The reduction to use: a canned head's, where the model_fn has one.
-
-  Raises:
-    ValueError: SUM was asked for a canned head that averages its loss.
-  """
-  estimator, head_reduction = _canned_head_reduction(model_fn)
-  if head_reduction is None or _aggregate.is_sum(head_reduction) == (
-      _aggregate.is_sum(reduction)):
-    return reduction
-  name = type(estimator).__name__
-  if _aggregate.is_sum(reduction):
-    raise ValueError(
-        f"loss_reduction=SUM, but {name}'s head averages its loss "
-        f"({head_reduction!r}): loss and gradients would be N (the number of "
-        "towers) times too large; leave loss_reduction at its default.")
-  logging.info("replicate: %s's head sums its loss (%r); using Reduction.SUM",
-               name, head_reduction)
-  return head_reduction
 
 
 class _Arguments:
@@ -204,8 +160,25 @@ class _Arguments:
     for name, value in self._fixed.items():
       if name in self._accepted:
         # Copies, so that towers cannot leak state into each other.
-        kwargs[name] = value if name == "mode" else copy.deepcopy(value)
+        kwargs[name] = value if name == "mode" else _copied(name, value)
     return kwargs
+
+
+def _copied(name: str, value):
+  """A deep copy of the model_fn's `params` or `config` for one tower.
+
+  Raises:
+    TypeError: `value` cannot be deep-copied, naming it.
+  """
+  try:
+    return copy.deepcopy(value)
+  except Exception as error:  # pylint: disable=broad-except
+    raise TypeError(
+        f"{name} of type {type(value).__name__} ({value!r:.200}) cannot be "
+        f"deep-copied ({type(error).__name__}: {error}); replicate gives each "
+        f"tower a copy of the model_fn's {name}, so that no tower changes "
+        f"another's: pass {name} that copy.deepcopy can copy (plain values, "
+        "or objects defining __deepcopy__).") from error
 
 
 def _accepted_arguments(model_fn):
@@ -243,13 +216,11 @@ def _on_device(device: Optional[str]):
   return tf.device(device) if device else contextlib.nullcontext()
 
 
-def _run_on_one_device(model_fn, features, labels, arguments, device,
-                       reduction):
+def _run_on_one_device(model_fn, features, labels, arguments, device):
   """One device (None: unpinned): no splitting, no added ops, own names."""
   graph = tf.compat.v1.get_default_graph()
   replication = _context.Replication(
-      num_towers=1, loss_reduction=reduction,
-      fractions=[1.0], sizes=[None], graph=graph)
+      num_towers=1, fractions=[1.0], sizes=[None], graph=graph)
   with _context.replication_scope(replication):
     replication.tower = _context.Tower(0, 1, device)
     with _on_device(device):
@@ -263,7 +234,7 @@ _TOWER_ROOTS = _patches.Patches("absolute name scopes of towers",
 
 
 def _run_towers(model_fn, features, labels, mode, arguments, devices,
-                reduction, placement, sync_batch_norm):
+                placement, sync_batch_norm):
   """Several devices: split, build the towers in turn, check, merge."""
   graph = tf.compat.v1.get_default_graph()
   hub = _devices.consolidation_device(devices)
@@ -278,7 +249,7 @@ def _run_towers(model_fn, features, labels, mode, arguments, devices,
   split = graph.get_operations()[first_op:]
   hub = next((op.device for op in split if op.device), hub)
   replication = _context.Replication(
-      num_towers=len(devices), loss_reduction=reduction,
+      num_towers=len(devices),
       fractions=shards.fractions, sizes=shards.sizes, valid=shards.valid,
       graph=graph, hub=hub, devices=list(devices),
       sync_batch_norm=sync_batch_norm,

@@ -314,14 +314,17 @@ def tower_device_function(
     if op.type in _STATEFUL_VARIABLE_OPS:
       base = tf.DeviceSpec.from_string(choose_variable_device(op))
     else:
-      base = tf.DeviceSpec.from_string(_variable_device(op) or tower_device)
+      device = _variable_device(op)
+      base = tf.DeviceSpec.from_string(tower_device if device is None
+                                       else device)
     return base.make_merged_spec(user_spec).to_string()
 
   return device_function
 
 
 def _variable_device(op: tf.Operation) -> Optional[str]:
-  """The device of the one variable `op` must run with, or None.
+  """The device of the one variable `op` must run with ('' if it has
+  none), or None where `op` takes no variable.
 
   TensorFlow's placer runs an op that takes a variable's handle or
   reference where the variable lives, whatever device the op asks for. The
@@ -345,8 +348,10 @@ def _variable_device(op: tf.Operation) -> Optional[str]:
   devices = set()
   for tensor in tensors:
     source = _variable_source(tensor)
-    if source is not None and source.device:
+    if source is not None:
       devices.add(source.device)
+  # A variable placed nowhere (made before the towers, outside any device
+  # scope) is placed where its readers are: they ask for no device either.
   return devices.pop() if len(devices) == 1 else None
 
 

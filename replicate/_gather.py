@@ -40,6 +40,12 @@ def replicated() -> Optional[_context.Replication]:
   return replication
 
 
+def in_control_flow(replication: _context.Replication) -> bool:
+  """Whether ops built now sit in a tf.cond / tf.while_loop / tf.function."""
+  graph = tf.compat.v1.get_default_graph()
+  return graph is not replication.graph or _tf.in_v1_control_flow(graph)
+
+
 @contextlib.contextmanager
 def meeting_scope(replication: _context.Replication, pure: bool = False):
   """Where tower 0 builds a meeting's optimizer work.
@@ -51,13 +57,15 @@ def meeting_scope(replication: _context.Replication, pure: bool = False):
   losses are.
   """
   graph = tf.compat.v1.get_default_graph()
-  inside = graph is not replication.graph or _tf.in_v1_control_flow(graph)
+  inside = in_control_flow(replication)
   with contextlib.ExitStack() as stack:
     if pure and inside:
       stack.enter_context(_context.outside(replication,
                                            graph.get_name_scope()))
     stack.enter_context(replication.unshared_creation())
-    stack.enter_context(tf.device(replication.hub))
+    if pure or not inside:
+      # Inside a function body the ops stay where its caller places them.
+      stack.enter_context(tf.device(replication.hub))
     yield
 
 

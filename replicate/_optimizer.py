@@ -213,7 +213,8 @@ class TowerOptimizer(_tracking.TracksWrapped, _Optimizer):
         "TowerOptimizer.minimize", loss, var_list,
         lambda whole: _routing.call_with_loss(
             optimizer.minimize, (loss,) + args, kwargs, whole,
-            colocate_gradients_with_ops=True))
+            colocate_gradients_with_ops=True),
+        split=_routing.v1_minimize_steps(optimizer, (loss,) + args, kwargs))
 
   def compute_gradients(self, loss, var_list=None, gate_gradients=_GATE_OP,
                         aggregation_method=None,

@@ -83,7 +83,7 @@ def meeting_scope(replication: _context.Replication):
 
 
 def once(kind: str, loss, variables, call: Callable[[Any], Any],
-         spec=_meetings.OP):
+         spec=_meetings.OP, split=None):
   """`call(whole_batch_loss)` once, by tower 0; every tower gets its result.
 
   Args:
@@ -93,6 +93,10 @@ def once(kind: str, loss, variables, call: Callable[[Any], Any],
       must name the same.
     call: makes the optimizer's own call with the whole batch's loss.
     spec: the structure of the call's result (`_meetings`).
+    split: (compute, apply): the call as its two steps, `apply(compute(
+      whole_batch_loss))`, for a call inside a tf.cond or tf.while_loop
+      body: the gradients are taken outside it, where the other towers'
+      rows are, and applied inside.
   """
   replication = _gather.replicated()
   names = None if variables is None else [
@@ -100,8 +104,16 @@ def once(kind: str, loss, variables, call: Callable[[Any], Any],
 
   def build(values):
     whole = _gather.whole_batch_loss(replication, values, kind)
-    with meeting_scope(replication):
-      result = call(whole)
+    if split is not None and _gather.in_control_flow(replication):
+      compute, apply = split
+      with _gather.meeting_scope(replication, pure=True), direct(), \
+          colocating():
+        grads = compute(whole)
+      with meeting_scope(replication):
+        result = apply(grads)
+    else:
+      with meeting_scope(replication):
+        result = call(whole)
     replication.apply_calls += 1
     return [result] * len(values)
 
@@ -177,6 +189,26 @@ def _kind(optimizer, method: str) -> str:
 
 # Routes: (original method, optimizer, args after self, kwargs) -> result.
 
+def v1_minimize_steps(optimizer, args, kwargs):
+  """(compute, apply): what v1 Optimizer.minimize(*args, **kwargs) does."""
+  bound = inspect.signature(_V1.minimize).bind(optimizer, *args, **kwargs)
+  bound.apply_defaults()
+  call = bound.arguments
+
+  def compute(whole):
+    return optimizer.compute_gradients(
+        whole, var_list=call["var_list"],
+        gate_gradients=call["gate_gradients"],
+        aggregation_method=call["aggregation_method"],
+        colocate_gradients_with_ops=True, grad_loss=call["grad_loss"])
+
+  def apply(grads_and_vars):
+    return optimizer.apply_gradients(
+        grads_and_vars, global_step=call["global_step"], name=call["name"])
+
+  return compute, apply
+
+
 def _v1_minimize(original, optimizer, args, kwargs):
   bound = functools.partial(original, optimizer)
   loss = args[0] if args else kwargs.get("loss")
@@ -184,7 +216,8 @@ def _v1_minimize(original, optimizer, args, kwargs):
   return once(_kind(optimizer, "minimize"), loss, var_list,
               lambda whole: call_with_loss(
                   bound, args, kwargs, whole,
-                  colocate_gradients_with_ops=True))
+                  colocate_gradients_with_ops=True),
+              split=v1_minimize_steps(optimizer, args, kwargs))
 
 
 def _v1_compute_gradients(original, optimizer, args, kwargs):

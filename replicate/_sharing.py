@@ -229,8 +229,13 @@ def sharing_getter(replication: Replication, index: int):
         _obtained(replication, index).add(id(part))
       return variable
     except ValueError as error:
-      if "share variable" not in str(error) and (
-          "does not exist" not in str(error)):
+      if "does not exist" in str(error):
+        raise ValueError(
+            f"Tower {index} creates variable {name!r} that tower "
+            f"{replication.creator}, the first built, did not create; every "
+            "tower must build the same model, so make the model_fn create "
+            "the same variables in every call.") from None
+      if "share variable" not in str(error):
         raise
       raise ValueError(
           f"Tower {index}'s model_fn call asks for variable {name!r} "

@@ -104,12 +104,14 @@ def combine_state_writes(replication: Replication, specs: Sequence = ()):
   """
   variables = _state_variables(replication)
   skip = _initializer_ops(variables.values())
-  _check_writes_in_functions(replication, variables, skip, specs)
   writes = [_tower_writes(ops, variables, skip) for ops in replication.tower_ops]
   sinks = _Sinks()
+  order = _Order(replication.graph, replication.tower_ops, writes)
   for key in sorted({k for tower in writes for k in tower}):
     group = [tower.get(key) for tower in writes]
-    _combine(replication, group, sinks)
+    _combine(replication, group, sinks, order)
+  # After the writes are combined: what the step runs then is final.
+  _check_writes_in_functions(replication, variables, skip, specs)
 
 
 def _state_variables(replication: Replication) -> Dict[str, tf.Variable]:
@@ -190,6 +192,17 @@ def _check_writes_in_functions(replication: Replication, variables, skip,
           "== tf.estimator.ModeKeys.TRAIN`, not a tensor).")
 
 
+def _call_writes(op: tf.Operation, tensor: tf.Tensor) -> bool:
+  """Whether function call `op` may write the resource `tensor` (an input
+  TensorFlow does not mark read-only)."""
+  try:
+    read_only = set(op.get_attr("_read_only_resource_inputs"))
+  except ValueError:
+    return False
+  return tensor.dtype == tf.resource and any(
+      t is tensor and i not in read_only for i, t in enumerate(op.inputs))
+
+
 def _function_writes(ops, variables, skip):
   """(variable name, n) -> (op, variable): the n-th function call writing it.
 
@@ -258,7 +271,7 @@ def _written_kind(replication: Replication, write: _Write):
 
 
 def _combine(replication: Replication, group: List[Optional[_Write]],
-             sinks: "_Sinks"):
+             sinks: "_Sinks", order: "_Order"):
   """One write for one (variable, occurrence) across the towers."""
   present = [w for w in group if w is not None]
   first = present[0]
@@ -291,7 +304,8 @@ def _combine(replication: Replication, group: List[Optional[_Write]],
     how = _combine_by_aggregation(replication, group, present, aggregation)
   for write in group[1:]:
     if write is not None:
-      _follow(write, group[0], sinks)
+      _follow(write, group[0], sinks, order,
+              values=not _rows.shares_value(kind))
   logging.info("replicate: %d writes to %s (%s) made one: %s", len(present),
                name, first.kind.value, how)
 
@@ -635,18 +649,23 @@ def _check_same_in_every_tower(replication, group: List[Optional[_Write]]):
       f"writes cannot be made one device's; {fix}.")
 
 
-def _follow(write: _Write, first: _Write, sinks: "_Sinks"):
+def _follow(write: _Write, first: _Write, sinks: "_Sinks",
+            order: "_Order", values: bool = True):
   """Makes a later tower's write run after tower 0's and change nothing.
 
-  Tower 0's write, the one that changes the variable, waits for what the
-  later tower's write would have written: on one device every read the
-  model makes before its write (batch renormalization reads its moving
-  statistics, then updates them) sees the old value; here every tower's
-  reads ordered before its own write are.
+  On one device every read the model makes before its write (batch
+  renormalization reads its moving statistics, then updates them) sees the
+  old value; so tower 0's write, the one that changes the variable, waits
+  for the later tower's reads of it that its write does not precede. Where
+  the later tower's value is combined into tower 0's (`values`), tower 0's
+  write waits for that value too.
   """
   op = write.op
-  for tensor in op.inputs[1:]:
-    _tf.add_control_input(first.op, tensor.op)
+  waits = order.reads_before(write)
+  if values:
+    waits += [t.op for t in op.inputs[1:]]
+  for wait in waits:
+    _tf.add_control_input(first.op, wait)
   if write.kind in (_Kind.SCATTER_ADD, _Kind.SCATTER):
     depth, row_shape = _row_layout(write)
     with tf.name_scope("no_rows"), tf.device(write.variable.device):
@@ -659,6 +678,63 @@ def _follow(write: _Write, first: _Write, sinks: "_Sinks"):
   for output, first_output in zip(op.outputs, first.op.outputs):
     _tf.rewire(output, first_output)
   _tf.add_control_input(op, first.op)
+
+
+class _Order:
+  """Which of a tower's reads of a variable come before its writes.
+
+  The order is the model's own, taken before any write is combined.
+  """
+
+  def __init__(self, graph: tf.Graph, tower_ops: Sequence[Sequence],
+               writes: Sequence[Dict]):
+    self._tower_of = {op: index for index, ops in enumerate(tower_ops)
+                      for op in ops}
+    self._writes = writes
+    self._control_outputs = collections.defaultdict(list)
+    for op in graph.get_operations():
+      for control in op.control_inputs:
+        self._control_outputs[control].append(op)
+
+  def reads_before(self, write: _Write) -> List[tf.Operation]:
+    """The reads of `write`'s variable in its tower that no write of it
+    there precedes (outside tf.cond / tf.while_loop bodies, which cannot be
+    ordered from outside)."""
+    tower = self._tower_of.get(write.op)
+    reads = [op for op in self._readers(_source(write.op.inputs[0]))
+             if self._tower_of.get(op) == tower and
+             not _tf.op_in_v1_control_flow(op)]
+    if not reads:
+      return []
+    name = write.variable.op.name
+    after = set()
+    for (written, _), other in self._writes[tower].items():
+      if written == name:
+        after |= self._after(other.op)
+    return [op for op in reads if op not in after]
+
+  def _readers(self, handle: tf.Operation) -> List[tf.Operation]:
+    found, pending = [], list(handle.outputs)
+    while pending:
+      tensor = pending.pop()
+      for consumer in tensor.consumers():
+        if consumer.type in _FORWARDING:
+          pending.extend(consumer.outputs)
+        elif consumer.type not in _KINDS and not _call_writes(consumer,
+                                                               tensor):
+          found.append(consumer)
+    return found
+
+  def _after(self, op: tf.Operation) -> set:
+    seen, pending = set(), [op]
+    while pending:
+      current = pending.pop()
+      for later in [c for t in current.outputs for c in t.consumers()] + (
+          self._control_outputs.get(current, [])):
+        if later not in seen:
+          seen.add(later)
+          pending.append(later)
+    return seen
 
 
 class _Sinks:

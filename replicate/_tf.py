@@ -85,6 +85,12 @@ def in_v1_control_flow(graph: tf.Graph) -> bool:
   return graph._get_control_flow_context() is not None
 
 
+def op_in_v1_control_flow(op: tf.Operation) -> bool:
+  """Whether `op` sits in a v1 tf.cond / tf.while_loop
+  (Operation._get_control_flow_context)."""
+  return op._get_control_flow_context() is not None
+
+
 def active_control_inputs(graph: tf.Graph) -> bool:
   """Whether ops built now get control inputs, in `graph` or an outer one
   (Graph._current_control_dependencies)."""

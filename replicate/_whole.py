@@ -161,11 +161,14 @@ class Rewiring:
       self._start()
     ops = replication.model_ops(0, since=self._done0)
     self._done0 = replication.graph.version
-    for tensor, replacement, keep in self._replaced.values():
-      # Readers built since the tensor was replaced read the replacement.
-      _tf.rewire(tensor, replacement, keep)
     if not ops:
       return
+    new = set(ops)
+    for tensor, replacement, _ in self._replaced.values():
+      # The model's readers built since the tensor was replaced read the
+      # replacement (the library's, a gradient of the op, keep its own).
+      _tf.rewire(tensor, replacement,
+                 [op for op in tensor.consumers() if op not in new])
     prefix = replication.tower_prefix(0)
     for op in ops:
       relative = op.name[len(prefix):] if op.name.startswith(prefix) else (

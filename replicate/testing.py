@@ -437,8 +437,7 @@ def assert_replicates(
     towers: each entry a number of towers (that many virtual CPUs) or a list
       of device names.
     steps: training steps, each one batch of `input_fn`.
-    loss_reduction: passed to `replicate_model_fn`: how the model_fn reduces
-      its loss.
+    loss_reduction: passed to `replicate_model_fn`, which only checks it.
     params: the model_fn's params.
     eval_input_fn: input_fn for evaluation (default `input_fn`).
     eval_steps: eval batches; default `steps`, None for all of them.

@@ -23,6 +23,26 @@ import pytest  # pylint: disable=g-import-not-at-top
 import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
 tf.compat.v1.logging.set_verbosity(tf.compat.v1.logging.ERROR)
+
+
+def _legacy_tf_layers():
+  """TensorFlow 2.15's tensorflow.python.layers.normalization (which tf-slim's
+  batch_norm builds on) loads tf_keras.legacy_tf_layers, which no package of
+  this stack provides; Keras 2.15 has it as keras.src.legacy_tf_layers."""
+  import importlib  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  name = "tf_keras.legacy_tf_layers.normalization"
+  try:
+    importlib.import_module(name)
+  except ImportError:
+    try:
+      from keras.src.legacy_tf_layers import normalization  # pylint: disable=g-import-not-at-top
+    except ImportError:
+      return
+    sys.modules[name] = normalization
+
+
+_legacy_tf_layers()
 # REPLICATE_TEST_GPUS=N (a machine with a GPU): the first GPU split into N
 # logical GPUs of REPLICATE_TEST_GPU_MEMORY_MB each, so the '/device:GPU:N'
 # cases run on it; float32 matmuls without TF32, as on the CPU.

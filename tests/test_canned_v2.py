@@ -179,9 +179,20 @@ def test_batch_norm_dnn_trains_as_one_device_with_plain_checkpoint_names(
   assert np.abs(moved).max() > 0
 
 
-def test_sum_for_an_averaging_canned_head_is_refused(tmp_path):
-  canned = CANNED["dnn_classifier"](_config(tmp_path))
-  with pytest.raises(ValueError, match="loss_reduction=SUM, but "
-                     "DNNClassifierV2's head averages its loss"):
-    replicate.replicate_model_fn(
-        canned.model_fn, loss_reduction=tf.compat.v1.losses.Reduction.SUM)
+def test_any_loss_reduction_for_an_averaging_canned_head_is_one_devices(
+    tmp_path):
+  # The whole batch's loss comes from the head's own ops: a loss_reduction
+  # that says otherwise (SUM for an averaging head) changes nothing.
+  plain = CANNED["dnn_classifier"](_config(tmp_path / "plain"))
+  plain.train(_input_fn("dnn_classifier"), steps=3)
+  replicated = tf.estimator.Estimator(
+      replicate.replicate_model_fn(
+          CANNED["dnn_classifier"](_config(tmp_path / "unused")).model_fn,
+          loss_reduction=tf.compat.v1.losses.Reduction.SUM,
+          devices=["/device:CPU:0", "/device:CPU:1"]),
+      config=_config(tmp_path / "replicated"))
+  replicated.train(_input_fn("dnn_classifier"), steps=3)
+  for name in plain.get_variable_names():
+    np.testing.assert_allclose(replicated.get_variable_value(name),
+                               plain.get_variable_value(name), rtol=1e-5,
+                               atol=1e-6, err_msg=name)

@@ -303,7 +303,7 @@ def test_phantom_rows_are_left_out_of_sparse_and_ragged_predictions():
   with tf.Graph().as_default() as graph:
     size = tf.compat.v1.placeholder_with_default(tf.constant(0, tf.int64), [])
     replication = _context.Replication(
-        num_towers=3, loss_reduction=R.SUM, fractions=[1.0, 0.0, 0.0],
+        num_towers=3, fractions=[1.0, 0.0, 0.0],
         sizes=[1, size, 0], graph=graph, valid=[True, size > 0, False])
     rows = lambda first: [[first, 0], [first + 1, 0]]
     towers = [{"sparse": tf.sparse.from_dense(tf.constant([[i + 1, 0]])),

@@ -9,7 +9,6 @@ from tests import models
 
 TRAIN = tf.estimator.ModeKeys.TRAIN
 EVAL = tf.estimator.ModeKeys.EVAL
-R = tf.compat.v1.losses.Reduction
 GPUS = ["/device:GPU:0", "/device:GPU:1"]
 
 
@@ -39,11 +38,12 @@ def _sgd():
 
 class ArgumentErrorsTest(parameterized.TestCase):
 
-  def test_reduction_none_is_refused(self):
-    with self.assertRaisesRegex(ValueError, r"Reduction.NONE is not supported.*"
-                                r"Reduction.SUM"):
+  def test_a_reduction_that_is_not_a_string_is_a_type_error(self):
+    with self.assertRaisesRegex(TypeError, r"loss_reduction=2 is of type int, not a "
+                                r"loss reduction; pass one of "
+                                r"tf.compat.v1.losses.Reduction"):
       replicate.replicate_model_fn(models.classifier_model_fn,
-                                   loss_reduction=R.NONE)
+                                   loss_reduction=2)
 
   def test_unknown_reduction_is_refused(self):
     with self.assertRaisesRegex(ValueError, "'mean-ish' is not a loss reduction"):

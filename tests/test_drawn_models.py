@@ -1,0 +1,440 @@
+"""Model_fns drawn from a grammar give one device's results on N towers.
+
+A drawn `Case` says how a model_fn is written: per-row layers (dense,
+batch normalization, rows mixed with a whole-batch statistic), a loss that
+is a random algebraic combination of batch reductions (means, masked and
+weighted means, sums, maxima, ratios, scaled and weighted sums, nested
+means), model-state writes, control dependencies, an optimizer and the
+way it is called (inside a tf.cond too), Python state kept between the
+model_fn's calls, and the batch size, tower count and shape (uneven shards,
+empty towers, one row). Each case runs unreplicated and on the towers from
+the same seeded weights on the same batches; losses, summaries, trained
+variables (slots, global step and state included), metrics and predictions
+must agree.
+
+The default run draws a sample (`_EXAMPLES`); `pytest -m drawn` draws
+`_MANY` per test. A failure prints the falsifying `Case`, which is the
+whole reproduction, and hypothesis' seed.
+"""
+
+import dataclasses
+from typing import Tuple
+
+import hypothesis
+from hypothesis import strategies as st
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import replicate
+from tests import harness
+
+pytestmark = pytest.mark.drawn
+
+TRAIN, EVAL, PREDICT = harness.TRAIN, harness.EVAL, harness.PREDICT
+R = tf.compat.v1.losses.Reduction
+FEATURES = 3
+CLASSES = 3
+STEPS = 2
+# Examples per test in the default run, and under `-m drawn`.
+_EXAMPLES = {"train": 60, "eval": 25, "predict": 15}
+_MANY = 1000
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  """How one drawn model_fn is written, and the batches it is run on."""
+  layers: Tuple[tuple, ...]
+  loss: tuple
+  task: str             # "classes" (softmax) or "values" (squared error)
+  optimizer: str
+  route: str            # how the optimizer is called
+  state: Tuple[str, ...]  # model-state writes
+  control: bool         # the loss waits for the state writes
+  python_state: str     # what the model_fn keeps between its calls
+  regularize: bool
+  batch: int
+  towers: int
+  static: bool
+
+
+# The grammar.
+
+_ACTIVATIONS = (None, "relu", "tanh")
+_REDUCTIONS = (R.SUM, R.MEAN, R.SUM_BY_NONZERO_WEIGHTS, R.SUM_OVER_BATCH_SIZE,
+               R.SUM_OVER_NONZERO_WEIGHTS)
+_WEIGHTS = ("none", "mask", "weights")
+
+
+def _layers():
+  dense = st.tuples(st.just("dense"), st.integers(2, 4),
+                    st.sampled_from(_ACTIVATIONS),
+                    st.sampled_from(["v1", "keras"]))
+  other = st.one_of(
+      st.tuples(st.just("batch_norm"), st.sampled_from(["v1", "keras"])),
+      st.just(("center",)),       # minus the whole batch's mean row
+      st.just(("batch_max",)),    # divided by the whole batch's max
+      st.just(("row_norm",)),     # a reduction within each row
+      st.just(("concat",)))
+  return st.lists(st.one_of(dense, dense, other), min_size=1,
+                  max_size=3).map(tuple)
+
+
+def _leaf():
+  return st.one_of(
+      st.just(("mean",)),
+      st.just(("masked_mean",)),
+      st.tuples(st.just("v1_losses"), st.sampled_from(_REDUCTIONS),
+                st.sampled_from(_WEIGHTS)),
+      st.tuples(st.just("v1_direct"), st.sampled_from(_REDUCTIONS),
+                st.sampled_from(_WEIGHTS)),
+      st.just(("sum_over_size",)),
+      st.just(("sum",)),
+      st.just(("max",)),
+      st.just(("logsumexp",)),
+      st.just(("variance",)))
+
+
+def _loss():
+  coefficient = st.sampled_from([0.5, 1.0, 2.0])
+  return st.recursive(_leaf(), lambda sub: st.one_of(
+      st.tuples(st.just("scaled"), coefficient, sub),
+      st.tuples(st.just("weighted_sum"), coefficient, sub, coefficient, sub),
+      st.tuples(st.just("ratio"), sub, sub)), max_leaves=3)
+
+
+@st.composite
+def cases(draw):
+  towers = draw(st.integers(2, 4))
+  return Case(
+      layers=draw(_layers()),
+      loss=draw(_loss()),
+      task=draw(st.sampled_from(["classes", "values"])),
+      optimizer=draw(st.sampled_from(
+          ["sgd", "momentum", "adam", "adagrad", "rmsprop"])),
+      route=draw(st.sampled_from(
+          ["minimize", "compute_apply", "clipped", "in_cond", "gradients"])),
+      state=tuple(draw(st.lists(st.sampled_from(["count", "moving_mean"]),
+                                unique=True, max_size=2))),
+      control=draw(st.booleans()),
+      python_state=draw(st.sampled_from(["none", "object", "shared_layer"])),
+      regularize=draw(st.booleans()),
+      # Fewer rows than towers (empty towers), one row, uneven shards.
+      batch=draw(st.integers(1, 9)),
+      towers=towers,
+      static=draw(st.booleans()))
+
+
+# The model_fn a case describes.
+
+def _data(case: Case):
+  rows = case.batch * STEPS
+  rng = np.random.RandomState(case.batch * 7 + case.towers)
+  x = rng.randn(rows, FEATURES).astype(np.float32)
+  mask = (rng.rand(rows) > 0.4).astype(np.float32)
+  mask[::case.batch] = 1.0  # every batch has a valid row
+  weights = rng.uniform(0.5, 2.0, rows).astype(np.float32)
+  if case.task == "classes":
+    labels = rng.randint(0, CLASSES, rows).astype(np.int64)
+  else:
+    labels = rng.randn(rows, 2).astype(np.float32)
+  return {"x": x, "mask": mask, "weights": weights}, labels
+
+
+class _Model:
+  """A model object in TensorFlow Ranking's style: one call computes and
+  keeps tensors on itself, a later call reads them."""
+
+  def __init__(self):
+    self.hidden = None
+
+  def compute(self, hidden):
+    self.hidden = hidden
+    return hidden
+
+  def penalty(self):
+    return 1e-2 * tf.reduce_mean(tf.reduce_sum(tf.square(self.hidden), 1))
+
+
+def _layer(spec, h, training, index, regularizer):
+  kind = spec[0]
+  name = f"layer{index}"
+  if kind == "dense":
+    _, width, activation, api = spec
+    if api == "v1":
+      return tf.compat.v1.layers.dense(h, width, activation=activation,
+                                       kernel_regularizer=regularizer,
+                                       name=name)
+    return tf.keras.layers.Dense(width, activation=activation,
+                                 kernel_regularizer=regularizer,
+                                 name=name)(h)
+  if kind == "batch_norm":
+    if spec[1] == "v1":
+      return tf.compat.v1.layers.batch_normalization(
+          h, training=training, momentum=0.5, name=name)
+    return tf.keras.layers.BatchNormalization(momentum=0.5, name=name)(
+        h, training=training)
+  if kind == "center":
+    return h - tf.reduce_mean(h, axis=0, keepdims=True)
+  if kind == "batch_max":
+    return h / (1.0 + tf.reduce_max(tf.abs(h)))
+  if kind == "row_norm":
+    return h / (1.0 + tf.reduce_sum(tf.square(h), axis=1, keepdims=True))
+  assert kind == "concat"
+  return tf.concat([h, tf.tanh(h)], axis=1)
+
+
+def _weights_of(which, features):
+  return {"none": 1.0, "mask": features["mask"],
+          "weights": features["weights"]}[which]
+
+
+def _loss_value(spec, errors, features, labels, outputs, case):
+  """The loss a spec describes, over per-example `errors`."""
+  kind = spec[0]
+  mask = features["mask"]
+  if kind == "mean":
+    return tf.reduce_mean(errors)
+  if kind == "masked_mean":
+    return tf.reduce_sum(errors * mask) / tf.reduce_sum(mask)
+  if kind == "v1_losses":
+    return tf.compat.v1.losses.compute_weighted_loss(
+        errors, weights=_weights_of(spec[2], features), reduction=spec[1],
+        loss_collection=None)
+  if kind == "v1_direct":
+    weights = _weights_of(spec[2], features)
+    if case.task == "classes":
+      return tf.compat.v1.losses.sparse_softmax_cross_entropy(
+          labels, outputs, weights=weights, reduction=spec[1],
+          loss_collection=None)
+    if not isinstance(weights, float):
+      weights = weights[:, None]
+    return tf.compat.v1.losses.mean_squared_error(
+        labels, outputs, weights=weights, reduction=spec[1],
+        loss_collection=None)
+  if kind == "sum_over_size":
+    return tf.reduce_sum(errors) / tf.cast(tf.shape(errors)[0], tf.float32)
+  if kind == "sum":
+    return 0.1 * tf.reduce_sum(errors)
+  if kind == "max":
+    return tf.reduce_max(errors)
+  if kind == "logsumexp":
+    return tf.reduce_logsumexp(errors) - tf.math.log(
+        tf.cast(tf.size(errors), tf.float32))
+  if kind == "variance":
+    return tf.reduce_mean(tf.square(errors - tf.reduce_mean(errors)))
+  sub = lambda s: _loss_value(s, errors, features, labels, outputs, case)
+  if kind == "scaled":
+    return spec[1] * sub(spec[2])
+  if kind == "weighted_sum":
+    return tf.add_n([spec[1] * sub(spec[2]), spec[3] * sub(spec[4])])
+  assert kind == "ratio"
+  return sub(spec[1]) / (1.0 + sub(spec[2]))
+
+
+def _optimizer(name):
+  # Adam's and RMSProp's epsilon bounds how much a gradient's rounding
+  # (towers sum in another order) moves the update: by lr / epsilon times.
+  return {
+      "sgd": lambda: tf.compat.v1.train.GradientDescentOptimizer(0.1),
+      "momentum": lambda: tf.compat.v1.train.MomentumOptimizer(0.1, 0.9),
+      "adam": lambda: tf.compat.v1.train.AdamOptimizer(0.01, epsilon=0.1),
+      "adagrad": lambda: tf.compat.v1.train.AdagradOptimizer(0.1),
+      "rmsprop": lambda: tf.compat.v1.train.RMSPropOptimizer(0.01,
+                                                             epsilon=0.1),
+  }[name]()
+
+
+def _train_op(case, loss):
+  optimizer = _optimizer(case.optimizer)
+  step = tf.compat.v1.train.get_global_step()
+  if case.route == "minimize":
+    return optimizer.minimize(loss, step)
+  if case.route == "compute_apply":
+    return optimizer.apply_gradients(optimizer.compute_gradients(loss), step)
+  if case.route == "clipped":
+    grads, variables = zip(*optimizer.compute_gradients(loss))
+    clipped, _ = tf.clip_by_global_norm(grads, 1.0)
+    return optimizer.apply_gradients(zip(clipped, variables), step)
+  if case.route == "gradients":
+    variables = tf.compat.v1.trainable_variables()
+    return optimizer.apply_gradients(
+        zip(tf.gradients(loss, variables), variables), step)
+  assert case.route == "in_cond"
+  # Trains every other step; the step counts every step.
+  update = tf.cond(tf.equal(step % 2, 0), lambda: optimizer.minimize(loss),
+                   tf.no_op)
+  with tf.control_dependencies([update]):
+    return step.assign_add(1)
+
+
+def _state_writes(case, features, hidden):
+  writes = []
+  if "count" in case.state:
+    count = tf.compat.v1.get_variable(
+        "valid_rows", [], initializer=tf.zeros_initializer(), trainable=False)
+    writes.append(count.assign_add(tf.reduce_sum(features["mask"])))
+  if "moving_mean" in case.state:
+    mean = tf.compat.v1.get_variable(
+        "hidden_mean", hidden.shape[1:], initializer=tf.zeros_initializer(),
+        trainable=False)
+    writes.append(mean.assign(0.5 * mean + 0.5 * tf.reduce_mean(hidden, 0)))
+  return writes
+
+
+def make_model_fn(case: Case):
+  """A fresh model_fn for one graph (its Python state is its own)."""
+  model = _Model()
+  shared = tf.keras.layers.Dense(2, name="shared")
+
+  def model_fn(features, labels, mode):
+    training = mode == TRAIN
+    regularizer = (tf.keras.regularizers.l2(1e-2) if case.regularize
+                   else None)
+    h = features["x"]
+    for index, spec in enumerate(case.layers):
+      h = _layer(spec, h, training, index, regularizer)
+    if case.python_state == "shared_layer":
+      h = tf.concat([h, shared(features["x"])], axis=1)
+    if case.python_state == "object":
+      h = model.compute(h)
+    width = CLASSES if case.task == "classes" else 2
+    outputs = tf.compat.v1.layers.dense(h, width, name="out")
+    predictions = {"outputs": outputs, "hidden": h}
+    if mode == PREDICT:
+      return tf.estimator.EstimatorSpec(mode, predictions=predictions)
+    if case.task == "classes":
+      errors = tf.nn.sparse_softmax_cross_entropy_with_logits(
+          labels=labels, logits=outputs)
+    else:
+      errors = tf.reduce_sum(tf.square(outputs - labels), axis=1)
+    loss = _loss_value(case.loss, errors, features, labels, outputs, case)
+    tf.compat.v1.summary.scalar("data_loss", loss)
+    if case.python_state == "object":
+      loss += model.penalty()
+    if case.regularize:
+      loss += tf.compat.v1.losses.get_regularization_loss()
+    writes = _state_writes(case, features, h)
+    if case.control and writes:
+      with tf.control_dependencies(writes):
+        loss = tf.identity(loss)
+    tf.compat.v1.summary.scalar("loss", loss)
+    if mode == EVAL:
+      metrics = {"error": tf.compat.v1.metrics.mean(
+          errors, weights=features["mask"]),
+                 "batch_loss": tf.compat.v1.metrics.mean(loss)}
+      if case.task == "classes":
+        metrics["accuracy"] = tf.compat.v1.metrics.accuracy(
+            labels, tf.argmax(outputs, 1))
+      else:
+        metrics["mse"] = tf.compat.v1.metrics.mean_squared_error(
+            labels, outputs)
+      return tf.estimator.EstimatorSpec(mode, loss=loss,
+                                        eval_metric_ops=metrics)
+    update_ops = tf.compat.v1.get_collection(
+        tf.compat.v1.GraphKeys.UPDATE_OPS) + writes
+    with tf.control_dependencies(update_ops):
+      train_op = _train_op(case, loss)
+    return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+  return model_fn
+
+
+# Running a case.
+
+def _run(case: Case, mode, towers):
+  """(per-step fetches, final variables) of `case` on `towers` (1: plain)."""
+  with tf.Graph().as_default():
+    tf.compat.v1.train.create_global_step()
+    features, labels = harness.batches(_data(case), case.batch, case.static)
+    if mode == PREDICT:
+      labels = None
+    model_fn = make_model_fn(case)
+    if towers > 1:
+      model_fn = replicate.replicate_model_fn(
+          model_fn, devices=harness.devices(harness.VIRTUAL_CPUS, towers))
+    spec = model_fn(features, labels, mode)
+    if mode == TRAIN:
+      fetches = {"loss": spec.loss, "train": spec.train_op,
+                 "summary": tf.compat.v1.summary.merge_all()}
+    elif mode == EVAL:
+      fetches = {"loss": spec.loss,
+                 "updates": [u for _, u in spec.eval_metric_ops.values()]}
+    else:
+      fetches = {"predictions": spec.predictions}
+    with tf.compat.v1.Session(config=harness.session_config()) as session:
+      session.run([tf.compat.v1.global_variables_initializer(),
+                   tf.compat.v1.local_variables_initializer()])
+      harness.set_trainable_weights(session)
+      runs = [session.run(fetches) for _ in range(STEPS)]
+      if mode == EVAL:
+        runs.append(session.run(
+            {k: v for k, (v, _) in spec.eval_metric_ops.items()}))
+      variables = {v.op.name: session.run(v)
+                   for v in tf.compat.v1.global_variables()}
+  for run in runs:
+    run.pop("train", None)
+    run.pop("updates", None)
+    if "summary" in run:
+      summary = tf.compat.v1.Summary.FromString(run.pop("summary"))
+      run["summaries"] = {v.tag: v.simple_value for v in summary.value}
+  return runs, variables
+
+
+def _tolerance(case: Case):
+  """float32 sums in another order differ by a few ulps of their terms'
+  magnitude; a max, a ratio or a batch statistic passes that on at most
+  ~10x per level of the loss and layers, and two steps of an optimizer
+  add the update's rounding (lr / epsilon times a gradient's for Adam and
+  RMSProp)."""
+  return dict(rtol=2e-4, atol=2e-5)
+
+
+def _assert_same(case: Case, mode):
+  expected_runs, expected = _run(case, mode, 1)
+  runs, actual = _run(case, mode, case.towers)
+  tolerance = _tolerance(case)
+  for step, (run, expected_run) in enumerate(zip(runs, expected_runs)):
+    assert sorted(run) == sorted(expected_run), step
+    for key in expected_run:
+      harness.assert_close_nests(run[key], expected_run[key], **tolerance)
+  assert sorted(actual) == sorted(expected)
+  for name in expected:
+    np.testing.assert_allclose(actual[name], expected[name], err_msg=name,
+                               **tolerance)
+
+
+def _examples(request, test):
+  marked = "drawn" in (request.config.getoption("markexpr") or "")
+  return _MANY if marked else _EXAMPLES[test]
+
+
+def _settings(request, test):
+  return hypothesis.settings(
+      max_examples=_examples(request, test), deadline=None,
+      suppress_health_check=list(hypothesis.HealthCheck), print_blob=True,
+      database=None)
+
+
+def test_drawn_model_fns_train_as_one_device(request):
+  @_settings(request, "train")
+  @hypothesis.given(case=cases())
+  def check(case):
+    _assert_same(case, TRAIN)
+  check()
+
+
+def test_drawn_model_fns_evaluate_as_one_device(request):
+  @_settings(request, "eval")
+  @hypothesis.given(case=cases())
+  def check(case):
+    _assert_same(case, EVAL)
+  check()
+
+
+def test_drawn_model_fns_predict_as_one_device(request):
+  @_settings(request, "predict")
+  @hypothesis.given(case=cases())
+  def check(case):
+    _assert_same(case, PREDICT)
+  check()
