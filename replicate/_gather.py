@@ -182,6 +182,10 @@ def _readers(tensor) -> List[tf.Operation]:
 
 
 def _ancestors(tensors, limit: int = 200000) -> set:
+  """The ops `tensors` are computed from, through meetings' stand-ins to
+  what the tower brought to them."""
+  replication = _context.current_replication()
+  meetings = getattr(replication, "meetings", None)
   found, pending = set(), [t.op for t in tensors]
   while pending and len(found) < limit:
     op = pending.pop()
@@ -189,6 +193,8 @@ def _ancestors(tensors, limit: int = 200000) -> set:
       continue
     found.add(op)
     pending.extend(t.op for t in op.inputs)
+    if meetings is not None and op.type == "Placeholder":
+      pending.extend(t.op for t in meetings.brought(op))
   return found
 
 

@@ -79,6 +79,8 @@ class Meetings:
     self._replication = replication
     self._calls: Dict[int, List[_Call]] = {
         i: [] for i in range(replication.num_towers)}
+    # A stand-in's placeholder -> the tensors its tower brought the call.
+    self._brought: Dict[tf.Operation, List[tf.Tensor]] = {}
 
   def meet(self, kind: str, value: Any,
            build: Callable[[List[Any]], List[Any]],
@@ -102,6 +104,11 @@ class Meetings:
       with replication.library():
         standins, entries = _standins(spec(value), kind, replication)
       calls.append(_Call(kind, signature, value, standins, entries))
+      brought = [t for t in tf.nest.flatten(value, expand_composites=True)
+                 if isinstance(t, tf.Tensor)]
+      for entry in entries:
+        if entry.holder is not None:
+          self._brought[entry.holder.op] = brought
       return standins
     others = self._others_at(position, kind, signature)
     calls.append(_Call(kind, signature, value, None, None))
@@ -169,6 +176,11 @@ class Meetings:
     """How many meetings tower 0 made (of `kinds`' prefixes, if given)."""
     return sum(1 for call in self._calls[0]
                if not kinds or call.kind.startswith(tuple(kinds)))
+
+  def brought(self, op: tf.Operation) -> List[tf.Tensor]:
+    """What a tower brought to the call whose stand-in placeholder `op` is
+    (what the call's result is computed from), or nothing."""
+    return self._brought.get(op, [])
 
   def standin_kinds(self, index: int) -> Dict[Any, Any]:
     """Kinds of the stand-ins tower `index` was handed, by tensor ref."""

@@ -14,6 +14,7 @@ import re
 from typing import Any, Dict, List, Sequence
 
 import tensorflow as tf
+from absl import logging
 
 from replicate import _context
 from replicate import _gather
@@ -184,6 +185,24 @@ def _whole_loss(loss: tf.Tensor, replication: _context.Replication):
       loss, kind, "the loss the model_fn returned"))
 
 
+def _whole_summaries(replication: _context.Replication):
+  """The summaries TensorBoard shows are tower 0's, with their whole batch's
+  values; one that is not (a value of tower 0's own) is logged."""
+  summaries = replication.graph.get_collection_ref(
+      tf.compat.v1.GraphKeys.SUMMARIES)
+  rewiring = replication.rewiring
+  for position, summary in enumerate(summaries):
+    if not isinstance(summary, tf.Tensor):
+      continue
+    summaries[position] = rewiring.resolve(summary)
+    kind = rewiring.kind(summary)
+    if isinstance(kind, _rows.Local):
+      logging.warning(
+          "replicate: summary %s shows tower 0's own value, not the whole "
+          "batch's: op %s %s; summarise the whole batch's rows or a "
+          "reduction over them instead", summary.op.name, kind.op, kind.why)
+
+
 def merge_specs(mode, specs: List[Any], replication: _context.Replication):
   """Builds the one EstimatorSpec the Estimator sees (see above).
 
@@ -215,6 +234,7 @@ def merge_specs(mode, specs: List[Any], replication: _context.Replication):
       fields.update(_tpu.merge_host_calls(
           specs, lambda tensors, path, name: _merged(
               tensors, path, concat_name(name), replication)))
+  _whole_summaries(replication)
   swaps = dict(replication.rewiring.replacements())
   swaps.update(_hooks.whole_batch_swaps(specs[0], fields))
   for name in ("training_hooks", "training_chief_hooks", "evaluation_hooks",

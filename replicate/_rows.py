@@ -195,11 +195,14 @@ _PASS_THROUGH = frozenset([
 
 # Ops whose outputs say nothing a later op computes with.
 _SINKS = frozenset([
-    "NoOp", "Assert", "PrintV2", "ScalarSummary", "HistogramSummary",
-    "ImageSummary", "AudioSummary", "AudioSummaryV2", "TensorSummary",
-    "TensorSummaryV2", "MergeSummary", "StringFormat", "WriteScalarSummary",
-    "WriteHistogramSummary", "WriteImageSummary", "WriteSummary",
-    "WriteAudioSummary", "WriteRawProtoSummary"])
+    "NoOp", "Assert", "PrintV2", "MergeSummary", "StringFormat",
+    "WriteScalarSummary", "WriteHistogramSummary", "WriteImageSummary",
+    "WriteSummary", "WriteAudioSummary", "WriteRawProtoSummary"])
+
+# Summaries of a value (TensorBoard's tf.compat.v1.summary.*).
+_SUMMARIES = frozenset([
+    "ScalarSummary", "HistogramSummary", "ImageSummary", "AudioSummary",
+    "AudioSummaryV2", "TensorSummary", "TensorSummaryV2"])
 
 # Ops that run Python on their inputs: rows mixed in ways nobody can split.
 _PY_FUNCS = frozenset(["PyFunc", "PyFuncStateless", "EagerPyFunc"])
@@ -858,11 +861,21 @@ def _strided_slice(op, kinds, ctx):
   if mapping is None:
     return [Local(op.name, "slices rows with a run-time slice")]
   fate = mapping.get(kind.axis)
-  if fate is None or fate == "shrunk":
+  if fate is None:
     return [Local(op.name, "picks single rows by position")]
-  if fate == "partial":
-    return [Local(op.name, "slices part of the rows")]
+  if fate in ("shrunk", "partial"):
+    return [_picked_rows(op, kinds, ctx)]
   return [Rows(fate)]
+
+
+def _picked_rows(op, kinds, ctx) -> Kind:
+  """Rows picked by their position in the batch (`x[0]`, `x[:2]`,
+  `tf.gather(x, 0)`): the whole batch's, picked once."""
+  local = _any_local(kinds)
+  if local or any(isinstance(k, (Size, Listed)) for k in kinds[1:]):
+    return local or Local(op.name, "picks rows by the shard's size")
+  return ctx.needs_every_tower(op, Mixing(op, (WHOLE,)), WHOLE,
+                               "picks rows by position")
 
 
 def _strided_mapping(op, rank) -> Optional[Dict[int, Any]]:
@@ -1055,7 +1068,7 @@ def _gather(op, kinds, ctx):
     if params.axis == axis:
       if is_local(indices):
         return [Local(op.name, "gathers rows by positions of the tower")]
-      return [Local(op.name, "picks rows by position")]
+      return [_picked_rows(op, kinds, ctx)]
     index_rank = _rank(op.inputs[1])
     if params.axis < (axis or 0):
       return [params]
@@ -1364,6 +1377,31 @@ def _sink(op, kinds, ctx):
   return _same_for_outputs(op, WHOLE)
 
 
+def _bias_add_grad(op, kinds, ctx):
+  """A bias's gradient sums every axis but the channels'."""
+  kind = kinds[0]
+  if not isinstance(kind, Rows):
+    return [kind if is_local(kind) or kind is SHARD else WHOLE]
+  rank = _rank(op.inputs[0])
+  nchw = op.type == "BiasAddGrad" and (
+      op.get_attr("data_format") in (b"NCHW", "NCHW"))
+  channels = 1 if nchw else (None if rank is None else rank - 1)
+  if channels is None or kind.axis == channels:
+    return [Local(op.name, "sums a bias's gradient of rows of unknown rank")]
+  return [ctx.reduce(op, "sum", kind.axis)]
+
+
+def _summary(op, kinds, ctx):
+  """A summary of rows (a histogram, images) is of the whole batch's."""
+  local = _any_local(kinds)
+  if local:
+    return [local]
+  if any(isinstance(k, (Rows, Size)) for k in kinds):
+    return [ctx.needs_every_tower(op, Mixing(op, (WHOLE,)), WHOLE,
+                                  "summarises rows")]
+  return [WHOLE]
+
+
 def _tensor_list_from_tensor(op, kinds, ctx):
   kind = kinds[0]
   if isinstance(kind, Rows):
@@ -1490,6 +1528,7 @@ _TRANSFER: Dict[str, Callable] = {
     "SegmentSum": _sorted_segment, "SegmentMean": _sorted_segment,
     "SegmentMax": _sorted_segment, "SegmentMin": _sorted_segment,
     "SegmentProd": _sorted_segment,
+    "BiasAddGrad": _bias_add_grad, "BiasAddGradV1": _bias_add_grad,
     "L2Loss": lambda op, k, c: (
         [c.reduce(op, "sum", k[0].axis)] if is_rows(k[0]) else
         [k[0] if is_local(k[0]) or k[0] is SHARD else WHOLE]),
@@ -1551,6 +1590,8 @@ for _type in _PASS_THROUGH:
   _TRANSFER[_type] = _pass_through
 for _type in _SINKS:
   _TRANSFER[_type] = _sink
+for _type in _SUMMARIES:
+  _TRANSFER[_type] = _summary
 for _type in _PY_FUNCS:
   _TRANSFER[_type] = _py_func
 for _type in _RANDOM_FROM_SHAPE:

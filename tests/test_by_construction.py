@@ -528,3 +528,76 @@ def test_params_that_cannot_be_copied_are_named():
       replicate.replicate_model_fn(model_fn, devices=_towers(2))(
           {"x": tf.constant(x["x"])}, tf.constant(y), TRAIN,
           params={"lock": Unpicklable()})
+
+
+def test_tf_gradients_through_batch_sum_reach_every_variable():
+  # A tower built before tower 0 holds a stand-in for batch_sum's result:
+  # the variables its loss reads through it still get gradients, as tower
+  # 0's do (once, the call named every variable but tower 1's none).
+  def model_fn(features, labels, mode, params):
+    del params
+    logits = tf.compat.v1.layers.dense(features["x"], 2, name="logits")
+    errors = tf.nn.sparse_softmax_cross_entropy_with_logits(
+        labels=labels, logits=logits)
+    loss = replicate.batch_sum(tf.reduce_sum(errors))
+    variables = tf.compat.v1.trainable_variables()
+    train_op = _sgd().apply_gradients(
+        zip(tf.gradients(loss, variables), variables),
+        tf.compat.v1.train.get_global_step())
+    return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+  for towers in TOWERS:
+    _assert_trains_as_one_device(model_fn, _data(), 7, 3, towers,
+                                 static=False)
+
+
+def _summarised_model_fn(features, labels, mode, params):
+  del params
+  hidden = tf.compat.v1.layers.dense(features["x"], 4, name="hidden")
+  logits = tf.compat.v1.layers.dense(hidden, 2, name="logits")
+  tf.compat.v1.summary.histogram("activations", hidden)
+  tf.compat.v1.summary.image("rows", tf.reshape(hidden, [-1, 2, 2, 1]),
+                             max_outputs=5)
+  tf.compat.v1.summary.scalar("first", hidden[0, 0])
+  tf.compat.v1.summary.scalar("last", tf.gather(hidden, 0)[-1] +
+                              hidden[-1, 0])
+  loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
+  return _spec(mode, loss)
+
+
+def _summaries(towers):
+  with tf.Graph().as_default():
+    tf.compat.v1.train.create_global_step()
+    features, labels = harness.batches(_data(), 8)
+    model_fn = _summarised_model_fn
+    if towers > 1:
+      model_fn = replicate.replicate_model_fn(model_fn,
+                                              devices=_towers(towers))
+    model_fn(features, labels, TRAIN, {})
+    summary = tf.compat.v1.summary.merge_all()
+    with tf.compat.v1.Session(config=harness.session_config()) as session:
+      session.run(tf.compat.v1.global_variables_initializer())
+      harness.set_trainable_weights(session)
+      values = tf.compat.v1.Summary.FromString(session.run(summary)).value
+  return {v.tag: v for v in values}
+
+
+@pytest.mark.parametrize("towers", TOWERS)
+def test_summaries_of_rows_and_of_picked_rows_are_the_whole_batchs(towers):
+  expected, actual = _summaries(1), _summaries(towers)
+  assert sorted(actual) == sorted(expected)
+  assert expected["activations"].histo.num == 8 * 4
+  for tag, value in expected.items():
+    if value.HasField("histo"):
+      for field in ("num", "sum", "sum_squares", "min", "max"):
+        np.testing.assert_allclose(getattr(actual[tag].histo, field),
+                                   getattr(value.histo, field), rtol=1e-5,
+                                   err_msg=tag)
+    elif value.HasField("image"):
+      assert actual[tag].image.encoded_image_string == (
+          value.image.encoded_image_string), tag
+    else:
+      np.testing.assert_allclose(actual[tag].simple_value, value.simple_value,
+                                 rtol=1e-6, err_msg=tag)
+  # Five images: more than tower 0's shard holds.
+  assert len([t for t in expected if t.startswith("rows/image")]) == 5

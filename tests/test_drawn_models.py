@@ -37,7 +37,7 @@ FEATURES = 3
 CLASSES = 3
 STEPS = 2
 # Examples per test in the default run, and under `-m drawn`.
-_EXAMPLES = {"train": 60, "eval": 25, "predict": 15}
+_EXAMPLES = {"train": 120, "eval": 50, "predict": 40}
 _MANY = 1000
 
 
@@ -75,6 +75,7 @@ def _layers():
       st.just(("center",)),       # minus the whole batch's mean row
       st.just(("batch_max",)),    # divided by the whole batch's max
       st.just(("row_norm",)),     # a reduction within each row
+      st.just(("first_row",)),    # minus the batch's first row
       st.just(("concat",)))
   return st.lists(st.one_of(dense, dense, other), min_size=1,
                   max_size=3).map(tuple)
@@ -84,6 +85,7 @@ def _leaf():
   return st.one_of(
       st.just(("mean",)),
       st.just(("masked_mean",)),
+      st.just(("batch_sum_mean",)),
       st.tuples(st.just("v1_losses"), st.sampled_from(_REDUCTIONS),
                 st.sampled_from(_WEIGHTS)),
       st.tuples(st.just("v1_direct"), st.sampled_from(_REDUCTIONS),
@@ -178,6 +180,8 @@ def _layer(spec, h, training, index, regularizer):
     return h - tf.reduce_mean(h, axis=0, keepdims=True)
   if kind == "batch_max":
     return h / (1.0 + tf.reduce_max(tf.abs(h)))
+  if kind == "first_row":
+    return h - tf.gather(h, 0) + 0.5 * h[-1:]
   if kind == "row_norm":
     return h / (1.0 + tf.reduce_sum(tf.square(h), axis=1, keepdims=True))
   assert kind == "concat"
@@ -197,6 +201,10 @@ def _loss_value(spec, errors, features, labels, outputs, case):
     return tf.reduce_mean(errors)
   if kind == "masked_mean":
     return tf.reduce_sum(errors * mask) / tf.reduce_sum(mask)
+  if kind == "batch_sum_mean":
+    # As the library asked before the construction: still one device's.
+    return replicate.batch_sum(tf.reduce_sum(errors * mask)) / (
+        replicate.batch_sum(tf.reduce_sum(mask)))
   if kind == "v1_losses":
     return tf.compat.v1.losses.compute_weighted_loss(
         errors, weights=_weights_of(spec[2], features), reduction=spec[1],
@@ -310,6 +318,8 @@ def make_model_fn(case: Case):
       errors = tf.reduce_sum(tf.square(outputs - labels), axis=1)
     loss = _loss_value(case.loss, errors, features, labels, outputs, case)
     tf.compat.v1.summary.scalar("data_loss", loss)
+    tf.compat.v1.summary.histogram("hidden", h)
+    tf.compat.v1.summary.scalar("last_output", outputs[-1, 0])
     if case.python_state == "object":
       loss += model.penalty()
     if case.regularize:
@@ -377,7 +387,11 @@ def _run(case: Case, mode, towers):
     run.pop("updates", None)
     if "summary" in run:
       summary = tf.compat.v1.Summary.FromString(run.pop("summary"))
-      run["summaries"] = {v.tag: v.simple_value for v in summary.value}
+      run["summaries"] = {
+          v.tag: (v.simple_value if v.HasField("simple_value") else
+                  [v.histo.num, v.histo.sum, v.histo.sum_squares,
+                   v.histo.min, v.histo.max])
+          for v in summary.value}
   return runs, variables
 
 
