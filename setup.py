@@ -33,7 +33,7 @@ setuptools.setup(
         "cpu": [f"tensorflow-cpu{_TF_RANGE}"],
         "gpu": [f"tensorflow[and-cuda]{_TF_RANGE}"],
         "tests": [f"tensorflow-cpu{_TF_RANGE}", "pytest>=7", "hypothesis>=6",
-                  "pytest-xdist>=3", "scikit-learn>=1.0"],
+                  "pytest-xdist>=3", "scikit-learn>=1.0", "tf-slim>=1.1"],
         "examples": [f"tensorflow-cpu{_TF_RANGE}", "scikit-learn>=1.0"],
         "benchmarks": [f"tensorflow-cpu{_TF_RANGE}", "matplotlib>=3.5"],
     },

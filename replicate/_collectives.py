@@ -23,7 +23,8 @@ from replicate import _whole
 
 
 def _tower_replication(what: str):
-  """The replication of this tower thread, None outside one or with 1 tower.
+  """The replication of the tower being built; None outside one, or with
+  one tower.
 
   Raises:
     ValueError: called inside a tf.cond / tf.while_loop / tf.function body
@@ -48,20 +49,17 @@ def _flat(structure) -> List[Any]:
 
 
 def batch_sum(x):
-  """The sum over every tower of the tower-local `x`, in every tower.
+  """The sum over every tower of the tower's `x`, in every tower.
 
-  A per-tower partial sum (e.g. `tf.reduce_sum(mask)`) becomes the whole
-  batch's, so a model can divide by the whole batch's count of valid
-  tokens, or normalise by the whole batch's statistics, exactly as on one
-  device:
-
-      loss = tf.reduce_sum(xent * mask) / replicate.batch_sum(
-          tf.reduce_sum(mask))
+  Every reduction over the batch already has the whole batch's value in
+  every tower, so a model written as for one device needs no call: a
+  masked mean `tf.reduce_sum(xent * mask) / tf.reduce_sum(mask)` is one
+  device's. This adds up a value that stays each tower's; a value that
+  already is the whole batch's (`tf.reduce_sum(mask)`) is returned as it
+  is, as on one device.
 
   Differentiable: each tower's `x` gets the gradient of the sum. Outside
   `replicate_model_fn`, and with one tower, it returns `x` unchanged.
-  Use it with `loss_reduction=tf.compat.v1.losses.Reduction.SUM` when the
-  loss already divides by a whole-batch count.
 
   Args:
     x: a Tensor, or a nest of Tensors, of the same shape in every tower.

@@ -243,13 +243,13 @@ def replication_scope(replication: Replication):
   replication.collections_before = {
       key: replication.graph.get_collection(key)
       for key in _PER_TOWER_COLLECTIONS}
-  with on_tower_thread(replication):
+  with _current(replication):
     yield replication
 
 
 @contextlib.contextmanager
-def on_tower_thread(replication: Replication):
-  """Makes `replication` current on this thread (a tower's)."""
+def _current(replication: Replication):
+  """Makes `replication` current on this thread."""
   stack = _local.__dict__.setdefault("stack", [])
   stack.append(replication)
   try:

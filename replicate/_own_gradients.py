@@ -225,5 +225,5 @@ _PATCHES = _patches.Patches("tf.gradients in towers", _install)
 
 
 def routed(replication: _context.Replication):
-  """`tf.gradients` calls on the towers' threads meet while inside."""
+  """`tf.gradients` calls in the towers meet while inside."""
   return _PATCHES.applied(replication.num_towers > 1)

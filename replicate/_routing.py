@@ -12,7 +12,7 @@ one device's gradients and `apply_gradients` applies tower 0's once (see
 While towers are built (`routed`), the base classes' methods
 (`tf.compat.v1.train.Optimizer`, `tf.keras.optimizers.legacy.Optimizer`) and
 the overrides of their subclasses that exist then are routed this way when
-called on a tower thread with several towers, so an optimizer needs no
+called in a tower of several, so an optimizer needs no
 wrapper. Calls made inside the once-call, by a TowerOptimizer, or anywhere
 else pass straight through. Gradients computed inside the once-call are
 colocated with their forward ops, so each tower's backward pass runs on
@@ -395,5 +395,5 @@ _PATCHES = _patches.Patches("optimizer calls in towers", _install)
 
 
 def routed(replication: _context.Replication):
-  """Optimizer calls on the towers' threads meet while inside (see above)."""
+  """Optimizer calls in the towers meet while inside (see above)."""
   return _PATCHES.applied(replication.num_towers > 1)

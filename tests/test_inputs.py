@@ -309,12 +309,19 @@ class ScalarPredictionsTest(parameterized.TestCase):
                                       spec.predictions["scalar"]])
     np.testing.assert_allclose(scalar, logits.mean(), rtol=1e-6)
 
-  def test_scalar_picked_from_a_row_is_refused(self):
-    # A row picked by its position in the shard is not one device's row.
+  @parameterized.parameters(tf.estimator.ModeKeys.TRAIN,
+                            tf.estimator.ModeKeys.PREDICT)
+  def test_scalar_picked_from_a_row_is_one_devices(self, mode):
+    # A row picked by its position in the batch is picked from the whole
+    # batch's rows, once (tower 0's shard has the first row, not the last).
     with tf.Graph().as_default():
-      with self.assertRaisesRegex(
-          ValueError, r"predictions\['scalar'\].*picks single rows by position"):
-        self._spec(tf.estimator.ModeKeys.PREDICT, lambda t: t[0, 0])
+      spec = self._spec(mode, lambda t: t[0, 0] + 10.0 * t[-1, 1])
+      with tf.compat.v1.Session(config=harness.session_config()) as session:
+        session.run(tf.compat.v1.global_variables_initializer())
+        logits, scalar = session.run([spec.predictions["logits"],
+                                      spec.predictions["scalar"]])
+    np.testing.assert_allclose(scalar, logits[0, 0] + 10.0 * logits[-1, 1],
+                               rtol=1e-6)
 
 
 def mean_loss_model_fn(features, labels, mode):
