@@ -25,7 +25,7 @@ import numpy as np
 import tensorflow as tf
 
 import replicate
-from replicate import _devices
+from replicate._prepare import devices as _devices
 from replicate import testing
 
 _DEFAULT_CPU_TOWERS = 2

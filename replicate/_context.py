@@ -15,7 +15,8 @@ import tensorflow as tf
 from replicate import _tf
 
 
-class Tower(NamedTuple):
+@dataclasses.dataclass(frozen=True)
+class Tower:
   """Where a model_fn call stands: returned by `replicate.current_tower()`.
 
   Attributes:
@@ -36,7 +37,7 @@ class Replication:
   fractions: List[Any]          # each tower's share of the batch
   sizes: List[Any]              # each tower's number of examples
   graph: tf.Graph
-  # Per tower: False where it computes on a phantom row (see _split); bools,
+  # Per tower: False where it computes on a phantom row (see _prepare.split); bools,
   # or bool tensors where the batch size is dynamic. Empty: every tower.
   valid: List[Any] = dataclasses.field(default_factory=list)
   root_name_scope: str = ""

@@ -2,13 +2,13 @@
 
 One call reads top-down: resolve devices; split the inputs on the
 consolidation device; build each tower to its end, one after another,
-tower 0 last (`_towers`): calls that need every tower meet
-(`_meetings`: optimizer calls, wrapped or routed by `_routing`, gradients
+tower 0 last (`_towers.build`): calls that need every tower meet
+(`_meet.meetings`: optimizer calls, wrapped or routed by `_meet.routing`, gradients
 the model_fn takes itself, batch_sum / batch_concat), and tower 0, the last
 to arrive, builds each once; make every batch reduction of every tower
-the whole batch's (`_whole`); check that the towers built the same
+the whole batch's (`_meet.rewiring`); check that the towers built the same
 model and that an update was applied; make the towers' state writes one
-device's (`_state`); merge the specs (`_merge`).
+device's (`_merge.state`); merge the specs (`_merge.specs`).
 """
 
 import contextlib
@@ -19,24 +19,24 @@ from typing import Callable, Optional, Sequence
 import tensorflow as tf
 from absl import logging
 
-from replicate import _aggregate
-from replicate import _cluster
+from replicate._batch import sums
+from replicate._prepare import cluster
 from replicate import _context
-from replicate import _devices
-from replicate import _lookups
-from replicate import _meetings
-from replicate import _merge
-from replicate import _nn_batch_norm
-from replicate import _own_gradients
-from replicate import _patches
-from replicate import _routing
-from replicate import _source
-from replicate import _split
-from replicate import _state
+from replicate._prepare import devices as _devices
+from replicate._towers import lookups
+from replicate._meet import meetings
+from replicate._merge import specs as _specs
+from replicate._batch_norm import per_tower
+from replicate._meet import own_gradients
+from replicate._towers import patches
+from replicate._meet import routing
+from replicate._prepare import source
+from replicate._prepare import split as _split
+from replicate._merge import state
 from replicate import _tf
-from replicate import _towers
-from replicate import _tpu
-from replicate import _whole
+from replicate._towers import build
+from replicate._merge import tpu
+from replicate._meet import rewiring
 
 _ModeKeys = tf.estimator.ModeKeys
 _PLACEHOLDER_OPS = frozenset(["Placeholder"])
@@ -97,15 +97,15 @@ def replicate_model_fn(
       it for a device that does not exist locally or is on another task of
       the cluster.
   """
-  _aggregate.validate_loss_reduction(loss_reduction)
+  sums.validate_loss_reduction(loss_reduction)
   placement = _devices.as_variable_placement(variable_placement)
   given = None if devices is None else _devices.resolve_devices(devices)
   accepted = _accepted_arguments(model_fn)
-  _cluster.check_tf_config()
+  cluster.check_tf_config()
 
   def build_spec(features, labels, mode, params, config):
     tower_devices = given or _devices.resolve_devices(None)
-    _cluster.check_devices(tower_devices, config)
+    cluster.check_devices(tower_devices, config)
     arguments = _Arguments(accepted, labels is not None, mode, params, config)
     if _fed_by_placeholders(features):
       logging.info("replicate: %s graph fed by placeholders (an export): one "
@@ -119,11 +119,11 @@ def replicate_model_fn(
     return _run_towers(model_fn, features, labels, mode, arguments,
                        tower_devices, placement, sync_batch_norm)
 
-  warm_start = _source.warm_starter(model_fn)
+  warm_start = source.warm_starter(model_fn)
 
   def replicated_model_fn(features, labels, mode, params=None, config=None):
     # A TPUEstimatorSpec is converted as TPUEstimator(use_tpu=False) does.
-    spec = _tpu.as_estimator_spec(
+    spec = tpu.as_estimator_spec(
         build_spec(features, labels, mode, params, config), params)
     if warm_start is not None and mode == _ModeKeys.TRAIN:
       warm_start()
@@ -149,7 +149,7 @@ class _Arguments:
     """Tower `index`'s arguments; TPUEstimator's batch size is its shard's."""
     kwargs = self(features, labels)
     if "params" in kwargs:
-      kwargs["params"] = _tpu.tower_params(
+      kwargs["params"] = tpu.tower_params(
           kwargs["params"], self._fixed["config"], index, num_towers)
     return kwargs
 
@@ -227,9 +227,9 @@ def _run_on_one_device(model_fn, features, labels, arguments, device):
       return model_fn(**arguments(features, labels))
 
 
-_UNFOLDED_SHAPES = _patches.Patches("tf.shape and tf.size of static tensors",
+_UNFOLDED_SHAPES = patches.Patches("tf.shape and tf.size of static tensors",
                                     _tf.install_unfolded_shapes)
-_TOWER_ROOTS = _patches.Patches("absolute name scopes of towers",
+_TOWER_ROOTS = patches.Patches("absolute name scopes of towers",
                                 _tf.install_tower_roots)
 
 
@@ -256,34 +256,34 @@ def _run_towers(model_fn, features, labels, mode, arguments, devices,
       placed=[_devices.on_task_of(device, hub) for device in devices],
       split_op_names={op.name for op in split},
       inputs=list(zip(shards.features, shards.labels)))
-  replication.meetings = _meetings.Meetings(replication)
-  replication.rewiring = _whole.Rewiring(replication)
+  replication.meetings = meetings.Meetings(replication)
+  replication.rewiring = rewiring.Rewiring(replication)
   choose = _devices.variable_device_chooser(placement, devices)
   device_functions = [_devices.tower_device_function(device, choose)
                       for device in devices]
   with _context.replication_scope(replication), \
       _UNFOLDED_SHAPES.applied(), _TOWER_ROOTS.applied(), \
-      _nn_batch_norm.per_tower(replication), \
-      _lookups.routed(replication), _routing.routed(replication), \
-      _own_gradients.routed(replication):
-    specs = _towers.build_towers(
+      per_tower.per_tower(replication), \
+      lookups.routed(replication), routing.routed(replication), \
+      own_gradients.routed(replication):
+    specs = build.build_towers(
         replication,
         lambda i: model_fn(**arguments.for_tower(
             shards.features[i], shards.labels[i], i, len(devices))),
         device_functions)
     replication.meetings.check_complete()
-    _merge.check_same_metrics(specs)
+    _specs.check_same_metrics(specs)
     replication.rewiring.finish(specs)
   if mode == _ModeKeys.TRAIN:
     _check_optimizer_calls(replication)
   try:
-    _state.combine_state_writes(replication, specs)
+    state.combine_state_writes(replication, specs)
   except ValueError as error:
     for name, other_modes in _gradient_free_trainers(replication):
       raise ValueError(
           f"{name} cannot be replicated in {mode}: {other_modes}.") from error
     raise
-  return _merge.merge_specs(mode, specs, replication)
+  return _specs.merge_specs(mode, specs, replication)
 
 
 # Ops of estimators that train without gradients of a loss: the estimator,

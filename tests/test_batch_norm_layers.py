@@ -23,7 +23,7 @@ import pytest
 import tensorflow as tf
 
 import replicate
-from replicate import _batch_norm
+from replicate._batch_norm import whole_batch
 
 TRAIN = tf.estimator.ModeKeys.TRAIN
 PREDICT = tf.estimator.ModeKeys.PREDICT
@@ -134,7 +134,7 @@ def test_batch_norm_layer_is_one_devices(form, concatenate, tmp_path,
                                          monkeypatch):
   # Without concatenation, towers on CPUs meet with their shards' moments
   # on the hub, as towers on GPUs do.
-  monkeypatch.setattr(_batch_norm, "_CONCATENATE_ON_HOST", concatenate)
+  monkeypatch.setattr(whole_batch, "_CONCATENATE_ON_HOST", concatenate)
   summary = replicate.testing.assert_replicates(
       _model_fn, _input_fn, towers=(4,), steps=3, params={"form": form},
       model_dir=str(tmp_path))

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import replicate
-from replicate import _devices
+from replicate._prepare import devices as _devices
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 

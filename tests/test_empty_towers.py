@@ -299,7 +299,10 @@ def test_static_batches_match_one_device(mode, size):
 def test_phantom_rows_are_left_out_of_sparse_and_ragged_predictions():
   """Outputs EstimatorSpec does not check (dict predictions of any kind)."""
   # pylint: disable=g-import-not-at-top
-  from replicate import _context, _merge, _rows, _whole
+  from replicate import _context
+  from replicate._merge import specs
+  from replicate._batch import rows as _rows
+  from replicate._meet import rewiring
   with tf.Graph().as_default() as graph:
     size = tf.compat.v1.placeholder_with_default(tf.constant(0, tf.int64), [])
     replication = _context.Replication(
@@ -312,11 +315,11 @@ def test_phantom_rows_are_left_out_of_sparse_and_ragged_predictions():
     towers[0] = {k: v[:1] for k, v in towers[0].items() if k != "sparse"}
     towers[0]["sparse"] = tf.sparse.from_dense(tf.constant([[1, 0]]))
     # Tower 0's predictions hold rows (as the towers' analysis finds).
-    replication.rewiring = _whole.Rewiring(replication)
+    replication.rewiring = rewiring.Rewiring(replication)
     for value in (towers[0]["dense"], towers[0]["sparse"].values,
                   towers[0]["ragged"].flat_values):
       replication.rewiring.declare(value, _rows.Rows(0))
-    merged = _merge.concat_predictions(towers, replication)
+    merged = specs.concat_predictions(towers, replication)
     with tf.compat.v1.Session() as session:
       phantom = session.run(merged)
       real = session.run(merged, {size: 1})

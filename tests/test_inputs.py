@@ -466,7 +466,7 @@ class PythonListInputsTest(parameterized.TestCase):
   @parameterized.parameters(2, 4)
   def test_a_list_that_is_a_value_is_one_tensor(self, num_towers):
     with tf.Graph().as_default():
-      shards = replicate._split.split_batch(  # pylint: disable=protected-access
+      shards = replicate._prepare.split.split_batch(  # pylint: disable=protected-access
           {"age": [[10.], [20.], [30.]], "pair": ([1, 2], [3, 4], [5, 6])},
           (np.float32(1.), np.float32(2.), np.float32(3.)), num_towers)
       # A shard's size is known when it runs (shards.sizes), not in its
@@ -482,7 +482,7 @@ class PythonListInputsTest(parameterized.TestCase):
       with self.assertRaisesRegex(
           ValueError, r"`features\['scale'\]` is a scalar and has no batch "
           r"dimension to split across towers \(its value: 2.0\)"):
-        replicate._split.split_batch(  # pylint: disable=protected-access
+        replicate._prepare.split.split_batch(  # pylint: disable=protected-access
             {"x": [[1.], [2.]], "scale": 2.0}, [1, 2], 2)
 
   def test_ragged_list_is_refused_naming_it(self):
@@ -490,5 +490,5 @@ class PythonListInputsTest(parameterized.TestCase):
       with self.assertRaisesRegex(
           ValueError, r"`features\['x'\]` is a Python list that TensorFlow "
           "cannot convert"):
-        replicate._split.split_batch(  # pylint: disable=protected-access
+        replicate._prepare.split.split_batch(  # pylint: disable=protected-access
             {"x": [[1.], [2., 3.]]}, [1, 2], 2)

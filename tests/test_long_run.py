@@ -9,7 +9,6 @@ the plain estimator's weights and metrics.
 
 import gc
 import os
-import threading
 import weakref
 
 import numpy as np
@@ -18,10 +17,10 @@ import tensorflow as tf
 
 import replicate
 from replicate import _core
-from replicate import _lookups
-from replicate import _nn_batch_norm
-from replicate import _own_gradients
-from replicate import _routing
+from replicate._towers import lookups
+from replicate._batch_norm import per_tower
+from replicate._meet import own_gradients
+from replicate._meet import routing
 from tests import harness
 from tests import test_estimator
 
@@ -117,8 +116,8 @@ def test_no_graph_or_library_state_is_left_behind(runs):
   assert not alive, f"{len(alive)} of {len(recorder.graphs)} graphs alive"
   # Every patch the towers' build installs is undone after it.
   for patches in (_core._UNFOLDED_SHAPES, _core._TOWER_ROOTS,  # pylint: disable=protected-access
-                  _routing._PATCHES, _own_gradients._PATCHES,  # pylint: disable=protected-access
-                  _lookups._PATCHES, _nn_batch_norm._PATCHES):  # pylint: disable=protected-access
+                  routing._PATCHES, own_gradients._PATCHES,  # pylint: disable=protected-access
+                  lookups._PATCHES, per_tower._PATCHES):  # pylint: disable=protected-access
     assert not patches.installed
 
 

@@ -1,7 +1,7 @@
 """Embedding lookups of every form their params take give one device's values.
 
 While towers are built, `tf.nn.embedding_lookup` is routed (see
-`replicate/_lookups.py`): on a cluster a reference variable, or any
+`replicate/_towers/lookups.py`): on a cluster a reference variable, or any
 variable's shared copy, is swapped for the variable's own read. Every
 params form must reach TensorFlow as the user wrote it: a tensor is one table (not rows to iterate), a list holds
 partitions, a tuple is stacked into one table, a `PartitionedVariable`'s

@@ -7,7 +7,7 @@ from absl.testing import parameterized
 import tensorflow as tf
 
 import replicate
-from replicate import _devices
+from replicate._prepare import devices as _devices
 from tests import harness
 from tests import models
 

@@ -13,7 +13,7 @@ import pytest
 import tensorflow as tf
 
 import replicate
-from replicate import _merge
+from replicate._merge import specs
 from tests import harness
 
 # Keys a plain Estimator takes that are not op names, and an ordinary one.
@@ -76,13 +76,13 @@ def _data(num_examples=22):
 
 
 def test_ordinary_keys_keep_their_names_others_get_valid_ones():
-  assert _merge.concat_name("probabilities") == "concat_probabilities"
-  assert _merge.concat_name("a/b") == "concat_a/b"
-  assert _merge.concat_name(("cls", "logits")) == "concat_cls_logits"
-  assert _merge.concat_name("class probs") == "concat_class_probs"
-  assert _merge.concat_name("/edge/") == "concat__edge_"
-  assert _merge.concat_name("größe") == "concat_gr_e"
-  assert _merge.concat_name(("head", 2)) == "concat_head_2"
+  assert specs.concat_name("probabilities") == "concat_probabilities"
+  assert specs.concat_name("a/b") == "concat_a/b"
+  assert specs.concat_name(("cls", "logits")) == "concat_cls_logits"
+  assert specs.concat_name("class probs") == "concat_class_probs"
+  assert specs.concat_name("/edge/") == "concat__edge_"
+  assert specs.concat_name("größe") == "concat_gr_e"
+  assert specs.concat_name(("head", 2)) == "concat_head_2"
 
 
 @pytest.mark.parametrize("num_towers", [2, 4])

@@ -11,8 +11,8 @@ import replicate
 def test_public_names_are_exactly_all():
   public = {name for name in dir(replicate) if not name.startswith("_")}
   assert public == set(replicate.__all__) == {
-      "TowerOptimizer", "VariablePlacement", "batch_concat", "batch_sum",
-      "current_tower", "replicate_model_fn", "testing"}
+      "Tower", "TowerOptimizer", "VariablePlacement", "batch_concat",
+      "batch_sum", "current_tower", "replicate_model_fn", "testing"}
   assert isinstance(replicate.__version__, str)
 
 
@@ -24,6 +24,21 @@ def test_testing_module_exports_exactly_all():
   assert public == set(replicate.testing.__all__) == {
       "ReplicationMismatch", "Summary", "assert_replicates", "replicated",
       "run_config", "session_config", "virtual_cpus"}
+
+
+def test_tower_is_what_current_tower_returns():
+  tower = replicate.Tower(index=1, num_towers=2, device="/device:GPU:1")
+  assert (tower.index, tower.num_towers, tower.device) == (
+      1, 2, "/device:GPU:1")
+  assert replicate.current_tower() is None
+
+
+def test_public_names_say_where_to_import_them():
+  for name in replicate.__all__:
+    if name != "testing":
+      assert getattr(replicate, name).__module__ == "replicate", name
+  for name in replicate.testing.__all__:
+    assert getattr(replicate.testing, name).__module__ == "replicate.testing"
 
 
 def test_variable_placement_members_and_strings():
@@ -47,6 +62,11 @@ def test_tower_optimizer_flavours():
   assert isinstance(v1, tf.compat.v1.train.Optimizer)
   keras = replicate.TowerOptimizer(tf.keras.optimizers.legacy.Adagrad(0.1))
   assert isinstance(keras, tf.keras.optimizers.legacy.Optimizer)
+  assert isinstance(keras, replicate.TowerOptimizer)
+  assert not isinstance(tf.keras.optimizers.legacy.Adagrad(0.1),
+                        replicate.TowerOptimizer)
+  assert not isinstance(tf.compat.v1.train.AdagradOptimizer(0.1),
+                        replicate.TowerOptimizer)
   lazy = replicate.TowerOptimizer(lambda: tf.keras.optimizers.legacy.Adam())
   assert isinstance(lazy(), tf.keras.optimizers.legacy.Optimizer)
 

@@ -2,7 +2,7 @@
 
 On one device a VarLen SparseTensor is as wide as its longest row, so the
 width and the lengths computed from the values agree; a shard of it must be
-as wide as its own longest row (see `_split._split_sparse`), or a model
+as wide as its own longest row (see `_prepare.split._split_sparse`), or a model
 that masks with `tf.sequence_mask(lengths)` (RNNClassifier does) fails.
 Each case runs N towers and one device on the same batch and weights.
 """

@@ -6,12 +6,12 @@ from hypothesis import strategies as st
 import numpy as np
 import tensorflow as tf
 
-from replicate import _split
+from replicate._prepare import split
 
 
 @given(batch=st.integers(0, 1000), towers=st.integers(1, 16))
 def test_shard_sizes_cover_the_batch_and_differ_by_at_most_one(batch, towers):
-  sizes = _split.shard_sizes(batch, towers)
+  sizes = split.shard_sizes(batch, towers)
   assert len(sizes) == towers and sum(sizes) == batch
   assert max(sizes) - min(sizes) <= 1
   assert sizes == sorted(sizes, reverse=True)  # larger shards first
@@ -31,7 +31,7 @@ def test_shards_are_rows_in_order(batch, towers, static, seed):
     x = tf.constant(dense)
     if not static:
       x = tf.compat.v1.placeholder_with_default(x, [None, 3])
-    shards = _split.split_batch(
+    shards = split.split_batch(
         {"x": x, "s": tf.SparseTensor.from_value(sparse)},
         {"y": tf.constant(np.arange(batch))}, towers)
     sizes = [tf.convert_to_tensor(size) for size in shards.sizes]
@@ -39,7 +39,7 @@ def test_shards_are_rows_in_order(batch, towers, static, seed):
     with tf.compat.v1.Session() as session:
       features, labels, sizes, valid = session.run(
           (shards.features, shards.labels, sizes, valid))
-  assert list(sizes) == _split.shard_sizes(batch, towers)
+  assert list(sizes) == split.shard_sizes(batch, towers)
   assert list(valid) == [i == 0 or size > 0 for i, size in enumerate(sizes)]
   # A tower without examples holds one phantom row: the batch's last.
   real = [(f, l) for f, l, size in zip(features, labels, sizes) if size]

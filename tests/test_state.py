@@ -464,7 +464,7 @@ class AggregationTest(parameterized.TestCase):
     harness.assert_close_nests(actual, expected, rtol=1e-5, atol=1e-6)
 
   def test_unwrapped_second_optimizer_trains_as_one_device(self):
-    # Plain optimizers are routed like TowerOptimizer (see _routing).
+    # Plain optimizers are routed like TowerOptimizer (see _meet.routing).
     def model_fn(features, labels, mode, params=None):
       del params
       logits = _linear(features["x"]) + _linear(features["x"], name="other")

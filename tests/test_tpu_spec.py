@@ -11,7 +11,6 @@ and 4 towers with batches that do and do not divide by the towers.
 
 import collections
 import functools
-import os
 
 import numpy as np
 import pytest

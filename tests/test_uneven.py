@@ -163,10 +163,10 @@ class UnevenBatchTest(parameterized.TestCase):
                             (10, 3, [4, 3, 3]), (1, 1, [1]))
   def test_shard_sizes_differ_by_at_most_one_in_order(self, batch, num_towers,
                                                       sizes):
-    from replicate import _split  # pylint: disable=g-import-not-at-top
-    self.assertEqual(_split.shard_sizes(batch, num_towers), sizes)
+    from replicate._prepare import split  # pylint: disable=g-import-not-at-top
+    self.assertEqual(split.shard_sizes(batch, num_towers), sizes)
     with tf.Graph().as_default():
-      dynamic = _split.shard_sizes(tf.constant(batch, tf.int64), num_towers)
+      dynamic = split.shard_sizes(tf.constant(batch, tf.int64), num_towers)
       with tf.compat.v1.Session() as session:
         self.assertEqual(list(session.run(dynamic)), sizes)
 

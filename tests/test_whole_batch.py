@@ -18,7 +18,7 @@ import pytest
 import tensorflow as tf
 
 import replicate
-from replicate import _batch_norm
+from replicate._batch_norm import whole_batch
 from tests import harness
 
 TRAIN, EVAL, PREDICT = harness.TRAIN, harness.EVAL, harness.PREDICT
@@ -455,7 +455,7 @@ def test_fused_batch_norm_through_the_hub_is_one_devices(
     kind, params, towers, batch, static, monkeypatch):
   # Towers apart (GPUs) meet with their shards' moments on the hub: that
   # way forced here on virtual CPUs, which otherwise concatenate.
-  monkeypatch.setattr(_batch_norm, "_CONCATENATE_ON_HOST", False)
+  monkeypatch.setattr(whole_batch, "_CONCATENATE_ON_HOST", False)
   _assert_fused_is_one_devices(kind, params, towers, batch, static)
 
 

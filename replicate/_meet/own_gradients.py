@@ -6,9 +6,9 @@ clipped, to `apply_gradients` (BERT's `optimization.py`:
 optimizer's `apply_gradients`). On one device that is the gradient of the
 whole batch's loss. While towers are built (`routed`), the public
 `tf.gradients` / `tf.compat.v1.gradients` and `tf.GradientTape.gradient`
-called in a tower are a meeting (`_meetings`): tower 0, the last to make
+called in a tower are a meeting (`_meet.meetings`): tower 0, the last to make
 the call, differentiates once what one device would: each of its `ys`
-that is one device's value (a loss: see `_whole`) as it is, each with rows
+that is one device's value (a loss: see `_meet.rewiring`) as it is, each with rows
 as every tower's rows (with their `grad_ys`), each gradient op colocated
 with its forward op. Every tower gets the gradient with respect to each of
 its `xs`: for a shared variable one device's gradient, for a tensor of the
@@ -23,14 +23,13 @@ import inspect
 from typing import Any, List
 
 import tensorflow as tf
-from absl import logging
 
 from replicate import _context
-from replicate import _gather
-from replicate import _meetings
-from replicate import _patches
-from replicate import _routing
-from replicate import _rows
+from replicate._meet import optimizer_calls
+from replicate._meet import meetings
+from replicate._towers import patches
+from replicate._meet import routing
+from replicate._batch import rows
 
 _ORIGINAL_V1 = tf.compat.v1.gradients
 _ORIGINAL_V2 = tf.gradients
@@ -78,12 +77,12 @@ def _whole_batch(replication, calls):
   for k, y0 in enumerate(first["ys"]):
     y0 = rewiring.resolve(y0)
     kind = rewiring.kind(y0)
-    if _rows.shares_value(kind):
+    if rows.shares_value(kind):
       ys.append(y0)
       grad_ys.append(first["grad_ys"][k] if first["grad_ys"] else None)
       continue
-    if not isinstance(kind, _rows.Rows):
-      raise ValueError(_gather.not_whole_batch(
+    if not isinstance(kind, rows.Rows):
+      raise ValueError(optimizer_calls.not_whole_batch(
           y0, kind, "the tensor differentiated by tf.gradients"))
     for index, call in enumerate(calls):
       valid = replication.is_valid(index)
@@ -103,7 +102,7 @@ def _whole_batch(replication, calls):
     for stop in call["stop_gradients"]:
       stops.setdefault(_key(stop), stop)
   xs = [rewiring.resolve(x) for x in union.values()]
-  with _gather.meeting_scope(replication, pure=True):
+  with optimizer_calls.meeting_scope(replication, pure=True):
     grads = _ORIGINAL_V1(
         ys, xs, grad_ys=grad_ys if any(g is not None for g in grad_ys)
         else None, name=first["name"], colocate_gradients_with_ops=True,
@@ -115,16 +114,16 @@ def _whole_batch(replication, calls):
   for x, grad in zip(union.values(), grads):
     if isinstance(x, tf.Variable):
       # One device's rows for a lookup of unique ids.
-      grad = _gather.one_device_slices([(grad, x)])[0][0]
+      grad = optimizer_calls.one_device_slices([(grad, x)])[0][0]
     elif grad is not None and not isinstance(grad, tf.IndexedSlices):
-      rewiring.declare(grad, _rows.Like(x))
+      rewiring.declare(grad, rows.Like(x))
     by_key[_key(x)] = grad
   return [[_phantom_zeros(replication, index, x, by_key[_key(x)])
            for x in call["xs"]] for index, call in enumerate(calls)]
 
 
 def _phantom_zeros(replication, index: int, x, grad):
-  """Zeros for a tensor of a tower computing on a phantom row (see `_split`).
+  """Zeros for a tensor of a tower computing on a phantom row (see `_prepare.split`).
 
   Such a tower adds nothing to the whole batch's value, so its tensors have
   no gradient; it still gets zeros, as the towers holding examples get
@@ -138,15 +137,15 @@ def _phantom_zeros(replication, index: int, x, grad):
 
 def _spec(call):
   """The gradients' structure, for a tower built before tower 0."""
-  ancestors = _gather._ancestors(call["ys"])  # pylint: disable=protected-access
+  ancestors = optimizer_calls._ancestors(call["ys"])  # pylint: disable=protected-access
   specs = []
   for x in call["xs"]:
     if isinstance(x, tf.Variable):
-      specs.append(_gather.gradient_spec(call["ys"][0], [x], False)[0]
+      specs.append(optimizer_calls.gradient_spec(call["ys"][0], [x], False)[0]
                    if len(call["ys"]) == 1 else
-                   _meetings.TensorSpec(x.shape, x.dtype.base_dtype))
+                   meetings.TensorSpec(x.shape, x.dtype.base_dtype))
     elif isinstance(x, tf.Tensor) and x.op in ancestors:
-      specs.append(_meetings.TensorSpec(x.shape, x.dtype, _rows.Like(x)))
+      specs.append(meetings.TensorSpec(x.shape, x.dtype, rows.Like(x)))
     else:
       specs.append(None)
   return specs
@@ -157,7 +156,7 @@ def _routed(original):
 
   @functools.wraps(original)
   def gradients(*args, **kwargs):
-    replication = _routing.routes()
+    replication = routing.routes()
     if replication is None:
       return original(*args, **kwargs)
     arguments = _bound(original, args, kwargs)
@@ -186,7 +185,7 @@ def _routed_tape(original):
   @functools.wraps(original)
   def gradient(self, target, sources, output_gradients=None,
                unconnected_gradients=tf.UnconnectedGradients.NONE):
-    replication = _routing.routes()
+    replication = routing.routes()
     if replication is None:
       return original(self, target, sources, output_gradients,
                       unconnected_gradients)
@@ -209,7 +208,7 @@ def _routed_tape(original):
   return gradient
 
 
-def _install() -> _patches.Patched:
+def _install() -> patches.Patched:
   originals = []
   for module in _api_modules():
     function = module.__dict__.get("gradients")
@@ -221,7 +220,7 @@ def _install() -> _patches.Patched:
   return originals
 
 
-_PATCHES = _patches.Patches("tf.gradients in towers", _install)
+_PATCHES = patches.Patches("tf.gradients in towers", _install)
 
 
 def routed(replication: _context.Replication):

@@ -1,25 +1,25 @@
 """Whole-batch values inside a tower: `batch_sum` and `batch_concat`.
 
 A tower holds only its shard of the batch; a model that needs a value of
-the whole batch asks for it here. Each call is a meeting (`_meetings`):
+the whole batch asks for it here. Each call is a meeting (`_meet.meetings`):
 tower 0, the last to make it, adds or concatenates the towers' values once
 on the consolidation device and every tower gets the result, so gradients
 flow back to every tower that contributed. A value that is already the
-whole batch's (every batch reduction is, see `_whole`: the count of a
+whole batch's (every batch reduction is, see `_meet.rewiring`: the count of a
 masked mean's valid tokens, say) is one device's value as it is: on one
 device both functions return it unchanged. A tower computing on a phantom
-row (a batch smaller than the towers, see `_split`) contributes nothing.
+row (a batch smaller than the towers, see `_prepare.split`) contributes nothing.
 """
 
 from typing import Any, List
 
 import tensorflow as tf
 
-from replicate import _aggregate
+from replicate._batch import sums
 from replicate import _context
-from replicate import _meetings
-from replicate import _rows
-from replicate import _whole
+from replicate._meet import meetings
+from replicate._batch import rows
+from replicate._meet import rewiring
 
 
 def _tower_replication(what: str):
@@ -85,16 +85,16 @@ def batch_sum(x):
   flat = replication.meetings.meet(
       "replicate.batch_sum", components, build,
       lambda value: tf.nest.pack_sequence_as(
-          x, [_meetings.tensor_spec(t) for t in value]),
+          x, [meetings.tensor_spec(t) for t in value]),
       signature=[t.dtype.name for t in components])
   return flat
 
 
 def _whole_sum(replication, parts):
   """The whole batch's value: tower 0's where it is already, else the sum."""
-  if _rows.shares_value(replication.rewiring.kind(parts[0])):
+  if rows.shares_value(replication.rewiring.kind(parts[0])):
     return tf.identity(replication.rewiring.resolve(parts[0]))
-  return _aggregate.real_sum(parts, replication.validity)
+  return sums.real_sum(parts, replication.validity)
 
 
 def _as_summable(value):
@@ -109,7 +109,7 @@ def _as_summable(value):
 
 def _concat(parts):
   if isinstance(parts[0], tf.SparseTensor):
-    # Shards of a variable-length feature differ in width (see _split).
+    # Shards of a variable-length feature differ in width (see _prepare.split).
     return tf.sparse.concat(axis=0, sp_inputs=list(parts),
                             expand_nonconcat_dims=True)
   return tf.concat(list(parts), axis=0)
@@ -173,14 +173,14 @@ def batch_concat(x):
 
 def _concat_spec(tensor):
   if isinstance(tensor, tf.SparseTensor):
-    return _meetings.SparseSpec(tensor.shape.rank or tf.compat.dimension_value(
+    return meetings.SparseSpec(tensor.shape.rank or tf.compat.dimension_value(
         tensor.dense_shape.shape[0]), tensor.values.dtype)
   if isinstance(tensor, tf.RaggedTensor):
     raise ValueError(
         f"replicate.batch_concat got a {type(tensor).__name__}; concatenate "
         "its dense form (tf.sparse.to_dense, RaggedTensor.to_tensor) or its "
         "values.")
-  return _meetings.TensorSpec(
+  return meetings.TensorSpec(
       tf.TensorShape([None]).concatenate(tensor.shape[1:]), tensor.dtype)
 
 
@@ -189,8 +189,8 @@ def _whole_rows(replication, parts):
   first = parts[0]
   kind = replication.rewiring.kind(
       first.values if isinstance(first, tf.SparseTensor) else first)
-  if _rows.shares_value(kind):
+  if rows.shares_value(kind):
     if isinstance(first, tf.SparseTensor):
       return first
     return tf.identity(replication.rewiring.resolve(first))
-  return _concat(_whole.real_rows(parts, replication))
+  return _concat(rewiring.real_rows(parts, replication))

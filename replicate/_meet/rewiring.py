@@ -1,6 +1,6 @@
 """The whole batch's values of the towers' batch reductions, by construction.
 
-Every op that reduces over the batch's rows (`_rows`: sums, means, extrema,
+Every op that reduces over the batch's rows (`_batch.rows`: sums, means, extrema,
 products, norms, a matmul contracting the rows, segment sums, ...) gets,
 in every tower, the whole batch's value: each tower's partial (the same op
 on the tower's rows; the tower's own op where it built one, a copy of tower
@@ -11,11 +11,11 @@ values (ratios, scaled terms, masked means, a loss, a metric's update) is
 then one device's in every tower, whatever its algebraic form: nothing is
 recognised by pattern.
 
-So are the other events `_rows` reports: a shard's size read as a value
+So are the other events `_batch.rows` reports: a shard's size read as a value
 gets the whole batch's size (its arithmetic copied onto it); an op that
 mixes rows and cannot be split (`tf.py_func`) runs once on the towers'
 rows concatenated; batch normalization's kernel in training normalises
-with the whole batch's statistics (`_batch_norm`).
+with the whole batch's statistics (`_batch_norm.whole_batch`).
 
 Tower 0 is built last; its ops are analysed as far as they exist whenever
 a meeting needs the whole batch's values (`advance`), and once more after
@@ -32,11 +32,10 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
-from replicate import _aggregate
-from replicate import _batch_norm
+from replicate._batch import sums as _sums
+from replicate._batch_norm import whole_batch
 from replicate import _context
-from replicate import _rows
-from replicate import _step_ops
+from replicate._batch import rows as _rows
 from replicate import _tf
 
 _SUFFIX = re.compile(r"_\d+$")
@@ -84,7 +83,7 @@ class Rewiring:
   # ------------------------------------------------------------ analysis
 
   def kind(self, tensor, index: int = 0):
-    """The kind (`_rows`) of tower `index`'s `tensor` as analysed so far."""
+    """The kind (`_batch.rows`) of tower `index`'s `tensor` as analysed so far."""
     analysis = self._analyses.get(index)
     return _rows.WHOLE if analysis is None else analysis.kind(tensor)
 
@@ -304,7 +303,6 @@ class Rewiring:
   def _reduction(self, event: _rows.Reduction):
     replication = self._replication
     op0 = event.op
-    output0 = op0.outputs[0]
     with tf.name_scope(_scope(op0, "whole_batch")):
       if event.combine == "mean":
         whole = self._mean(op0, event.axis)
@@ -481,7 +479,7 @@ class Rewiring:
                    for index in range(1, replication.num_towers)]
     inputs = [self.counterpart(op0.inputs[0], index)
               for index in range(replication.num_towers)]
-    rows, statistics = _batch_norm.whole_batch(replication, op0, inputs)
+    rows, statistics = whole_batch.whole_batch(replication, op0, inputs)
     for index, (op, tower_rows) in enumerate(zip(ops, rows)):
       if op is None:
         self._tensors[index][op0.outputs[0].ref()] = tower_rows
@@ -495,7 +493,7 @@ class Rewiring:
         for position, value in enumerate(statistics, start=1):
           substitute(op.outputs[position], value)
       self._tensors[index][op0.outputs[0].ref()] = tower_rows
-    for index, (relu, tower_relu) in _batch_norm.relu_once(replication,
+    for index, (relu, tower_relu) in whole_batch.relu_once(replication,
                                                            rows):
       if index == 0:
         self._replace(relu.outputs[0], tower_relu)
@@ -566,7 +564,7 @@ def _combine(how: str, values: Sequence[tf.Tensor], validity) -> tf.Tensor:
   """The towers' partial `values` combined, towers on phantom rows left out."""
   kept = [(v, ok) for v, ok in zip(values, validity) if ok is not False]
   if how in ("sum", "norm"):
-    gated = [_aggregate.gate(tf.square(v) if how == "norm" else v, ok)
+    gated = [_sums.gate(tf.square(v) if how == "norm" else v, ok)
              for v, ok in kept]
     total = gated[0] if len(gated) == 1 else tf.add_n(gated)
     return tf.sqrt(total) if how == "norm" else total

@@ -6,7 +6,7 @@ that hold eval metrics' state. Every tower builds such a write; this module
 makes the towers' writes to one variable the one write of one device:
 
 - a value the towers share with one device (every batch reduction is the
-  whole batch's, see `_whole`: a metric's totals, a moving mean, a
+  whole batch's, see `_meet.rewiring`: a metric's totals, a moving mean, a
   counter) is written once, by tower 0;
 - rows written into a variable (a scatter of the rows' indices and values)
   are every tower's rows, in batch order, written once;
@@ -17,7 +17,7 @@ makes the towers' writes to one variable the one write of one device:
   moving variance), SUM, ONLY_FIRST_REPLICA; NONE takes a running maximum
   or minimum over the towers, else a ValueError asks for an aggregation.
 
-A tower that computed on a phantom row (see _split) adds nothing. Tower 0's
+A tower that computed on a phantom row (see _prepare.split) adds nothing. Tower 0's
 write op carries the value; later towers' writes go to a throwaway
 variable (dense) or write no rows (scatter) and run after tower 0's, so
 whatever a tower ordered after its write sees the new state; tower 0's
@@ -36,12 +36,12 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
-from replicate import _aggregate
-from replicate import _rows
-from replicate import _step_ops
+from replicate._batch import sums
+from replicate._batch import rows as _rows
+from replicate._batch import step_ops
 from replicate import _tf
 from replicate._context import Replication
-from replicate._variance import add_between_shard_variance
+from replicate._merge.variance import add_between_shard_variance
 
 _Aggregation = tf.VariableAggregation
 
@@ -119,7 +119,7 @@ def _state_variables(replication: Replication) -> Dict[str, tf.Variable]:
 
   Global and local variables, and those tower 0 created in no collection
   (a Keras metric's, until an EstimatorSpec adds them to LOCAL_VARIABLES):
-  every tower writes the same one, since towers share them (`_sharing`).
+  every tower writes the same one, since towers share them (`_towers.build.sharing`).
   """
   variables = {}
   created = (replication.created[replication.creator].values()
@@ -172,13 +172,13 @@ def _check_writes_in_functions(replication: Replication, variables, skip,
           continue
       else:
         if run is None:
-          run = _step_ops.run_by_the_step(
+          run = step_ops.run_by_the_step(
               replication.graph, specs[:1],
               [s.predictions for s in specs[1:]])
         if op.name not in run:
           continue
       if run is None:
-        run = _step_ops.run_by_the_step(
+        run = step_ops.run_by_the_step(
             replication.graph, specs[:1], [s.predictions for s in specs[1:]])
       if op.name not in run:
         logging.info("replicate: %s %s writes %s inside a function no step "
@@ -259,7 +259,7 @@ def _aggregation(variable) -> _Aggregation:
 
 
 def _written_kind(replication: Replication, write: _Write):
-  """The kind (`_rows`) of what tower 0's write writes."""
+  """The kind (`_batch.rows`) of what tower 0's write writes."""
   kinds = [replication.rewiring.kind(t) for t in write.op.inputs[1:]]
   for kind in kinds:
     if isinstance(kind, _rows.Local) or kind is _rows.SHARD:
@@ -557,7 +557,7 @@ def _real_sum(replication, values: Sequence[tf.Tensor]) -> tf.Tensor:
 
   So a SUM counter fed a phantom tower's row count counts one device's rows.
   """
-  return _aggregate.real_sum(values, replication.validity)
+  return sums.real_sum(values, replication.validity)
 
 
 def _weighted_sum(replication, values: Sequence[tf.Tensor]) -> tf.Tensor:
@@ -569,7 +569,7 @@ def _weighted_sum(replication, values: Sequence[tf.Tensor]) -> tf.Tensor:
     if isinstance(weight, float) and weight == 0.0:
       continue
     value = tf.cast(value, compute)
-    weighted = value * _aggregate.share_in(weight, compute)
+    weighted = value * sums.share_in(weight, compute)
     if not isinstance(weight, float):
       weighted = tf.where(weight > 0, weighted, tf.zeros_like(weighted))
     terms.append(weighted)

@@ -3,8 +3,8 @@
 `compute_gradients` hands every tower the gradients of the whole batch's
 loss and `apply_gradients` applies tower 0's once, in the scopes tower 0
 made the call in, so that slot variables are named as without replication
-(see `_gather`). Keras legacy optimizers (which the v2 canned estimators
-require) get the Keras flavour in `_keras_optimizer`.
+(see `_meet.optimizer_calls`). Keras legacy optimizers (which the v2 canned estimators
+require) get the Keras flavour in `_meet.keras_optimizer`.
 """
 
 from typing import Any, Callable, Union
@@ -12,11 +12,11 @@ from typing import Any, Callable, Union
 import tensorflow as tf
 
 from replicate import _context
-from replicate import _gather
-from replicate import _routing
-from replicate import _tracking
-from replicate import _transform
-from replicate._keras_optimizer import KerasTowerOptimizer
+from replicate._meet import optimizer_calls
+from replicate._meet import routing
+from replicate._meet import tracking
+from replicate._meet import transforms
+from replicate._meet.keras_optimizer import KerasTowerOptimizer
 
 _Optimizer = tf.compat.v1.train.Optimizer
 _GATE_OP = tf.compat.v1.train.Optimizer.GATE_OP
@@ -57,10 +57,23 @@ class _PerGraph:
     return built[self]
 
 
-class TowerOptimizer(_tracking.TracksWrapped, _Optimizer):
+class _EitherFlavour(type):
+  """`isinstance(x, TowerOptimizer)` holds for the Keras flavour too."""
+
+  def __instancecheck__(cls, instance: Any) -> bool:
+    return super().__instancecheck__(instance) or (
+        cls is TowerOptimizer and isinstance(instance, KerasTowerOptimizer))
+
+  def __subclasscheck__(cls, subclass: type) -> bool:
+    return super().__subclasscheck__(subclass) or (
+        cls is TowerOptimizer and issubclass(subclass, KerasTowerOptimizer))
+
+
+class TowerOptimizer(tracking.TracksWrapped, _Optimizer,
+                     metaclass=_EitherFlavour):
   """Wraps an optimizer: its own calls, once per step, on the whole batch.
 
-  `replicate_model_fn` routes plain optimizers itself (see `_routing`); the
+  `replicate_model_fn` routes plain optimizers itself (see `_meet.routing`); the
   wrapper is for `gradient_transform`, for optimizers whose methods cannot
   be routed (a mock whose `minimize` is an instance attribute, a class
   defined while the towers are built), and to make the routing explicit:
@@ -79,7 +92,7 @@ class TowerOptimizer(_tracking.TracksWrapped, _Optimizer):
   applies tower 0's once. Outside, or with one tower, every call passes
   unchanged to the wrapped optimizer's own method. Gradients the model_fn
   takes with `tf.gradients` of its scalar loss are the whole batch's too
-  (see `_own_gradients`); ones taken per tower (`grad_ys`, a non-scalar
+  (see `_meet.own_gradients`); ones taken per tower (`grad_ys`, a non-scalar
   `ys`) are summed over the towers under Reduction.SUM and refused under
   an averaging reduction.
 
@@ -127,7 +140,7 @@ class TowerOptimizer(_tracking.TracksWrapped, _Optimizer):
       `gradient_transform` is neither a function nor a list of them.
   """
 
-  # Its calls do their own meeting (see _routing).
+  # Its calls do their own meeting (see _meet.routing).
   _replicate_routes_itself = True
 
   def __new__(cls, optimizer_or_optimizer_fn=None, *args, **kwargs):
@@ -138,19 +151,19 @@ class TowerOptimizer(_tracking.TracksWrapped, _Optimizer):
 
   def __init__(self, optimizer_or_optimizer_fn: Union[
       _Optimizer, _KerasOptimizer, Callable[[], Any]],
-               gradient_transform: _transform.GradientTransforms = None):
+               gradient_transform: transforms.GradientTransforms = None):
     self._wrapped = _PerGraph(
         optimizer_or_optimizer_fn, (_Optimizer, _KerasOptimizer),
         "a tf.compat.v1.train.Optimizer or tf.keras.optimizers.legacy."
         "Optimizer")
     self._gradient_transform = gradient_transform
-    self._transforms = _transform.Pipeline(gradient_transform)
+    self._transforms = transforms.Pipeline(gradient_transform)
     name = ("TowerOptimizer" if self._wrapped.is_lazy
             else optimizer_or_optimizer_fn.get_name())
     super().__init__(use_locking=False, name=name)
 
   @staticmethod
-  def clip_by_global_norm(clip_norm: float) -> _transform.GradientTransform:
+  def clip_by_global_norm(clip_norm: float) -> transforms.GradientTransform:
     """A `gradient_transform` that clips the gradients' global norm.
 
     All gradients are scaled by `clip_norm / max(global_norm, clip_norm)`
@@ -166,7 +179,7 @@ class TowerOptimizer(_tracking.TracksWrapped, _Optimizer):
     Returns:
       A function from (gradient, variable) pairs to the clipped pairs.
     """
-    return _transform.clip_by_global_norm(clip_norm)
+    return transforms.clip_by_global_norm(clip_norm)
 
   def __call__(self):
     """Builds the optimizer now, as canned estimators do with callables.
@@ -205,16 +218,16 @@ class TowerOptimizer(_tracking.TracksWrapped, _Optimizer):
     if self._transforms.active:
       return super().minimize(loss, *args, **kwargs)
     optimizer = self.optimizer
-    if _gather.replicated() is None:
-      with _routing.direct():
+    if optimizer_calls.replicated() is None:
+      with routing.direct():
         return optimizer.minimize(loss, *args, **kwargs)
-    var_list = _routing.argument(args, kwargs, "var_list", 1)
-    return _routing.once(
+    var_list = routing.argument(args, kwargs, "var_list", 1)
+    return routing.once(
         "TowerOptimizer.minimize", loss, var_list,
-        lambda whole: _routing.call_with_loss(
+        lambda whole: routing.call_with_loss(
             optimizer.minimize, (loss,) + args, kwargs, whole,
             colocate_gradients_with_ops=True),
-        split=_routing.v1_minimize_steps(optimizer, (loss,) + args, kwargs))
+        split=routing.v1_minimize_steps(optimizer, (loss,) + args, kwargs))
 
   def compute_gradients(self, loss, var_list=None, gate_gradients=_GATE_OP,
                         aggregation_method=None,
@@ -228,7 +241,7 @@ class TowerOptimizer(_tracking.TracksWrapped, _Optimizer):
     optimizer = self.optimizer
 
     def compute(whole_loss, replicated):
-      with _routing.direct():
+      with routing.direct():
         grads_and_vars = optimizer.compute_gradients(
             whole_loss, var_list=var_list, gate_gradients=gate_gradients,
             aggregation_method=aggregation_method,
@@ -236,23 +249,23 @@ class TowerOptimizer(_tracking.TracksWrapped, _Optimizer):
                                          colocate_gradients_with_ops),
             grad_loss=grad_loss)
       if replicated:
-        return _gather.one_device_slices(grads_and_vars)
+        return optimizer_calls.one_device_slices(grads_and_vars)
       return grads_and_vars
 
-    return _gather.whole_batch_gradients(loss, compute, var_list)
+    return optimizer_calls.whole_batch_gradients(loss, compute, var_list)
 
   def apply_gradients(self, grads_and_vars, global_step=None, name=None):
     """Meets the other towers; tower 0's gradients are applied once."""
     optimizer = self.optimizer
 
     def apply(pairs):
-      with _routing.direct():
+      with routing.direct():
         return optimizer.apply_gradients(pairs, global_step, name)
 
-    return _gather.transform_and_apply(grads_and_vars, self._transforms, apply)
+    return optimizer_calls.transform_and_apply(grads_and_vars, self._transforms, apply)
 
   def _tracked_optimizer(self):
-    """What checkpoints see in this wrapper's place (see `_tracking`)."""
+    """What checkpoints see in this wrapper's place (see `_meet.tracking`)."""
     return self._wrapped.get()
 
   def get_slot(self, *args, **kwargs):

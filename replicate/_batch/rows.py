@@ -28,7 +28,6 @@ bodies (`tf.cond`, `tf.while_loop`, `tf.function`) are followed too; a
 reduction inside one cannot be rewired and makes its outputs `Local`.
 """
 
-import collections
 from typing import (Any, Callable, Dict, FrozenSet, Iterable, List, NamedTuple,
                     Optional, Sequence, Tuple, Union)
 

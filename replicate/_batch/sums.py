@@ -2,7 +2,7 @@
 
 `validate_loss_reduction` checks `replicate_model_fn`'s `loss_reduction`;
 `gate` and `real_sum` keep a tower computing on a phantom row (see
-`_split`) out of a sum; `share_in` is a tower's share of the batch.
+`_prepare.split`) out of a sum; `share_in` is a tower's share of the batch.
 """
 
 import tensorflow as tf
@@ -66,7 +66,7 @@ def share_in(fraction, dtype: tf.DType) -> tf.Tensor:
 
   A Python float (a double) becomes a `dtype` constant directly: `tf.cast`
   would first make it a float32 tensor, which leaves a float64 loss
-  float32-accurate. A tensor share (float64, see `_split._fractions`) is
+  float32-accurate. A tensor share (float64, see `_prepare.split._fractions`) is
   cast.
   """
   if isinstance(fraction, (int, float)):

@@ -2,7 +2,7 @@
 
 An optimizer call, gradients a model_fn takes itself, `batch_sum` and
 `batch_concat` need every tower's value. The towers are built one after
-another, tower 0 last (see `_towers`), so such a call is a meeting:
+another, tower 0 last (see `_towers.build`), so such a call is a meeting:
 
 1. In a tower built before tower 0 the call records what the tower brings
    (its loss, its values) and hands back stand-ins of the result's
@@ -11,7 +11,7 @@ another, tower 0 last (see `_towers`), so such a call is a meeting:
 2. Tower 0 reaches the same call last. The calls are compared (the same
    kind, the same variables, in the same order in every tower, else a
    ValueError naming them); the batch reductions built so far are made
-   the whole batch's (`_whole`), so that the losses are; then the meeting
+   the whole batch's (`_meet.rewiring`), so that the losses are; then the meeting
    is built once, in tower 0's own scopes and control dependencies, as
    the call is on one device, and tower 0 gets the real result.
 3. Every other tower's stand-ins are wired to its share of the result: the
@@ -21,18 +21,17 @@ A stand-in keeps what the tower's code gave the call (its name scope,
 device and control dependencies: a write the model_fn made a control
 dependency of the call still runs). Nothing of a meeting's result is
 guessed for tower 0; the stand-ins of the other towers, whose values
-besides their rows never run (see `_merge`), take the structure the
+besides their rows never run (see `_merge.specs`), take the structure the
 result is expected to have, and are converted where it differs.
 """
 
-import contextlib
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence
 
 import tensorflow as tf
 from absl import logging
 
 from replicate import _context
-from replicate import _rows
+from replicate._batch import rows
 from replicate import _tf
 
 
@@ -44,7 +43,7 @@ class TensorSpec(NamedTuple):
   """A stand-in for a tensor: static shape, dtype and kind."""
   shape: tf.TensorShape
   dtype: tf.DType
-  kind: Any = _rows.WHOLE
+  kind: Any = rows.WHOLE
 
 
 class SlicesSpec(NamedTuple):
@@ -234,22 +233,22 @@ def _standins(spec: Spec, kind: str, replication):
   def make(leaf):
     if isinstance(leaf, OpSpec):
       op = tf.no_op(name="standin")
-      entries.append(_Entry(op, None, _rows.WHOLE))
+      entries.append(_Entry(op, None, rows.WHOLE))
       return op
     if isinstance(leaf, TensorSpec):
       return tensor(leaf.shape, leaf.dtype, leaf.kind)
     if isinstance(leaf, SlicesSpec):
-      values = tensor(leaf.values, leaf.dtype, _rows.WHOLE)
+      values = tensor(leaf.values, leaf.dtype, rows.WHOLE)
       indices = tensor(tf.TensorShape([leaf.values[0]]), tf.int64,
-                       _rows.WHOLE)
+                       rows.WHOLE)
       shape = (None if leaf.dense_shape is None else
                tf.constant(leaf.dense_shape, tf.int64))
       return tf.IndexedSlices(values, indices, shape)
     if isinstance(leaf, SparseSpec):
       return tf.SparseTensor(
-          tensor(tf.TensorShape([None, leaf.rank]), tf.int64, _rows.WHOLE),
-          tensor(tf.TensorShape([None]), leaf.dtype, _rows.WHOLE),
-          tensor(tf.TensorShape([leaf.rank]), tf.int64, _rows.WHOLE))
+          tensor(tf.TensorShape([None, leaf.rank]), tf.int64, rows.WHOLE),
+          tensor(tf.TensorShape([None]), leaf.dtype, rows.WHOLE),
+          tensor(tf.TensorShape([leaf.rank]), tf.int64, rows.WHOLE))
     if isinstance(leaf, list):
       return [make(item) for item in leaf]
     if isinstance(leaf, tuple) and not hasattr(leaf, "_fields"):
@@ -349,7 +348,7 @@ def _compatible(real, holder: tf.Tensor, replication):
   return real
 
 
-def tensor_spec(tensor, kind=_rows.WHOLE) -> TensorSpec:
+def tensor_spec(tensor, kind=rows.WHOLE) -> TensorSpec:
   """The spec of a result shaped like `tensor`."""
   tensor = tf.convert_to_tensor(tensor)
   return TensorSpec(tensor.shape, tensor.dtype, kind)

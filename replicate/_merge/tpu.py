@@ -19,8 +19,7 @@ from typing import Any, Dict, List, Sequence
 import tensorflow as tf
 from absl import logging
 
-from replicate import _context
-from replicate import _split
+from replicate._prepare import split
 
 _BATCH_SIZE = "batch_size"
 _USE_TPU = "use_tpu"
@@ -62,7 +61,7 @@ def tower_params(params, config, index: int, num_towers: int):
   batch_size = params.get(_BATCH_SIZE)
   if not isinstance(batch_size, int):
     return params
-  sizes = _split.shard_sizes(batch_size, num_towers)
+  sizes = split.shard_sizes(batch_size, num_towers)
   if index == 0:
     logging.info("replicate: TPUEstimator's params['batch_size'] %d given to "
                  "%d towers as their shards' sizes %s", batch_size,

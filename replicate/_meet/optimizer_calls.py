@@ -1,6 +1,6 @@
 """Optimizer calls across towers: one device's gradients, one update.
 
-`compute_gradients` (and Keras' `get_gradients`) is a meeting (`_meetings`):
+`compute_gradients` (and Keras' `get_gradients`) is a meeting (`_meet.meetings`):
 tower 0, the last tower to make the call, differentiates the whole
 batch's loss once, each gradient op on its forward op's device, and every
 tower gets that one device's gradient. Code between `compute_gradients`
@@ -10,7 +10,7 @@ applies its gradients once, in its own scopes, and every tower gets that
 update as its own.
 
 The whole batch's loss is tower 0's own: every batch reduction a tower
-builds has the whole batch's value (`_whole`), so a loss computed from
+builds has the whole batch's value (`_meet.rewiring`), so a loss computed from
 them is one device's in every tower. A loss with rows (a per-example loss
 handed to an optimizer, which sums it) is the towers' rows together.
 """
@@ -21,11 +21,11 @@ from typing import Any, Callable, List, Optional, Sequence
 import tensorflow as tf
 
 from replicate import _context
-from replicate import _meetings
-from replicate import _rows
+from replicate._meet import meetings as _meetings
+from replicate._batch import rows
 from replicate import _tf
-from replicate import _transform
-from replicate import _whole
+from replicate._meet import transforms as _transforms
+from replicate._meet import rewiring
 
 _COMPUTE = "TowerOptimizer.compute_gradients"
 _APPLY = "TowerOptimizer.apply_gradients"
@@ -79,25 +79,25 @@ def whole_batch_loss(replication, losses: Sequence[Any], call: str):
   """
   loss = replication.rewiring.resolve(tf.convert_to_tensor(losses[0]))
   kind = replication.rewiring.kind(loss)
-  if _rows.shares_value(kind):
+  if rows.shares_value(kind):
     return loss
-  if isinstance(kind, _rows.Rows) and kind.axis == 0:
+  if isinstance(kind, rows.Rows) and kind.axis == 0:
     parts = [tf.convert_to_tensor(replication.rewiring.counterpart(loss, i))
              for i in range(replication.num_towers)]
     with _context.outside(replication, "whole_batch_loss"), \
         tf.device(replication.hub):
-      return tf.concat(_whole.real_rows(parts, replication), 0)
+      return tf.concat(rewiring.real_rows(parts, replication), 0)
   raise ValueError(not_whole_batch(loss, kind, f"the loss handed to {call}"))
 
 
 def not_whole_batch(tensor, kind, what: str) -> str:
   """The error message for a value that is not the whole batch's."""
-  if isinstance(kind, _rows.Local):
+  if isinstance(kind, rows.Local):
     cause = (f"op {kind.op!r} {kind.why}" if kind.op else kind.why)
-  elif kind is _rows.SHARD:
+  elif kind is rows.SHARD:
     cause = ("it is computed from each tower's own batch statistics "
              "(sync_batch_norm=False)")
-  elif isinstance(kind, _rows.Size):
+  elif isinstance(kind, rows.Size):
     cause = "it is the tower's shard size"
   else:
     cause = f"it holds the tower's rows ({kind})"
@@ -254,7 +254,7 @@ def one_device_slices(grads_and_vars):
   order of first appearance, as one device's `unique` orders them.
   Lookups of ids as given keep every row, as on one device.
   """
-  return [(_transform.merge_duplicate_rows(grad)
+  return [(_transforms.merge_duplicate_rows(grad)
            if isinstance(grad, tf.IndexedSlices) and _looks_up_unique_ids(
                variable) else grad, variable)
           for grad, variable in grads_and_vars]
@@ -276,7 +276,7 @@ def _source_type(tensor) -> str:
   return tensor.op.type
 
 
-def transform_and_apply(grads_and_vars, transforms: "_transform.Pipeline",
+def transform_and_apply(grads_and_vars, transforms: "_transforms.Pipeline",
                         apply_fn: Callable[[Any], Any],
                         call: str = _APPLY):
   """An apply_gradients call: the transforms, then `apply_fn`, once.
@@ -304,7 +304,7 @@ def transform_and_apply(grads_and_vars, transforms: "_transform.Pipeline",
         continue
       for part in _components(grad):
         kind = replication.rewiring.kind(part)
-        if not _rows.shares_value(kind):
+        if not rows.shares_value(kind):
           raise ValueError(not_whole_batch(
               part, kind, f"the gradient of {variable.op.name} handed to "
               f"{call}"))

@@ -1,13 +1,13 @@
 """Merging the towers' EstimatorSpecs into one.
 
 Every tower computes one device's values of everything that does not hold
-rows (`_whole`): the loss, the metrics' updates and values, summaries,
+rows (`_meet.rewiring`): the loss, the metrics' updates and values, summaries,
 the optimizer's update (built once, by tower 0). So the merged spec is
 tower 0's, its train_op, loss, eval_metric_ops, hooks and scaffold
 included (the other towers' copies of those never run), with the values
 that hold rows merged: predictions and export outputs (and a
 TPUEstimatorSpec's host-call tensors) are the towers' rows concatenated in
-order, those computed on phantom rows (see `_split`) left out.
+order, those computed on phantom rows (see `_prepare.split`) left out.
 """
 
 import re
@@ -17,12 +17,12 @@ import tensorflow as tf
 from absl import logging
 
 from replicate import _context
-from replicate import _gather
-from replicate import _hooks
-from replicate import _rows
-from replicate import _split
-from replicate import _tpu
-from replicate import _whole
+from replicate._meet import optimizer_calls
+from replicate._merge import hooks
+from replicate._batch import rows
+from replicate._prepare import split
+from replicate._merge import tpu as _tpu
+from replicate._meet import rewiring as _rewiring
 
 _ModeKeys = tf.estimator.ModeKeys
 _export = tf.estimator.export
@@ -71,20 +71,20 @@ def _merged(tensors: Sequence[Any], path: str, name: str,
   else:
     first = tf.convert_to_tensor(first)
     kind = rewiring.kind(first)
-  if _rows.shares_value(kind):
+  if rows.shares_value(kind):
     return first
-  if isinstance(kind, _rows.Size):
+  if isinstance(kind, rows.Size):
     with _context.outside(replication):
       return rewiring.whole_size(first)
-  if not isinstance(kind, _rows.Rows) or kind.axis != 0:
-    raise ValueError(_gather.not_whole_batch(first, kind, path))
-  parts = _whole.real_rows(tensors, replication, examples=True)
+  if not isinstance(kind, rows.Rows) or kind.axis != 0:
+    raise ValueError(optimizer_calls.not_whole_batch(first, kind, path))
+  parts = _rewiring.real_rows(tensors, replication, examples=True)
   if isinstance(first, tf.SparseTensor):
     return tf.sparse.concat(axis=0, sp_inputs=parts,
                             expand_nonconcat_dims=True)
   if isinstance(first, tf.RaggedTensor):
     return tf.concat(parts, axis=0, name=name)
-  merged = tf.concat(_split.padded_to_widest(
+  merged = tf.concat(split.padded_to_widest(
       [tf.convert_to_tensor(t) for t in parts]), axis=0, name=name)
   if all(isinstance(s, int) for s in replication.sizes) and (
       merged.shape.rank):
@@ -174,14 +174,14 @@ def _resolved(replication, value):
 
 
 def _whole_loss(loss: tf.Tensor, replication: _context.Replication):
-  """Tower 0's loss, which is the whole batch's (see `_whole`)."""
+  """Tower 0's loss, which is the whole batch's (see `_meet.rewiring`)."""
   loss = replication.rewiring.resolve(loss)
   kind = replication.rewiring.kind(loss)
-  if _rows.shares_value(kind):
+  if rows.shares_value(kind):
     return loss
-  if isinstance(kind, _rows.Size):
+  if isinstance(kind, rows.Size):
     return replication.rewiring.whole_size(loss)
-  raise ValueError(_gather.not_whole_batch(
+  raise ValueError(optimizer_calls.not_whole_batch(
       loss, kind, "the loss the model_fn returned"))
 
 
@@ -196,7 +196,7 @@ def _whole_summaries(replication: _context.Replication):
       continue
     summaries[position] = rewiring.resolve(summary)
     kind = rewiring.kind(summary)
-    if isinstance(kind, _rows.Local):
+    if isinstance(kind, rows.Local):
       logging.warning(
           "replicate: summary %s shows tower 0's own value, not the whole "
           "batch's: op %s %s; summarise the whole batch's rows or a "
@@ -206,7 +206,7 @@ def _whole_summaries(replication: _context.Replication):
 def merge_specs(mode, specs: List[Any], replication: _context.Replication):
   """Builds the one EstimatorSpec the Estimator sees (see above).
 
-  TPUEstimatorSpecs merge into one (see `_tpu`): `eval_metrics` and
+  TPUEstimatorSpecs merge into one (see `_merge.tpu`): `eval_metrics` and
   `host_call` get the towers' rows concatenated, as a TPU's shards'.
 
   Raises:
@@ -236,11 +236,11 @@ def merge_specs(mode, specs: List[Any], replication: _context.Replication):
               tensors, path, concat_name(name), replication)))
   _whole_summaries(replication)
   swaps = dict(replication.rewiring.replacements())
-  swaps.update(_hooks.whole_batch_swaps(specs[0], fields))
+  swaps.update(hooks.whole_batch_swaps(specs[0], fields))
   for name in ("training_hooks", "training_chief_hooks", "evaluation_hooks",
                "prediction_hooks"):
     if name in specs[0]._fields:
-      fields[name] = _hooks.wrap_hooks(getattr(specs[0], name), swaps)
+      fields[name] = hooks.wrap_hooks(getattr(specs[0], name), swaps)
   if tpu:
     return _tpu.merged_spec(specs[0], fields)
   return specs[0]._replace(**fields)

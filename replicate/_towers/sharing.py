@@ -14,7 +14,7 @@ import tensorflow as tf
 from absl import logging
 
 from replicate import _context
-from replicate import _devices
+from replicate._prepare import devices
 from replicate import _tf
 from replicate._context import Replication
 
@@ -43,11 +43,11 @@ def _cache_device(replication: Replication) -> Optional[str]:
   """Where trained variables on another task are read once per step, or None.
 
   Worked out from where the input split was placed (see
-  `_devices.cache_device`).
+  `devices.cache_device`).
   """
   if not replication.hub:
     return None
-  device = _devices.cache_device(replication.graph,
+  device = devices.cache_device(replication.graph,
                                  replication.split_op_names, replication.hub)
   if device is not None:
     logging.info(
@@ -86,12 +86,12 @@ def read_once_per_step(variable, device: str, replication: Replication
   reference variable its own snapshot (stale there on one device too). So
   do a resource variable's `read_value()` and gathers (`sparse_read`: an
   embedding's rows), and TensorFlow's embedding lookups of a reference
-  variable (see `_lookups`): their gathers run where the variable is, and
+  variable (see `_towers.build.lookups`): their gathers run where the variable is, and
   only rows cross. This is what `caching_device` does, but decided once the
   variable's device is known, and without the stale reads after writes.
   """
   if not (variable.trainable and
-          _devices.other_task(variable.device, device)):
+          devices.other_task(variable.device, device)):
     return
   own = variable.value
   with tf.init_scope(), tf.compat.v1.device(None), tf.device(device):
@@ -114,7 +114,7 @@ def read_once_per_step(variable, device: str, replication: Replication
 def own_read(value, copies: Dict[Any, Any]) -> Optional[tf.Tensor]:
   """The variable's own read where the towers share a copy of it, else None.
 
-  For the ops that must run where the variable is (see `_lookups`).
+  For the ops that must run where the variable is (see `_towers.build.lookups`).
   `value`: a tensor or variable; `copies`: a `Replication.shared_copies`,
   which knows the shared copies and the reference variables they copy.
   """
@@ -143,7 +143,7 @@ def variable_creator(replication: Replication, index: int, name_root: str):
   name was asked for before, so TensorFlow's own uniquifying of names
   cannot pair the wrong ones. Local (metric) variables are shared too, like
   those `get_local_variable` gets back by variable-scope reuse, so that the
-  towers' writes reach one variable (`_state`). A checkpointed variable the
+  towers' writes reach one variable (`_merge.state`). A checkpointed variable the
   first tower did not create, or asked for with another shape, is an
   error; a local one is the tower's.
   """

@@ -8,11 +8,11 @@ applies gradients like the v1 TowerOptimizer.
 
 import tensorflow as tf
 
-from replicate import _gather
-from replicate import _meetings
-from replicate import _routing
-from replicate import _tracking
-from replicate import _transform
+from replicate._meet import optimizer_calls
+from replicate._meet import meetings
+from replicate._meet import routing
+from replicate._meet import tracking
+from replicate._meet import transforms
 
 _KerasOptimizer = tf.keras.optimizers.legacy.Optimizer
 
@@ -43,10 +43,10 @@ def _colocated_gradients(optimizer, loss, variables, grad_loss=None):
                                  colocate_gradients_with_ops=True)
   if scales:
     grads = optimizer.get_unscaled_gradients(grads)
-  return [g for g, _ in _gather.one_device_slices(zip(grads, variables))]
+  return [g for g, _ in optimizer_calls.one_device_slices(zip(grads, variables))]
 
 
-class KerasTowerOptimizer(_tracking.TracksWrapped, _KerasOptimizer):
+class KerasTowerOptimizer(tracking.TracksWrapped, _KerasOptimizer):
   """TowerOptimizer for a Keras legacy optimizer (see TowerOptimizer).
 
   The v2 canned heads call `get_updates(loss, variables)` and set
@@ -62,15 +62,15 @@ class KerasTowerOptimizer(_tracking.TracksWrapped, _KerasOptimizer):
       summed gradients before `optimizer.apply_gradients`.
   """
 
-  # Its calls do their own meeting (see _routing).
+  # Its calls do their own meeting (see _meet.routing).
   _replicate_routes_itself = True
 
   def __init__(self, optimizer: _KerasOptimizer,
-               gradient_transform: _transform.GradientTransforms = None):
+               gradient_transform: transforms.GradientTransforms = None):
     super().__init__(name=_innermost(optimizer)._name)  # pylint: disable=protected-access
     self._wrapped_keras = optimizer
     self._gradient_transform = gradient_transform
-    self._transforms = _transform.Pipeline(gradient_transform)
+    self._transforms = transforms.Pipeline(gradient_transform)
 
   @property
   def optimizer(self) -> _KerasOptimizer:
@@ -95,13 +95,13 @@ class KerasTowerOptimizer(_tracking.TracksWrapped, _KerasOptimizer):
 
     def compute(whole_loss, replicated):
       if not replicated:
-        with _routing.direct():
+        with routing.direct():
           return optimizer.get_gradients(whole_loss, params)
       grads = _colocated_gradients(optimizer, whole_loss, params)
-      _gather.require_gradients(grads, params)
+      optimizer_calls.require_gradients(grads, params)
       return grads
 
-    return _gather.whole_batch_gradients(
+    return optimizer_calls.whole_batch_gradients(
         loss, compute, params, pairs=False,
         call="TowerOptimizer.get_gradients")
 
@@ -116,12 +116,12 @@ class KerasTowerOptimizer(_tracking.TracksWrapped, _KerasOptimizer):
     """
     optimizer = self._wrapped_keras
     if not self._transforms.active:
-      if _gather.replicated() is None:
-        with _routing.direct():
+      if optimizer_calls.replicated() is None:
+        with routing.direct():
           return optimizer.get_updates(loss, params)
-      return _routing.once("TowerOptimizer.get_updates", loss, params,
+      return routing.once("TowerOptimizer.get_updates", loss, params,
                            lambda whole: optimizer.get_updates(whole, params),
-                           spec=[_meetings.OP])
+                           spec=[meetings.OP])
     grads = self.get_gradients(loss, params)
     return [self.apply_gradients(zip(grads, tf.nest.flatten(params)))]
 
@@ -134,12 +134,12 @@ class KerasTowerOptimizer(_tracking.TracksWrapped, _KerasOptimizer):
     are transformed and applied instead.
     """
     optimizer = self._wrapped_keras
-    if _gather.replicated() is None:
+    if optimizer_calls.replicated() is None:
       if not self._transforms.active:
-        with _routing.direct():
+        with routing.direct():
           return optimizer.minimize(loss, var_list, grad_loss=grad_loss,
                                     name=name, tape=tape)
-      with _routing.direct():
+      with routing.direct():
         grads_and_vars = optimizer._compute_gradients(  # pylint: disable=protected-access
             loss, var_list=var_list, grad_loss=grad_loss, tape=tape)
       return self.apply_gradients(grads_and_vars, name=name)
@@ -149,12 +149,12 @@ class KerasTowerOptimizer(_tracking.TracksWrapped, _KerasOptimizer):
       var_list = var_list()
     var_list = tf.nest.flatten(var_list)
     if not self._transforms.active:
-      return _routing.once(
+      return routing.once(
           "TowerOptimizer.minimize", loss, var_list,
           lambda whole: optimizer.minimize(
               whole, var_list, grad_loss=grad_loss, name=name,
-              tape=_routing.GraphTape()))
-    grads = _gather.whole_batch_gradients(
+              tape=routing.GraphTape()))
+    grads = optimizer_calls.whole_batch_gradients(
         loss, lambda whole_loss, _: _colocated_gradients(
             optimizer, whole_loss, var_list, grad_loss), var_list,
         pairs=False, call="TowerOptimizer.get_gradients")
@@ -165,13 +165,13 @@ class KerasTowerOptimizer(_tracking.TracksWrapped, _KerasOptimizer):
     optimizer = self._wrapped_keras
 
     def apply(pairs):
-      with _routing.direct():
+      with routing.direct():
         return optimizer.apply_gradients(pairs, name=name, **kwargs)
 
-    return _gather.transform_and_apply(grads_and_vars, self._transforms, apply)
+    return optimizer_calls.transform_and_apply(grads_and_vars, self._transforms, apply)
 
   def _tracked_optimizer(self):
-    """What checkpoints see in this wrapper's place (see `_tracking`)."""
+    """What checkpoints see in this wrapper's place (see `_meet.tracking`)."""
     return self._wrapped_keras
 
   def get_slot(self, var, slot_name):

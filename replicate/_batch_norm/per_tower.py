@@ -2,12 +2,12 @@
 
 With synchronised batch norm off, a tower's batch normalization uses its
 shard's statistics: fewer waits between devices, not one device's result.
-Every reduction is otherwise the whole batch's (`_whole`), so the moments
+Every reduction is otherwise the whole batch's (`_meet.rewiring`), so the moments
 batch norm takes (`tf.nn.moments`, `tf.nn.weighted_moments`, which Keras'
 and tf-slim's non-fused layers call) are marked while they are built:
-their reductions stay the tower's (`_rows.SHARD`), and the moving
+their reductions stay the tower's (`_batch.rows.SHARD`), and the moving
 statistics written from them are combined by their aggregation (MEAN, see
-`_state`). Fused kernels in training stay the tower's by their type.
+`_merge.state`). Fused kernels in training stay the tower's by their type.
 """
 
 import functools
@@ -16,7 +16,7 @@ from typing import Callable
 import tensorflow as tf
 
 from replicate import _context
-from replicate import _patches
+from replicate._towers import patches
 from replicate import _tf
 
 _NAMES = ("moments", "weighted_moments")
@@ -38,15 +38,15 @@ def _recording(original: Callable) -> Callable:
   return statistics
 
 
-def _install() -> _patches.Patched:
+def _install() -> patches.Patched:
   patched = []
   for name in _NAMES:
     original = getattr(_tf.NN_IMPL, name)
-    patched.extend(_patches.rebind(name, original, _recording(original)))
+    patched.extend(patches.rebind(name, original, _recording(original)))
   return patched
 
 
-_PATCHES = _patches.Patches("tf.nn batch statistics kept per tower",
+_PATCHES = patches.Patches("tf.nn batch statistics kept per tower",
                             _install)
 
 

@@ -2,12 +2,12 @@
 
 An optimizer's `minimize` (v1) or `get_updates` / `minimize` (Keras) is
 called once per step on one device, with the whole batch's loss. In towers
-every tower makes the call; it is a meeting (`_meetings`): tower 0, the
+every tower makes the call; it is a meeting (`_meet.meetings`): tower 0, the
 last to make it, makes the optimizer's own call once, with the whole
-batch's loss (its own: see `_gather`), in its own scopes, and every tower
+batch's loss (its own: see `_meet.optimizer_calls`), in its own scopes, and every tower
 gets that update. `compute_gradients` / `get_gradients` give every tower
 one device's gradients and `apply_gradients` applies tower 0's once (see
-`_gather`).
+`_meet.optimizer_calls`).
 
 While towers are built (`routed`), the base classes' methods
 (`tf.compat.v1.train.Optimizer`, `tf.keras.optimizers.legacy.Optimizer`) and
@@ -26,17 +26,16 @@ import threading
 from typing import Any, Callable
 
 import tensorflow as tf
-from absl import logging
 
 from replicate import _context
-from replicate import _gather
-from replicate import _meetings
-from replicate import _patches
-from replicate import _transform
+from replicate._meet import optimizer_calls
+from replicate._meet import meetings
+from replicate._towers import patches
+from replicate._meet import transforms
 
 _V1 = tf.compat.v1.train.Optimizer
 _KERAS = tf.keras.optimizers.legacy.Optimizer
-_NO_TRANSFORMS = _transform.Pipeline(None)
+_NO_TRANSFORMS = transforms.Pipeline(None)
 _local = threading.local()
 
 
@@ -67,7 +66,7 @@ def routes():
   """The replication whose towers this optimizer call meets, or None."""
   if getattr(_local, "direct", 0):
     return None
-  return _gather.replicated()
+  return optimizer_calls.replicated()
 
 
 @contextlib.contextmanager
@@ -78,12 +77,12 @@ def meeting_scope(replication: _context.Replication):
   variable sit on the consolidation device, as the variables' updates run
   where the variables are.
   """
-  with _gather.meeting_scope(replication), direct(), colocating():
+  with optimizer_calls.meeting_scope(replication), direct(), colocating():
     yield
 
 
 def once(kind: str, loss, variables, call: Callable[[Any], Any],
-         spec=_meetings.OP, split=None):
+         spec=meetings.OP, split=None):
   """`call(whole_batch_loss)` once, by tower 0; every tower gets its result.
 
   Args:
@@ -92,21 +91,21 @@ def once(kind: str, loss, variables, call: Callable[[Any], Any],
     variables: the variables the call names (None: unnamed); every tower
       must name the same.
     call: makes the optimizer's own call with the whole batch's loss.
-    spec: the structure of the call's result (`_meetings`).
+    spec: the structure of the call's result (`_meet.meetings`).
     split: (compute, apply): the call as its two steps, `apply(compute(
       whole_batch_loss))`, for a call inside a tf.cond or tf.while_loop
       body: the gradients are taken outside it, where the other towers'
       rows are, and applied inside.
   """
-  replication = _gather.replicated()
+  replication = optimizer_calls.replicated()
   names = None if variables is None else [
       v.op.name for v in tf.nest.flatten(variables)]
 
   def build(values):
-    whole = _gather.whole_batch_loss(replication, values, kind)
-    if split is not None and _gather.in_control_flow(replication):
+    whole = optimizer_calls.whole_batch_loss(replication, values, kind)
+    if split is not None and optimizer_calls.in_control_flow(replication):
       compute, apply = split
-      with _gather.meeting_scope(replication, pure=True), direct(), \
+      with optimizer_calls.meeting_scope(replication, pure=True), direct(), \
           colocating():
         grads = compute(whole)
       with meeting_scope(replication):
@@ -146,8 +145,8 @@ class GraphTape:
 
 
 def _one_device_grads(grads, variables):
-  """`grads`, sparse rows as one device's (_gather.one_device_slices)."""
-  return [g for g, _ in _gather.one_device_slices(zip(grads, variables))]
+  """`grads`, sparse rows as one device's (optimizer_calls.one_device_slices)."""
+  return [g for g, _ in optimizer_calls.one_device_slices(zip(grads, variables))]
 
 
 def call_with_loss(method, args, kwargs, loss, **replace):
@@ -225,21 +224,21 @@ def _v1_compute_gradients(original, optimizer, args, kwargs):
   loss = args[0] if args else kwargs.get("loss")
   var_list = argument(args, kwargs, "var_list", 1)
 
-  replication = _gather.replicated()
+  replication = optimizer_calls.replicated()
 
   def compute(whole, unused_replicated):
     with meeting_scope(replication):
-      return _gather.one_device_slices(call_with_loss(
+      return optimizer_calls.one_device_slices(call_with_loss(
           bound, args, kwargs, whole, colocate_gradients_with_ops=True))
 
-  return _gather.whole_batch_gradients(
+  return optimizer_calls.whole_batch_gradients(
       loss, compute, var_list, call=_kind(optimizer, "compute_gradients"))
 
 
 def _v1_compute_pass(original, optimizer, args, kwargs):
   if not _colocates():
     return original(optimizer, *args, **kwargs)
-  return _gather.one_device_slices(call_with_loss(
+  return optimizer_calls.one_device_slices(call_with_loss(
       functools.partial(original, optimizer), args, kwargs,
       args[0] if args else kwargs.get("loss"),
       colocate_gradients_with_ops=True))
@@ -253,7 +252,7 @@ def _apply_gradients(original, optimizer, args, kwargs):
     with direct():
       return original(optimizer, whole_pairs, *rest, **kwargs)
 
-  return _gather.transform_and_apply(
+  return optimizer_calls.transform_and_apply(
       pairs, _NO_TRANSFORMS, apply, call=_kind(optimizer, "apply_gradients"))
 
 
@@ -263,7 +262,7 @@ def _keras_get_updates(original, optimizer, args, kwargs):
   params = argument(args, kwargs, "params", 1)
   return once(_kind(optimizer, "get_updates"), loss, params,
               lambda whole: call_with_loss(bound, args, kwargs, whole),
-              spec=[_meetings.OP])
+              spec=[meetings.OP])
 
 
 def _keras_get_gradients(original, optimizer, args, kwargs):
@@ -271,13 +270,13 @@ def _keras_get_gradients(original, optimizer, args, kwargs):
   loss = args[0] if args else kwargs.get("loss")
   params = tf.nest.flatten(argument(args, kwargs, "params", 1))
 
-  replication = _gather.replicated()
+  replication = optimizer_calls.replicated()
 
   def compute(whole, unused_replicated):
     with meeting_scope(replication):
       return call_with_loss(bound, args, kwargs, whole)
 
-  return _gather.whole_batch_gradients(
+  return optimizer_calls.whole_batch_gradients(
       loss, compute, params, pairs=False,
       call=_kind(optimizer, "get_gradients"))
 
@@ -296,7 +295,7 @@ def _colocated_keras_gradients(optimizer, loss, params):
   with tf.name_scope(optimizer._name + "/gradients"):  # pylint: disable=protected-access
     grads = tf.compat.v1.gradients(loss, params,
                                    colocate_gradients_with_ops=True)
-  _gather.require_gradients(grads, params)
+  optimizer_calls.require_gradients(grads, params)
   return _one_device_grads(grads, params)
 
 
@@ -375,7 +374,7 @@ def _subclasses(base):
                   for b in c.__mro__)]
 
 
-def _install() -> _patches.Patched:
+def _install() -> patches.Patched:
   originals = []
   for base, methods in _ROUTES.items():
     for cls in _subclasses(base):
@@ -391,7 +390,7 @@ def _install() -> _patches.Patched:
   return originals
 
 
-_PATCHES = _patches.Patches("optimizer calls in towers", _install)
+_PATCHES = patches.Patches("optimizer calls in towers", _install)
 
 
 def routed(replication: _context.Replication):

@@ -361,7 +361,7 @@ def _variable_source(tensor: tf.Tensor) -> Optional[tf.Operation]:
   Inside a function body (a cond's branch, a loop's body) a captured
   variable is a placeholder; its source is the captured outer tensor's. A
   copy on another task (the towers' one read per step of a parameter
-  server's variable, see `_sharing.read_once_per_step`) is a value of its
+  server's variable, see `_towers.build.sharing.read_once_per_step`) is a value of its
   own, not the variable.
   """
   copies = []

@@ -4,7 +4,7 @@ Each tower's call runs to its end before the next begins, as one device's
 calls do: no Python state of the model_fn or of its libraries (tf-slim's
 scope stack, a model object's attributes, name counters) ever sees two
 towers at once. Towers 1, 2, ..., N-1 are built first, tower 0 last: a
-call that needs every tower (a meeting, see `_meetings`) hands the earlier
+call that needs every tower (a meeting, see `_meet.meetings`) hands the earlier
 towers stand-ins and is built once when tower 0, the last to arrive, makes
 it, so that tower 0's code gets the real result (a gradient's structure
 included) as on one device.
@@ -27,7 +27,7 @@ import tensorflow as tf
 from absl import logging
 
 from replicate import _context
-from replicate import _sharing
+from replicate._towers import sharing
 from replicate import _tf
 from replicate._context import Replication
 from replicate._context import Tower
@@ -52,7 +52,7 @@ def _tower_scope(replication: Replication, index: int,
     if index != replication.creator:
       stack.enter_context(tf.compat.v1.variable_scope(
           replication.root_variable_scope,
-          custom_getter=_sharing.sharing_getter(replication, index)))
+          custom_getter=sharing.sharing_getter(replication, index)))
     if index > 0:
       scope = stack.enter_context(graph.name_scope(f"tower_{index}"))
       stack.enter_context(_tf.tower_root(graph, scope.rstrip("/")))
@@ -61,7 +61,7 @@ def _tower_scope(replication: Replication, index: int,
           graph, replication.root_name_scope))
     stack.enter_context(tf.compat.v1.device(device_function))
     stack.enter_context(tf.compat.v1.variable_creator_scope(
-        _sharing.variable_creator(replication, index,
+        sharing.variable_creator(replication, index,
                                   replication.tower_prefix(index))))
     logging.info("replicate: building tower %d of %d on %s", index,
                  replication.num_towers, replication.devices[index])

@@ -1,7 +1,7 @@
 """Embedding lookups of reference variables gather where the variable is.
 
 On a parameter-server cluster the towers share one copy per step of each
-trained variable of another task (`_sharing.read_once_per_step`). A
+trained variable of another task (`sharing.read_once_per_step`). A
 reference variable (`use_resource=False`) has no gather of its own:
 `tf.nn.embedding_lookup` converts it to its value and gathers colocated
 with that value. Given the shared copy it would gather on the trainer, and
@@ -22,12 +22,12 @@ import tensorflow as tf
 from tensorflow.python.ops.variables import PartitionedVariable as _PartitionedVariable  # pylint: disable=g-direct-tensorflow-import
 
 from replicate import _context
-from replicate import _patches
-from replicate import _sharing
+from replicate._towers import patches
+from replicate._towers import sharing
 
 
 def _own_read(param: Any, copies: Dict[Any, Any]) -> Any:
-  own = (_sharing.own_read(param, copies)
+  own = (sharing.own_read(param, copies)
          if isinstance(param, (tf.Variable, tf.Tensor)) else None)
   return param if own is None else own
 
@@ -54,14 +54,14 @@ def _lookup(original: Callable[..., Any]) -> Callable[..., Any]:
   return embedding_lookup
 
 
-def _install() -> _patches.Patched:
+def _install() -> patches.Patched:
   # tf.compat.v1.nn.embedding_lookup is the function the others call
   # (tf.nn.embedding_lookup, the sparse and safe lookups).
   original = tf.compat.v1.nn.embedding_lookup
-  return _patches.rebind("embedding_lookup", original, _lookup(original))
+  return patches.rebind("embedding_lookup", original, _lookup(original))
 
 
-_PATCHES = _patches.Patches("embedding lookups of reference variables",
+_PATCHES = patches.Patches("embedding lookups of reference variables",
                             _install)
 
 

@@ -22,7 +22,7 @@ from typing import NamedTuple, Optional, Sequence
 import tensorflow as tf
 from absl import logging
 
-from replicate import _aggregate
+from replicate._batch import sums
 
 # Ops that pass a statistic on unchanged in value (shape and dtype aside).
 _VALUE_PRESERVING = frozenset([
@@ -64,8 +64,8 @@ def add_between_shard_variance(writes: Sequence[tf.Operation], weights,
     return False
   batch_mean = weighted_sum([s.mean for s in statistics])
   if bessel:
-    # A tower of weight 0 holds no example (a phantom row's, see _split).
-    counts = [_aggregate.gate(tf.cast(s.count, s.variance.dtype), weight > 0)
+    # A tower of weight 0 holds no example (a phantom row's, see _prepare.split).
+    counts = [sums.gate(tf.cast(s.count, s.variance.dtype), weight > 0)
               for s, weight in zip(statistics, weights)]
     total = tf.add_n(counts)
   for index, statistic in enumerate(statistics):

@@ -1,28 +1,12 @@
-"""Testing a replicated model_fn on any machine, GPUs or not.
+"""`assert_replicates`: N towers give one device's results, or an error says where not.
 
-`assert_replicates` checks the property `replicate` promises, on your own
-model_fn: trained, evaluated and predicting on N towers, it gives one
-device's results. The towers are virtual CPU devices of one session, so the
-check runs on a laptop or a CPU-only CI machine.
-
-    import replicate.testing
-
-    def test_model_fn_replicates():
-      replicate.testing.assert_replicates(model_fn, input_fn, params={...})
-
-`virtual_cpus` splits the host CPU into N devices (for eager code and
-`tf.distribute`); `run_config` and `session_config` give an Estimator a
-session with N CPU devices, which is all a graph-mode Estimator needs.
-`replicated` turns a canned estimator's constructor into one that builds the
-same estimator replicated on N virtual CPUs, for canned-model integration
-tests.
+The model_fn is trained, evaluated and run for predictions on one device
+and on N towers from the same initial checkpoint; losses, trained
+variables, metrics and predictions are compared within a tolerance.
 """
 
 import contextlib
-import functools
-import inspect
 import itertools
-import math
 import os
 import shutil
 import tempfile
@@ -33,35 +17,47 @@ import numpy as np
 import tensorflow as tf
 
 from replicate import _core
-from replicate import _devices
-from replicate import _optimizer
+from replicate._prepare import devices as _devices
+from replicate.testing._configs import check_count
+from replicate.testing._configs import cpu_names
+from replicate.testing._configs import merged_session_config
 
-__all__ = (
-    "ReplicationMismatch",
-    "Summary",
-    "assert_replicates",
-    "replicated",
-    "run_config",
-    "session_config",
-    "virtual_cpus",
-)
 
 _ModeKeys = tf.estimator.ModeKeys
+
+
+
 _MODES = ("train", "eval", "predict")
+
+
+
 _NAMES_LISTED = 5
+
+
+
 # A checkpoint is saved when training starts (step 0) and when it ends.
 _NEVER = 10**9
+
+
+
 _UNTIL_STEPS = object()
+
+
+
 # A summed loss on uneven shards (sizes n_i of n) is weighted to
 # Σ n_i² / n² of one device's, not exactly 1/N: 0.26 for 3, 3, 2, 2.
 # What TensorFlow says when a Keras optimizer instance meets a second graph.
 _OPTIMIZER_REUSED = ("Cannot set `iterations`", "must be from the same graph")
 
+
+
 Towers = Union[int, Sequence[str]]
+
 
 
 class ReplicationMismatch(AssertionError):
   """The replicated model_fn's results differ from one device's."""
+
 
 
 class Summary(NamedTuple):
@@ -82,301 +78,6 @@ class Summary(NamedTuple):
   predictions: int
   closest_to_tolerance: float
 
-
-def virtual_cpus(num_devices: int) -> List[str]:
-  """Splits the host CPU into `num_devices` virtual devices.
-
-  Must run before anything initialises TensorFlow's devices (first thing in
-  `conftest.py` or `main`); calling it again with the same number is fine.
-  Graph-mode Estimators do not need it: a session made with
-  `session_config(num_devices)` has that many CPU devices of its own.
-
-  Args:
-    num_devices: how many CPU devices to make, at least 1.
-
-  Returns:
-    The device names, `['/device:CPU:0', ..., '/device:CPU:<N-1>']`.
-
-  Raises:
-    ValueError: `num_devices` is less than 1.
-    RuntimeError: TensorFlow's devices are already initialised with another
-      number of CPU devices.
-  """
-  _check_count(num_devices)
-  cpu = tf.config.list_physical_devices("CPU")[0]
-  try:
-    tf.config.set_logical_device_configuration(
-        cpu, [tf.config.LogicalDeviceConfiguration()] * num_devices)
-  except RuntimeError:
-    have = len(tf.config.list_logical_devices("CPU"))
-    if have != num_devices:
-      raise RuntimeError(
-          f"virtual_cpus({num_devices}): TensorFlow's devices are already "
-          f"initialised with {have} CPU device(s) and cannot be split again; "
-          f"call replicate.testing.virtual_cpus({num_devices}) before "
-          "anything lists or uses devices (at the top of conftest.py, or "
-          "first in main), with the same number everywhere in the process. "
-          "A graph-mode Estimator needs only "
-          f"replicate.testing.run_config({num_devices}).") from None
-  return _cpu_names(num_devices)
-
-
-def session_config(
-    num_devices: int,
-    base: Optional[tf.compat.v1.ConfigProto] = None,
-) -> tf.compat.v1.ConfigProto:
-  """A session config with `num_devices` CPU devices.
-
-  Without `device_count` a session has one CPU device, and ops placed on
-  '/device:CPU:1' fail to place. `base`, when given, is copied and kept;
-  only its CPU count is set. Without it, soft placement is on, as in
-  Estimator's default session config. A GPU split into logical GPUs with
-  `tf.config.set_logical_device_configuration` stays split in the session
-  (a v1 session makes its own devices from its config, and would have one
-  GPU), unless `base` sets its own GPU list or split, or hides the GPUs.
-
-  Args:
-    num_devices: CPU devices the session must have, at least 1.
-    base: your own session config, merged (not replaced).
-
-  Returns:
-    A new `tf.compat.v1.ConfigProto`.
-
-  Raises:
-    ValueError: `num_devices` is less than 1, or `base` already sets another
-      CPU count.
-  """
-  return _merged_session_config(num_devices, base)
-
-
-def _merged_session_config(num_devices, base):
-  _check_count(num_devices)
-  config = tf.compat.v1.ConfigProto(allow_soft_placement=True)
-  if base is not None:
-    config.CopyFrom(base)
-  given = config.device_count.get("CPU")
-  if given not in (None, num_devices):
-    raise ValueError(
-        f"session_config: base sets device_count={{'CPU': {given}}} but "
-        f"{num_devices} CPU devices are needed; remove 'CPU' from the base "
-        f"config's device_count or set it to {num_devices}.")
-  config.device_count["CPU"] = num_devices
-  if config.device_count.get("GPU") != 0:
-    _carry_logical_gpus(config.gpu_options)
-  return config
-
-
-def _carry_logical_gpus(gpu_options):
-  """Repeats tf.config's logical split of the visible GPUs in `gpu_options`.
-
-  As TensorFlow's eager context writes it (a GPU with no split of its own
-  gets one device), and only when some visible GPU is split and the options
-  name no GPUs or split of their own.
-  """
-  if (gpu_options.visible_device_list or
-      gpu_options.experimental.virtual_devices):
-    return
-  gpus = tf.config.list_physical_devices("GPU")
-  visible = set(tf.config.get_visible_devices("GPU"))
-  splits = {gpu: tf.config.get_logical_device_configuration(gpu) or []
-            for gpu in gpus if gpu in visible}
-  if not any(splits.values()):
-    return
-  gpu_options.visible_device_list = ",".join(
-      str(index) for index, gpu in enumerate(gpus) if gpu in visible)
-  for gpu in gpus:
-    if gpu not in visible:
-      continue
-    devices = gpu_options.experimental.virtual_devices.add()
-    split = splits[gpu]
-    devices.memory_limit_mb.extend(d.memory_limit for d in split)
-    devices.priority.extend(d.experimental_priority for d in split
-                            if d.experimental_priority is not None)
-    devices.device_ordinal.extend(d.experimental_device_ordinal for d in split
-                                  if d.experimental_device_ordinal is not None)
-
-
-def run_config(
-    num_devices: int,
-    session_config: Optional[tf.compat.v1.ConfigProto] = None,  # pylint: disable=redefined-outer-name
-    **run_config_kwargs: Any,
-) -> tf.estimator.RunConfig:
-  """An Estimator RunConfig whose sessions have `num_devices` CPU devices.
-
-      config = replicate.testing.run_config(4, model_dir=tmp, tf_random_seed=0)
-      est = tf.estimator.Estimator(
-          replicate.replicate_model_fn(
-              model_fn, devices=replicate.testing.virtual_cpus(4)),
-          config=config)
-
-  Args:
-    num_devices: CPU devices the sessions must have.
-    session_config: your own session config, merged (see `session_config`).
-    **run_config_kwargs: any other `tf.estimator.RunConfig` arguments.
-
-  Returns:
-    A `tf.estimator.RunConfig`.
-  """
-  return tf.estimator.RunConfig(
-      session_config=_merged_session_config(num_devices, session_config),
-      **run_config_kwargs)
-
-
-# The canned estimators' constructor arguments that take an optimizer.
-_OPTIMIZER_ARGUMENTS = ("optimizer", "dnn_optimizer", "linear_optimizer")
-_V1 = tf.compat.v1.estimator
-_V2 = tf.estimator
-_DNN = (_V2.DNNClassifier, _V2.DNNRegressor, _V2.DNNEstimator,
-        _V1.DNNClassifier, _V1.DNNRegressor, _V1.DNNEstimator)
-_LINEAR = (_V2.LinearClassifier, _V2.LinearRegressor, _V2.LinearEstimator,
-           _V1.LinearClassifier, _V1.LinearRegressor, _V1.LinearEstimator)
-_COMBINED = (_V2.DNNLinearCombinedClassifier, _V2.DNNLinearCombinedRegressor,
-             _V2.DNNLinearCombinedEstimator, _V1.DNNLinearCombinedClassifier,
-             _V1.DNNLinearCombinedRegressor, _V1.DNNLinearCombinedEstimator)
-
-
-def replicated(
-    estimator_fn: Callable[..., tf.compat.v1.estimator.Estimator],
-    num_towers: int = 2,
-    wrap_optimizers: bool = False,
-) -> Callable[..., tf.compat.v1.estimator.Estimator]:
-  """A canned estimator's constructor, building it replicated on N virtual CPUs.
-
-      make = replicate.testing.replicated(tf.estimator.DNNClassifier, 4)
-      est = make(hidden_units=[8], feature_columns=columns, model_dir=tmp)
-      est.train(input_fn, steps=10)  # 4 towers, one device's result
-
-  The returned function takes `estimator_fn`'s arguments, builds the canned
-  estimator with them and returns an Estimator of the same API version
-  (`tf.estimator.Estimator` for a v2 canned estimator, the
-  `tf.compat.v1.estimator` one for v1) whose model_fn is
-  `replicate_model_fn(canned.model_fn)` on '/device:CPU:0' ..
-  '/device:CPU:<N-1>'. It keeps the canned estimator's model_dir, params,
-  warm start and config; its session config gets N CPU devices (the rest of
-  it kept), so no `virtual_cpus` call is needed.
-
-  Only the model_fn is wrapped by default: the canned estimator builds and
-  uses its optimizer as on one device (optimizers are routed through the
-  towers). With `wrap_optimizers`, the arguments named `optimizer`,
-  `dnn_optimizer` and `linear_optimizer` (given, or `estimator_fn`'s
-  defaults) are wrapped in `replicate.TowerOptimizer`: an optimizer or a
-  function as it is, a name (or None for a linear model) as the optimizer
-  the canned estimator builds from it, same class and learning rate, built
-  anew in each graph (what a mock optimizer set on the instance needs).
-
-  Args:
-    estimator_fn: a canned estimator class (`tf.estimator.DNNClassifier`,
-      `tf.compat.v1.estimator.LinearRegressor`, ...) or a function building
-      one from those classes' argument names.
-    num_towers: how many towers, one virtual CPU device each; at least 1.
-    wrap_optimizers: wrap the optimizer arguments in `TowerOptimizer`.
-
-  Returns:
-    A function with `estimator_fn`'s signature returning the replicated
-    Estimator.
-
-  Raises:
-    ValueError: `num_towers` is less than 1. When the returned function is
-      called: `estimator_fn` returned no Estimator, or its session config
-      sets another CPU count; when training starts: an optimizer is a name
-      for an estimator other than the DNN, linear and DNNLinearCombined ones
-      (pass an optimizer or a function returning one instead).
-  """
-  _check_count(num_towers)
-  devices = _cpu_names(num_towers)
-
-  @functools.wraps(estimator_fn)
-  def build(*args, **kwargs):
-    built = []  # the canned estimator, once built: names resolve by its type
-    if wrap_optimizers:
-      args, kwargs = _with_tower_optimizers(estimator_fn, args, kwargs, built)
-    canned = estimator_fn(*args, **kwargs)
-    if not isinstance(canned, tf.compat.v1.estimator.Estimator):
-      raise ValueError(
-          f"replicated: {estimator_fn!r} returned {canned!r}, not an "
-          "Estimator; pass a canned estimator class or a function "
-          "returning one.")
-    built.append(canned)
-    config = canned.config.replace(session_config=_merged_session_config(
-        num_towers, canned.config.session_config))
-    estimator_class = (tf.estimator.Estimator
-                       if isinstance(canned, tf.estimator.Estimator) else
-                       tf.compat.v1.estimator.Estimator)
-    return estimator_class(
-        _core.replicate_model_fn(canned.model_fn, devices=devices),
-        model_dir=canned.model_dir, config=config, params=canned.params,
-        # Estimator keeps warm_start_from only here; no public accessor.
-        warm_start_from=canned._warm_start_settings)  # pylint: disable=protected-access
-
-  return build
-
-
-def _with_tower_optimizers(estimator_fn, args, kwargs, built):
-  """(args, kwargs) with every optimizer argument in a TowerOptimizer.
-
-  Optimizer arguments are `estimator_fn`'s parameters of those names (given
-  or default) and, for a function taking `**kwargs`, those keywords.
-  """
-  bound = inspect.signature(estimator_fn).bind(*args, **kwargs)
-  bound.apply_defaults()
-  arguments = [bound.arguments]
-  for name, parameter in bound.signature.parameters.items():
-    if parameter.kind is inspect.Parameter.VAR_KEYWORD:
-      arguments.append(bound.arguments.get(name, {}))
-  columns = [a.get(n) for a in arguments
-             for n in ("feature_columns", "linear_feature_columns")]
-  num_columns = len(list(next((c for c in columns if c), ())))
-  for given in arguments:
-    for name in _OPTIMIZER_ARGUMENTS:
-      if name in given:
-        given[name] = _tower_optimizer(given[name], name, num_columns, built)
-  return bound.args, bound.kwargs
-
-
-def _tower_optimizer(value, argument: str, num_columns: int, built):
-  """`value` (an optimizer argument) in a TowerOptimizer."""
-  if isinstance(value, (_optimizer.TowerOptimizer,
-                        _optimizer.KerasTowerOptimizer)):
-    return value
-  if isinstance(value, str) or (value is None and argument == "optimizer"):
-    value = functools.partial(_canned_optimizer, built, argument, value,
-                              num_columns)
-  elif value is None:
-    return value
-  return _optimizer.TowerOptimizer(value)
-
-
-def _canned_optimizer(built, argument: str, name: Optional[str],
-                      num_columns: int):
-  """The optimizer `built[0]` (a canned estimator) builds from `name`.
-
-  The learning rates are tensorflow_estimator's (2.13 to 2.15): DNN 0.05 (v1)
-  or Keras' default (v2), linear 0.2, DNNLinearCombined 0.001 for the DNN and
-  min(0.005, 1/sqrt(columns)) for the linear part; a linear model's None is
-  Ftrl at min(0.2, 1/sqrt(columns)).
-  """
-  # tensorflow_estimator's own name -> optimizer lookup; it has no public one.
-  from tensorflow_estimator.python.estimator.canned import optimizers  # pylint: disable=g-import-not-at-top
-  canned = built[0]
-  v2 = isinstance(canned, tf.estimator.Estimator)
-  columns = max(num_columns, 1)
-  if isinstance(canned, _DNN):
-    rate = None if v2 else 0.05
-  elif isinstance(canned, _LINEAR):
-    rate = 0.2
-    if name is None:
-      name, rate = "Ftrl", min(0.2, 1.0 / math.sqrt(columns))
-  elif isinstance(canned, _COMBINED):
-    rate = (0.001 if argument == "dnn_optimizer" else
-            min(0.005, 1.0 / math.sqrt(columns)))
-  else:
-    raise ValueError(
-        f"replicated: {argument}={name!r} for {type(canned).__name__}: "
-        "which optimizer it builds from a name is not known here; pass an "
-        "optimizer, or a function returning one.")
-  if v2:
-    return optimizers.get_optimizer_instance_v2(name, learning_rate=rate)
-  return optimizers.get_optimizer_instance(name, learning_rate=rate)
 
 
 def assert_replicates(
@@ -478,12 +179,14 @@ def assert_replicates(
     return check.run(directory, tower_devices)
 
 
+
 class _Tolerance(NamedTuple):
   rtol: float
   atol: float
 
   def describe(self, expected) -> str:
     return f"atol {self.atol:g} + rtol {self.rtol:g} × {abs(expected):.6g}"
+
 
 
 class _Difference(NamedTuple):
@@ -493,10 +196,12 @@ class _Difference(NamedTuple):
   hint: str = ""
 
 
+
 class _Phase(NamedTuple):
   """The outcome of comparing one mode: what differs, the worst ratio."""
   differences: List[_Difference]
   closest: float
+
 
 
 class _Check(NamedTuple):
@@ -558,7 +263,7 @@ class _Check(NamedTuple):
     return lines
 
   def _config(self, model_dir: str) -> tf.estimator.RunConfig:
-    config = _merged_session_config(self.num_cpus, None)
+    config = merged_session_config(self.num_cpus, None)
     # Grappler's rewrites cost more than checking graphs take to run.
     config.graph_options.rewrite_options.disable_meta_optimizer = True
     return tf.estimator.RunConfig(
@@ -590,6 +295,7 @@ class _Check(NamedTuple):
     return results
 
 
+
 def _compare(expected, actual, tolerance, num_towers) -> Dict[str, _Phase]:
   """Compares each mode's results; returns what differs, by mode."""
   where = f"{num_towers} towers"
@@ -614,8 +320,10 @@ def _compare(expected, actual, tolerance, num_towers) -> Dict[str, _Phase]:
   return phases
 
 
+
 def _by_step(losses) -> Dict[str, float]:
   return {f"loss at step {i + 1}": loss for i, loss in enumerate(losses)}
+
 
 
 def _tower_hint() -> str:
@@ -629,12 +337,14 @@ def _tower_hint() -> str:
           "same row').")
 
 
+
 _LABELS = {
     "losses": lambda name: name,
     "variables": lambda name: f"variable {name!r}",
     "metrics": lambda name: f"metric {name!r}",
     "predictions": lambda name: name,
 }
+
 
 
 def _compare_values(expected: Dict[str, Any], actual: Dict[str, Any],
@@ -664,6 +374,7 @@ def _compare_values(expected: Dict[str, Any], actual: Dict[str, Any],
   return _Phase(differences, closest)
 
 
+
 def _compare_predictions(expected, actual, tolerance, where) -> _Phase:
   if len(expected) != len(actual):
     return _Phase([_Difference(
@@ -680,10 +391,12 @@ def _compare_predictions(expected, actual, tolerance, where) -> _Phase:
   return _Phase(differences, closest)
 
 
+
 def _flat(prediction, prefix: str) -> Dict[str, Any]:
   if isinstance(prediction, dict):
     return {f"{prefix}[{k!r}]": v for k, v in sorted(prediction.items())}
   return {prefix: prediction}
+
 
 
 def _first_difference(name, expected, actual, tolerance, where):
@@ -715,16 +428,20 @@ def _first_difference(name, expected, actual, tolerance, where):
           f"{tolerance.describe(one)})"), worst
 
 
+
 def _is_float(array: np.ndarray) -> bool:
   return np.issubdtype(array.dtype, np.floating)
+
 
 
 def _index(index) -> str:
   return f"[{', '.join(str(int(i)) for i in index)}]" if index else ""
 
 
+
 def _unique(names) -> List[str]:
   return list(dict.fromkeys(names))
+
 
 
 def _train(estimator, input_fn, steps):
@@ -740,12 +457,14 @@ def _train(estimator, input_fn, steps):
         "tf.keras.optimizers.legacy.Adagrad(0.05)).") from e
 
 
+
 def _predictions(estimator, input_fn, checkpoint, limit) -> List[Any]:
   predictions = estimator.predict(input_fn, checkpoint_path=checkpoint)
   try:
     return list(itertools.islice(predictions, limit))
   finally:
     predictions.close()
+
 
 
 def _recording_losses(model_fn, losses: List[float]):
@@ -764,6 +483,7 @@ def _recording_losses(model_fn, losses: List[float]):
   return recording_model_fn
 
 
+
 class _LossRecorder(tf.estimator.SessionRunHook):
   """Appends the loss of every training step to a list."""
 
@@ -778,10 +498,12 @@ class _LossRecorder(tf.estimator.SessionRunHook):
     self._losses.append(run_values.results)
 
 
+
 def _checkpoint_values(checkpoint: str) -> Dict[str, np.ndarray]:
   reader = tf.train.load_checkpoint(checkpoint)
   names = sorted(reader.get_variable_to_shape_map())
   return {name: reader.get_tensor(name) for name in names}
+
 
 
 def _copy_checkpoint(checkpoint: str, model_dir: str):
@@ -791,6 +513,7 @@ def _copy_checkpoint(checkpoint: str, model_dir: str):
     tf.io.gfile.copy(path, os.path.join(model_dir, os.path.basename(path)))
   tf.compat.v1.train.update_checkpoint_state(
       model_dir, os.path.join(model_dir, os.path.basename(checkpoint)))
+
 
 
 def _model_fn_and_params(model_fn, params):
@@ -804,11 +527,13 @@ def _model_fn_and_params(model_fn, params):
   return model_fn, params
 
 
+
 def _tower_devices(towers: Towers) -> List[str]:
   if isinstance(towers, int):
-    _check_count(towers)
-    return _cpu_names(towers)
+    check_count(towers)
+    return cpu_names(towers)
   return _devices.resolve_devices(towers)
+
 
 
 def _cpus_needed(tower_devices: List[List[str]]) -> int:
@@ -818,21 +543,13 @@ def _cpus_needed(tower_devices: List[List[str]]) -> int:
              [1])
 
 
+
 def _check_modes(modes: Sequence[str]):
   unknown = [m for m in modes if m not in _MODES]
   if unknown or not modes:
     raise ValueError(
         f"modes={list(modes)!r}: pass one or more of {list(_MODES)}.")
 
-
-def _check_count(num_devices: int):
-  if not isinstance(num_devices, int) or num_devices < 1:
-    raise ValueError(
-        f"{num_devices!r} devices: pass a number of devices of at least 1.")
-
-
-def _cpu_names(num_devices: int) -> List[str]:
-  return [f"/device:CPU:{i}" for i in range(num_devices)]
 
 
 @contextlib.contextmanager
@@ -845,3 +562,4 @@ def _directory(model_dir: Optional[str]):
     yield directory
   finally:
     shutil.rmtree(directory, ignore_errors=True)
+

@@ -13,11 +13,11 @@ columns fail to reshape an empty SparseTensor), though one device never
 sees zero rows unless the batch is empty; so such a tower is handed one
 phantom row instead, a copy of the batch's last row, and marked not
 `valid`: whatever it computes is left out of the losses, predictions,
-metrics and model-state writes (see `_aggregate.gate`).
+metrics and model-state writes (see `_batch.sums.gate`).
 
 Python lists that are values (`{'age': [[10.], [20.]]}`) are converted to
 tensors first, as feature columns and heads convert them on one device
-(see `_inputs`). A SparseTensor's shard is as wide as the batch.
+(see `_prepare.leaves`). A SparseTensor's shard is as wide as the batch.
 """
 
 import itertools
@@ -26,7 +26,7 @@ from typing import Any, List, NamedTuple, Union
 import numpy as np
 import tensorflow as tf
 
-from replicate import _inputs
+from replicate._prepare import leaves as _leaves
 
 Size = Union[int, tf.Tensor]
 
@@ -216,7 +216,7 @@ def _split_sparse(sparse, windows):
   A shard keeps the batch's extent in every dimension after the first, as
   one device sees it: a variable-length feature is as wide as the batch's
   longest row, which is what the towers compute too (a maximum of lengths
-  is a batch reduction: the whole batch's, see `_whole`).
+  is a batch reduction: the whole batch's, see `_meet.rewiring`).
   """
   trailing = sparse.dense_shape[1:]
   static = tf.get_static_value(sparse.dense_shape)
@@ -314,7 +314,7 @@ def _unfolded(shard):
   would compute with its shard's size where one device computes with the
   whole batch's, silently. Unknown when built, the size is a tensor of the
   step, which the towers' batch reductions make the whole batch's where it
-  is read as a value (`_whole`). Dimensions after the first stay static.
+  is read as a value (`_meet.rewiring`). Dimensions after the first stay static.
   """
   if shard is None:
     return None
@@ -339,12 +339,12 @@ def split_batch(features, labels, num_shards: int) -> Shards:
 
   Raises:
     ValueError: a leaf is a scalar or not a tensor (a Python list of
-      numbers or strings is one tensor, see `_inputs`), or the leaves' static
+      numbers or strings is one tensor, see `_prepare.leaves`), or the leaves' static
       shapes disagree on the batch size (dynamic sizes that disagree fail
       the runtime checks, naming the leaves and their sizes).
   """
-  features = _inputs.as_tensors(features, "features")
-  labels = _inputs.as_tensors(labels, "labels")
+  features = _leaves.as_tensors(features, "features")
+  labels = _leaves.as_tensors(labels, "labels")
   structure = (features, labels)
   leaves = tf.nest.flatten(structure)
   paths = _paths(features, "features") + _paths(labels, "labels")

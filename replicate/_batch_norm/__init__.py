@@ -1,0 +1,1 @@
+"""Batch normalization in training: the whole batch's statistics, or each tower's own."""

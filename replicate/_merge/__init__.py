@@ -1,0 +1,1 @@
+"""One EstimatorSpec from the towers: state writes, metrics, summaries, hooks, predictions, exports."""

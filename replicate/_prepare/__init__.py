@@ -1,0 +1,1 @@
+"""Before the towers: devices, the cluster, the batch's leaves and their split."""
