@@ -8,7 +8,7 @@ one, and the current `Tower`, are kept per thread and per graph.
 import contextlib
 import dataclasses
 import threading
-from typing import Any, Dict, List, NamedTuple, Optional
+from typing import Any, Dict, List, Optional
 
 import tensorflow as tf
 

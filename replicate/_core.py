@@ -28,7 +28,6 @@ from replicate._meet import meetings
 from replicate._merge import specs as _specs
 from replicate._batch_norm import per_tower
 from replicate._meet import own_gradients
-from replicate._towers import patches
 from replicate._meet import routing
 from replicate._prepare import source
 from replicate._prepare import split as _split
@@ -37,6 +36,7 @@ from replicate import _tf
 from replicate._towers import build
 from replicate._merge import tpu
 from replicate._meet import rewiring
+from replicate import _graph
 
 _ModeKeys = tf.estimator.ModeKeys
 _PLACEHOLDER_OPS = frozenset(["Placeholder"])
@@ -100,7 +100,7 @@ def replicate_model_fn(
   sums.validate_loss_reduction(loss_reduction)
   placement = _devices.as_variable_placement(variable_placement)
   given = None if devices is None else _devices.resolve_devices(devices)
-  accepted = _accepted_arguments(model_fn)
+  accepted = accepted_arguments(model_fn)
   cluster.check_tf_config()
 
   def build_spec(features, labels, mode, params, config):
@@ -181,7 +181,7 @@ def _copied(name: str, value):
         "or objects defining __deepcopy__).") from error
 
 
-def _accepted_arguments(model_fn):
+def accepted_arguments(model_fn):
   parameters = inspect.signature(model_fn).parameters.values()
   if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
     return {"features", "labels", "mode", "params", "config"}
@@ -198,17 +198,10 @@ def _fed_by_placeholders(features, max_ops: int = 10000) -> bool:
   machine, a CPU-only one included. (`placeholder_with_default` is not a
   feed the export makes: such graphs are replicated.)
   """
-  pending = [t.op for t in tf.nest.flatten(features, expand_composites=True)
+  tensors = [t for t in tf.nest.flatten(features, expand_composites=True)
              if isinstance(t, tf.Tensor)]
-  seen = set()
-  while pending and len(seen) < max_ops:
-    op = pending.pop()
-    if op.type in _PLACEHOLDER_OPS:
-      return True
-    if op.name not in seen:
-      seen.add(op.name)
-      pending.extend(t.op for t in op.inputs)
-  return False
+  return any(op.type in _PLACEHOLDER_OPS
+             for op in _graph.ancestors(tensors, limit=max_ops))
 
 
 def _on_device(device: Optional[str]):
@@ -227,9 +220,9 @@ def _run_on_one_device(model_fn, features, labels, arguments, device):
       return model_fn(**arguments(features, labels))
 
 
-_UNFOLDED_SHAPES = patches.Patches("tf.shape and tf.size of static tensors",
+_UNFOLDED_SHAPES = _tf.Patches("tf.shape and tf.size of static tensors",
                                     _tf.install_unfolded_shapes)
-_TOWER_ROOTS = patches.Patches("absolute name scopes of towers",
+_TOWER_ROOTS = _tf.Patches("absolute name scopes of towers",
                                 _tf.install_tower_roots)
 
 

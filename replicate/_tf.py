@@ -9,10 +9,12 @@ line); nothing else in the library touches a private name (a test checks).
 """
 
 import contextlib
+import sys
 import threading
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import tensorflow as tf
+from absl import logging
 
 # pylint: disable=protected-access,g-direct-tensorflow-import,g-import-not-at-top
 
@@ -259,3 +261,170 @@ def top_level_name_scopes():
 
 
 NN_IMPL = _nn_impl
+
+
+# ------------------------------------------------------------ optimizers
+
+
+def optimizer_name(optimizer: Any) -> str:
+  """A Keras legacy optimizer's own name (`_name`: its scopes use it)."""
+  return optimizer._name
+
+
+def keras_iterations(optimizer: Any) -> Any:
+  """A Keras legacy optimizer's step counter as set, created or not
+  (`_iterations`: the public `iterations` creates it)."""
+  return optimizer._iterations
+
+
+def keras_compute_gradients(optimizer: Any, loss: Any, **kwargs: Any) -> Any:
+  """The (gradient, variable) pairs a Keras legacy optimizer's `minimize`
+  applies (`_compute_gradients`: its clipping and transformers included)."""
+  return optimizer._compute_gradients(loss, **kwargs)
+
+
+# ------------------------------------------------------------ estimators
+
+
+def warm_start_settings(estimator: Any) -> Any:
+  """What an Estimator was given as `warm_start_from` (`_warm_start_settings`:
+  it keeps no public copy)."""
+  return estimator._warm_start_settings
+
+
+def canned_optimizer(name_or_optimizer: Any, learning_rate: float) -> Any:
+  """tensorflow_estimator's optimizer for a canned estimator's optimizer
+  name (`canned.optimizers.get_optimizer_instance`, v1)."""
+  from tensorflow_estimator.python.estimator.canned import optimizers
+  return optimizers.get_optimizer_instance(name_or_optimizer, learning_rate)
+
+
+def canned_optimizer_v2(name_or_optimizer: Any, learning_rate: Any) -> Any:
+  """As `canned_optimizer`, for the v2 canned estimators (Keras optimizers)."""
+  from tensorflow_estimator.python.estimator.canned import optimizers
+  return optimizers.get_optimizer_instance_v2(name_or_optimizer,
+                                              learning_rate)
+
+
+# ------------------------------------------------------------ patches
+# Public TensorFlow functions and methods (tf.gradients, GradientTape.gradient,
+# optimizer methods, embedding_lookup, tf.nn's moments, tf.shape, name_scope)
+# are routed while the towers are built. Several model_fns may build at once
+# (threads, nested graphs), so each set of patches is installed by the first
+# to enter and restored by the last to leave.
+
+# (owner, attribute name, original value), as an install function sets them.
+Patched = List[Tuple[Any, str, Any]]
+
+
+def patch(owner: Any, name: str, value: Any) -> Tuple[Any, str, Any]:
+  """Sets `owner.name` to `value`; returns what `Patches` restores."""
+  original = owner.__dict__.get(name)
+  setattr(owner, name, value)
+  return (owner, name, original)
+
+
+def rebind(name: str, original: Any, routed: Any) -> Patched:
+  """Binds `routed` wherever a TensorFlow module binds `original` as `name`.
+
+  TensorFlow exports one function under several modules (e.g. `tf.nn.relu`,
+  `tf.compat.v1.nn.relu`, `gen_nn_ops.relu`); model code may call any of
+  them. Returns what `Patches` restores.
+  """
+  patched = []
+  for module_name, module in list(sys.modules.items()):
+    if (module is not None and module_name.startswith("tensorflow") and
+        getattr(module, "__dict__", {}).get(name) is original):
+      patched.append((module, name, original))
+      setattr(module, name, routed)
+  return patched
+
+
+class Patches:
+  """One set of patches, installed while any builder is inside `applied()`.
+
+  Args:
+    what: what the patches route, for the log line.
+    install: sets the patched attributes and returns what they were.
+  """
+
+  def __init__(self, what: str, install: Callable[[], Patched]):
+    self._what = what
+    self._install = install
+    self._lock = threading.Lock()
+    self._count = 0
+    self._originals: Patched = []
+
+  @property
+  def installed(self) -> bool:
+    """Whether some builder is inside `applied()` now."""
+    return self._count > 0
+
+  @contextlib.contextmanager
+  def applied(self, needed: bool = True):
+    """Installed inside (by the first builder to enter), unless not needed."""
+    if not needed:
+      yield
+      return
+    with self._lock:
+      if not self._count:
+        self._originals = self._install()
+        logging.info("replicate: %s routed (%d attributes)", self._what,
+                     len(self._originals))
+      self._count += 1
+    try:
+      yield
+    finally:
+      with self._lock:
+        self._count -= 1
+        if not self._count:
+          for owner, name, original in reversed(self._originals):
+            setattr(owner, name, original)
+          self._originals = []
+
+
+# ------------------------------------------------------------ checkpoints
+# An optimizer wrapper is a Trackable of its own; an object-based checkpoint
+# (Keras' model_to_estimator Saver, tf.train.Checkpoint) would save what the
+# wrapper tracks (nothing). `TracksWrapped` hands checkpoints the wrapped
+# optimizer's dependencies as the wrapper's own, through Trackable's
+# protected hooks (no public API; Keras' LossScaleOptimizer overrides the same).
+
+
+
+class TracksWrapped:
+  """Mixin: checkpoints see `_tracked_optimizer()`'s dependencies."""
+
+  def _tracked_optimizer(self):
+    raise NotImplementedError
+
+  def _wrapped_trackable(self):
+    # Trackable sets up its dependency maps lazily (TensorFlow 2.13 reads
+    # them unset in `_lookup_dependency`): a restore can reach the wrapped
+    # optimizer before it has tracked anything.
+    optimizer = self._tracked_optimizer()
+    optimizer._maybe_initialize_trackable()
+    return optimizer
+
+  def _trackable_children(self, save_type="checkpoint", **kwargs):
+    return self._wrapped_trackable()._trackable_children(save_type, **kwargs)
+
+  def _lookup_dependency(self, name, cached_dependencies=None):
+    if cached_dependencies is not None:
+      return cached_dependencies.get(name)
+    return self._wrapped_trackable()._lookup_dependency(name)
+
+  @property
+  def _deferred_dependencies(self):
+    # A restore that meets a variable not yet created leaves it here; the
+    # wrapped optimizer creates it, and looks here.
+    return self._wrapped_trackable()._deferred_dependencies
+
+  def _restore_slot_variable(self, slot_name, variable, slot_variable):
+    return self._tracked_optimizer()._restore_slot_variable(
+        slot_name, variable, slot_variable)
+
+  def _create_or_restore_slot_variable(self, slot_variable_position,
+                                       slot_name, variable):
+    return self._tracked_optimizer()._create_or_restore_slot_variable(
+        slot_variable_position, slot_name, variable)

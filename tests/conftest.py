@@ -48,7 +48,13 @@ _legacy_tf_layers()
 # cases run on it; float32 matmuls without TF32, as on the CPU.
 _TEST_GPUS = int(os.environ.get("REPLICATE_TEST_GPUS", "0"))
 _PHYSICAL_GPUS = tf.config.list_physical_devices("GPU")
-if _TEST_GPUS and _PHYSICAL_GPUS:
+if _TEST_GPUS and not _PHYSICAL_GPUS:
+  raise pytest.UsageError(
+      f"REPLICATE_TEST_GPUS={_TEST_GPUS} asks for the GPU cases to run on a "
+      "real GPU, but TensorFlow sees no GPU on this machine (a CPU-only "
+      "TensorFlow, or no driver); unset REPLICATE_TEST_GPUS to run them on "
+      "the CPU by soft placement.")
+if _TEST_GPUS:
   tf.config.set_visible_devices(_PHYSICAL_GPUS[:1], "GPU")
   tf.config.set_logical_device_configuration(
       _PHYSICAL_GPUS[0], [tf.config.LogicalDeviceConfiguration(
@@ -63,6 +69,14 @@ tf.config.set_logical_device_configuration(
 
 # `pytester` runs the pytest plugin's own test in a fresh pytest.
 pytest_plugins = ["pytester"]
+
+
+def pytest_report_header(config):
+  """Which replicate is tested: the checkout's, or an installed wheel's."""
+  del config
+  import replicate  # pylint: disable=g-import-not-at-top
+  return (f"replicate {replicate.__version__} from "
+          f"{os.path.dirname(replicate.__file__)}")
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -36,6 +36,7 @@ import tensorflow as tf
 from absl import logging
 
 from replicate import _tf
+from replicate import _graph
 
 
 class _Whole:
@@ -275,17 +276,11 @@ def _folded_ints(tensor, limit: int = 32) -> Optional[List[int]]:
   """
   if not tensor.dtype.is_integer or tensor.shape.rank not in (0, 1):
     return None
-  ops, pending = {}, [tensor.op]
-  while pending:
-    op = pending.pop()
-    if op.name in ops:
-      continue
-    if op.type not in _FOLDABLE or len(ops) >= limit:
+  ops = {}
+  for op in _graph.walk([tensor.op], _graph.input_ops):
+    if op.type not in _FOLDABLE or len(ops) >= limit or op.control_inputs:
       return None
     ops[op.name] = op
-    pending.extend(t.op for t in op.inputs)
-    if op.control_inputs:
-      return None
   graph_def = tf.compat.v1.GraphDef()
   for op in sorted(ops.values(), key=lambda o: o.name):
     node = graph_def.node.add()

@@ -13,6 +13,7 @@ collections (summaries, update ops, ...), with everything they depend on.
 from typing import Any, Iterable, Set
 
 import tensorflow as tf
+from replicate import _graph
 
 # How deep inside a spec's objects (hooks, export outputs, scaffold) tensors
 # are looked for: an attribute of an attribute of the spec's field.
@@ -66,12 +67,5 @@ def run_by_the_step(graph: tf.Graph, specs: Iterable[Any],
   found, seen = [], set()
   _ops_in(list(extra), 0, seen, found)
   pending.extend(found)
-  reached = set()
-  while pending:
-    op = pending.pop()
-    if op.name in reached:
-      continue
-    reached.add(op.name)
-    pending.extend(t.op for t in op.inputs)
-    pending.extend(op.control_inputs)
-  return reached
+  return {op.name
+          for op in _graph.walk(pending, _graph.input_and_control_ops)}

@@ -16,7 +16,6 @@ from typing import Callable
 import tensorflow as tf
 
 from replicate import _context
-from replicate._towers import patches
 from replicate import _tf
 
 _NAMES = ("moments", "weighted_moments")
@@ -38,15 +37,15 @@ def _recording(original: Callable) -> Callable:
   return statistics
 
 
-def _install() -> patches.Patched:
+def _install() -> _tf.Patched:
   patched = []
   for name in _NAMES:
     original = getattr(_tf.NN_IMPL, name)
-    patched.extend(patches.rebind(name, original, _recording(original)))
+    patched.extend(_tf.rebind(name, original, _recording(original)))
   return patched
 
 
-_PATCHES = patches.Patches("tf.nn batch statistics kept per tower",
+_PATCHES = _tf.Patches("tf.nn batch statistics kept per tower",
                             _install)
 
 

@@ -11,7 +11,7 @@ import tensorflow as tf
 from replicate._meet import optimizer_calls
 from replicate._meet import meetings
 from replicate._meet import routing
-from replicate._meet import tracking
+from replicate import _tf
 from replicate._meet import transforms
 
 _KerasOptimizer = tf.keras.optimizers.legacy.Optimizer
@@ -46,7 +46,7 @@ def _colocated_gradients(optimizer, loss, variables, grad_loss=None):
   return [g for g, _ in optimizer_calls.one_device_slices(zip(grads, variables))]
 
 
-class KerasTowerOptimizer(tracking.TracksWrapped, _KerasOptimizer):
+class KerasTowerOptimizer(_tf.TracksWrapped, _KerasOptimizer):
   """TowerOptimizer for a Keras legacy optimizer (see TowerOptimizer).
 
   The v2 canned heads call `get_updates(loss, variables)` and set
@@ -67,7 +67,7 @@ class KerasTowerOptimizer(tracking.TracksWrapped, _KerasOptimizer):
 
   def __init__(self, optimizer: _KerasOptimizer,
                gradient_transform: transforms.GradientTransforms = None):
-    super().__init__(name=_innermost(optimizer)._name)  # pylint: disable=protected-access
+    super().__init__(name=_tf.optimizer_name(_innermost(optimizer)))
     self._wrapped_keras = optimizer
     self._gradient_transform = gradient_transform
     self._transforms = transforms.Pipeline(gradient_transform)
@@ -85,7 +85,7 @@ class KerasTowerOptimizer(tracking.TracksWrapped, _KerasOptimizer):
   @iterations.setter
   def iterations(self, variable):
     # Every tower of a canned model_fn sets the same global step.
-    if _innermost(self._wrapped_keras)._iterations is not variable:  # pylint: disable=protected-access
+    if _tf.keras_iterations(_innermost(self._wrapped_keras)) is not variable:
       self._wrapped_keras.iterations = variable
 
   def get_gradients(self, loss, params):
@@ -140,8 +140,8 @@ class KerasTowerOptimizer(tracking.TracksWrapped, _KerasOptimizer):
           return optimizer.minimize(loss, var_list, grad_loss=grad_loss,
                                     name=name, tape=tape)
       with routing.direct():
-        grads_and_vars = optimizer._compute_gradients(  # pylint: disable=protected-access
-            loss, var_list=var_list, grad_loss=grad_loss, tape=tape)
+        grads_and_vars = _tf.keras_compute_gradients(
+            optimizer, loss, var_list=var_list, grad_loss=grad_loss, tape=tape)
       return self.apply_gradients(grads_and_vars, name=name)
     if callable(loss):
       loss = loss()

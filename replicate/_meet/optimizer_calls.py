@@ -26,6 +26,7 @@ from replicate._batch import rows
 from replicate import _tf
 from replicate._meet import transforms as _transforms
 from replicate._meet import rewiring
+from replicate import _graph
 
 _COMPUTE = "TowerOptimizer.compute_gradients"
 _APPLY = "TowerOptimizer.apply_gradients"
@@ -126,10 +127,10 @@ def gradient_spec(loss, variables, pairs: bool):
   not read, an IndexedSlices where every read of it on the way is a
   gather (a lookup), else a dense tensor of its shape.
   """
-  ancestors = _ancestors([tf.convert_to_tensor(loss)])
+  computed_from = ancestors([tf.convert_to_tensor(loss)])
   specs = []
   for variable in variables:
-    specs.append(_variable_gradient_spec(variable, ancestors))
+    specs.append(_variable_gradient_spec(variable, computed_from))
   if pairs:
     return list(zip(specs, variables))
   return specs
@@ -181,21 +182,17 @@ def _readers(tensor) -> List[tf.Operation]:
   return readers
 
 
-def _ancestors(tensors, limit: int = 200000) -> set:
+def ancestors(tensors, limit: int = 200000) -> set:
   """The ops `tensors` are computed from, through meetings' stand-ins to
   what the tower brought to them."""
   replication = _context.current_replication()
   meetings = getattr(replication, "meetings", None)
-  found, pending = set(), [t.op for t in tensors]
-  while pending and len(found) < limit:
-    op = pending.pop()
-    if op in found:
-      continue
-    found.add(op)
-    pending.extend(t.op for t in op.inputs)
+  def sources(op: tf.Operation) -> List[tf.Operation]:
+    found = _graph.input_ops(op)
     if meetings is not None and op.type == "Placeholder":
-      pending.extend(t.op for t in meetings.brought(op))
-  return found
+      found.extend(t.op for t in meetings.brought(op))
+    return found
+  return set(_graph.walk([t.op for t in tensors], sources, limit))
 
 
 def whole_batch_gradients(loss, compute: Callable[[Any, bool], Any],

@@ -27,7 +27,7 @@ import tensorflow as tf
 from replicate import _context
 from replicate._meet import optimizer_calls
 from replicate._meet import meetings
-from replicate._towers import patches
+from replicate import _tf
 from replicate._meet import routing
 from replicate._batch import rows
 
@@ -137,7 +137,7 @@ def _phantom_zeros(replication, index: int, x, grad):
 
 def _spec(call):
   """The gradients' structure, for a tower built before tower 0."""
-  ancestors = optimizer_calls._ancestors(call["ys"])  # pylint: disable=protected-access
+  ancestors = optimizer_calls.ancestors(call["ys"])
   specs = []
   for x in call["xs"]:
     if isinstance(x, tf.Variable):
@@ -208,19 +208,18 @@ def _routed_tape(original):
   return gradient
 
 
-def _install() -> patches.Patched:
+def _install() -> _tf.Patched:
   originals = []
   for module in _api_modules():
     function = module.__dict__.get("gradients")
     if function is _ORIGINAL_V1 or function is _ORIGINAL_V2:
-      originals.append((module, "gradients", function))
-      setattr(module, "gradients", _routed(function))
-  originals.append((tf.GradientTape, "gradient", _ORIGINAL_TAPE))
-  tf.GradientTape.gradient = _routed_tape(_ORIGINAL_TAPE)
+      originals.append(_tf.patch(module, "gradients", _routed(function)))
+  originals.append(_tf.patch(tf.GradientTape, "gradient",
+                             _routed_tape(_ORIGINAL_TAPE)))
   return originals
 
 
-_PATCHES = patches.Patches("tf.gradients in towers", _install)
+_PATCHES = _tf.Patches("tf.gradients in towers", _install)
 
 
 def routed(replication: _context.Replication):

@@ -37,6 +37,7 @@ from replicate._batch_norm import whole_batch
 from replicate import _context
 from replicate._batch import rows as _rows
 from replicate import _tf
+from replicate import _graph
 
 _SUFFIX = re.compile(r"_\d+$")
 # The inputs of a reduction that hold the reduced rows.
@@ -548,16 +549,11 @@ def _readers_within(tensor: tf.Tensor) -> List[tf.Operation]:
   rewired): those reads stay. Found as `tensor`'s ancestors within the
   combination (ops built by `_combine`, a few levels).
   """
-  found, pending, seen = [], [tensor.op], set()
-  while pending and len(seen) < 4096:
-    op = pending.pop()
-    if op in seen:
-      continue
-    seen.add(op)
-    found.append(op)
+  def within(op: tf.Operation) -> List[tf.Operation]:
     if "whole_batch" in op.name or op.name.endswith("_part"):
-      pending.extend(t.op for t in op.inputs)
-  return found
+      return _graph.input_ops(op)
+    return []
+  return list(_graph.walk([tensor.op], within, limit=4096))
 
 
 def _combine(how: str, values: Sequence[tf.Tensor], validity) -> tf.Tensor:

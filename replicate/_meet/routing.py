@@ -19,33 +19,45 @@ colocated with their forward ops, so each tower's backward pass runs on
 its device.
 """
 
+import collections
 import contextlib
 import functools
 import inspect
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, List
 
 import tensorflow as tf
 
 from replicate import _context
+from replicate import _graph
 from replicate._meet import optimizer_calls
 from replicate._meet import meetings
-from replicate._towers import patches
+from replicate import _tf
 from replicate._meet import transforms
 
 _V1 = tf.compat.v1.train.Optimizer
 _KERAS = tf.keras.optimizers.legacy.Optimizer
 _NO_TRANSFORMS = transforms.Pipeline(None)
-_local = threading.local()
+
+
+class _Flags(threading.local):
+  """How deep this thread is inside `direct()` and `colocating()`."""
+
+  def __init__(self):
+    super().__init__()
+    self.depth = collections.Counter()
+
+
+_local = _Flags()
 
 
 @contextlib.contextmanager
 def _raised(flag: str):
-  setattr(_local, flag, getattr(_local, flag, 0) + 1)
+  _local.depth[flag] += 1
   try:
     yield
   finally:
-    setattr(_local, flag, getattr(_local, flag) - 1)
+    _local.depth[flag] -= 1
 
 
 def direct():
@@ -59,12 +71,12 @@ def colocating():
 
 
 def _colocates() -> bool:
-  return bool(getattr(_local, "colocate", 0))
+  return bool(_local.depth["colocate"])
 
 
 def routes():
   """The replication whose towers this optimizer call meets, or None."""
-  if getattr(_local, "direct", 0):
+  if _local.depth["direct"]:
     return None
   return optimizer_calls.replicated()
 
@@ -292,7 +304,7 @@ def _keras_get_gradients_pass(original, optimizer, args, kwargs):
 def _colocated_keras_gradients(optimizer, loss, params):
   """What Keras' OptimizerV2.get_gradients computes, colocated."""
   # `_name` is Keras' private optimizer name; its get_gradients uses it too.
-  with tf.name_scope(optimizer._name + "/gradients"):  # pylint: disable=protected-access
+  with tf.name_scope(_tf.optimizer_name(optimizer) + "/gradients"):
     grads = tf.compat.v1.gradients(loss, params,
                                    colocate_gradients_with_ops=True)
   optimizer_calls.require_gradients(grads, params)
@@ -360,37 +372,31 @@ def _iterations_property(original: property) -> property:
   return property(original.fget, setter, original.fdel, original.__doc__)
 
 
-def _subclasses(base):
-  pending, seen = [base], []
-  while pending:
-    cls = pending.pop()
-    if cls in seen:
-      continue
-    seen.append(cls)
-    pending.extend(cls.__subclasses__())
+def _subclasses(base: type) -> List[type]:
+  seen = _graph.walk([base], lambda cls: cls.__subclasses__())
   return [c for c in seen
           if not c.__dict__.get("_replicate_routes_itself", False) and
           not any(b.__dict__.get("_replicate_routes_itself", False)
                   for b in c.__mro__)]
 
 
-def _install() -> patches.Patched:
+def _install() -> _tf.Patched:
   originals = []
   for base, methods in _ROUTES.items():
     for cls in _subclasses(base):
       for name, (route, elsewhere) in methods.items():
         original = cls.__dict__.get(name)
         if inspect.isfunction(original):
-          originals.append((cls, name, original))
-          setattr(cls, name, _routed_method(original, route, elsewhere))
+          originals.append(_tf.patch(
+              cls, name, _routed_method(original, route, elsewhere)))
   iterations = _KERAS.__dict__.get("iterations")
   if isinstance(iterations, property):
-    originals.append((_KERAS, "iterations", iterations))
-    _KERAS.iterations = _iterations_property(iterations)
+    originals.append(_tf.patch(_KERAS, "iterations",
+                               _iterations_property(iterations)))
   return originals
 
 
-_PATCHES = patches.Patches("optimizer calls in towers", _install)
+_PATCHES = _tf.Patches("optimizer calls in towers", _install)
 
 
 def routed(replication: _context.Replication):

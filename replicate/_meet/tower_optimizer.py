@@ -14,7 +14,7 @@ import tensorflow as tf
 from replicate import _context
 from replicate._meet import optimizer_calls
 from replicate._meet import routing
-from replicate._meet import tracking
+from replicate import _tf
 from replicate._meet import transforms
 from replicate._meet.keras_optimizer import KerasTowerOptimizer
 
@@ -69,7 +69,7 @@ class _EitherFlavour(type):
         cls is TowerOptimizer and issubclass(subclass, KerasTowerOptimizer))
 
 
-class TowerOptimizer(tracking.TracksWrapped, _Optimizer,
+class TowerOptimizer(_tf.TracksWrapped, _Optimizer,
                      metaclass=_EitherFlavour):
   """Wraps an optimizer: its own calls, once per step, on the whole batch.
 

@@ -39,6 +39,7 @@ from absl import logging
 from replicate._batch import sums
 from replicate._batch import rows as _rows
 from replicate._batch import step_ops
+from replicate import _graph
 from replicate import _tf
 from replicate._context import Replication
 from replicate._merge.variance import add_between_shard_variance
@@ -726,15 +727,10 @@ class _Order:
     return found
 
   def _after(self, op: tf.Operation) -> set:
-    seen, pending = set(), [op]
-    while pending:
-      current = pending.pop()
-      for later in [c for t in current.outputs for c in t.consumers()] + (
-          self._control_outputs.get(current, [])):
-        if later not in seen:
-          seen.add(later)
-          pending.append(later)
-    return seen
+    def later(current: tf.Operation) -> List[tf.Operation]:
+      return _graph.consumer_ops(current) + list(
+          self._control_outputs.get(current, []))
+    return set(_graph.walk(later(op), later))
 
 
 class _Sinks:

@@ -22,6 +22,7 @@ from typing import NamedTuple, Optional, Sequence
 import tensorflow as tf
 from absl import logging
 
+from replicate import _tf
 from replicate._batch import sums
 
 # Ops that pass a statistic on unchanged in value (shape and dtype aside).
@@ -92,7 +93,7 @@ def _replace_input(statistic: _Statistic, corrected: tf.Tensor):
   old = statistic.consumer.inputs[statistic.position]
   corrected = tf.reshape(tf.cast(corrected, old.dtype), tf.shape(old))
   # Ops have no public way to change an input once built.
-  statistic.consumer._update_input(statistic.position, corrected)  # pylint: disable=protected-access
+  _tf.update_input(statistic.consumer, statistic.position, corrected)
 
 
 def _find_statistic(write: tf.Operation) -> Optional[_Statistic]:

@@ -16,6 +16,7 @@ from typing import Any, Tuple
 
 import numpy as np
 import tensorflow as tf
+from replicate import _graph
 
 _SCALARS = (int, float, complex, bool, str, bytes, np.generic)
 
@@ -95,12 +96,5 @@ def reads_batch(tensors, inputs) -> bool:
   """
   batch_ops = {t.op for t in tf.nest.flatten(inputs, expand_composites=True)
                if t is not None}
-  pending, seen = [t.op for t in tf.nest.flatten(tensors)], set()
-  while pending:
-    op = pending.pop()
-    if op in batch_ops:
-      return True
-    if op not in seen:
-      seen.add(op)
-      pending.extend(t.op for t in op.inputs)
-  return False
+  return any(op in batch_ops
+             for op in _graph.ancestors(tf.nest.flatten(tensors)))

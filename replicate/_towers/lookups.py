@@ -17,12 +17,9 @@ first): on one device that read, too, is where the variable is.
 from typing import Any, Callable, Dict
 
 import tensorflow as tf
-# TensorFlow exports no name for what get_variable returns with a
-# partitioner; its embedding lookups look its parts up as a list.
-from tensorflow.python.ops.variables import PartitionedVariable as _PartitionedVariable  # pylint: disable=g-direct-tensorflow-import
 
 from replicate import _context
-from replicate._towers import patches
+from replicate import _tf
 from replicate._towers import sharing
 
 
@@ -41,7 +38,7 @@ def _own_reads(params: Any, copies: Dict[Any, Any]) -> Any:
   `PartitionedVariable`'s parts; anything else (a tensor, a tuple, an array)
   is one table, passed on as it is.
   """
-  if isinstance(params, (list, _PartitionedVariable)):
+  if isinstance(params, (list, _tf.PartitionedVariable)):
     return [_own_read(p, copies) for p in params]
   return _own_read(params, copies)
 
@@ -54,14 +51,14 @@ def _lookup(original: Callable[..., Any]) -> Callable[..., Any]:
   return embedding_lookup
 
 
-def _install() -> patches.Patched:
+def _install() -> _tf.Patched:
   # tf.compat.v1.nn.embedding_lookup is the function the others call
   # (tf.nn.embedding_lookup, the sparse and safe lookups).
   original = tf.compat.v1.nn.embedding_lookup
-  return patches.rebind("embedding_lookup", original, _lookup(original))
+  return _tf.rebind("embedding_lookup", original, _lookup(original))
 
 
-_PATCHES = patches.Patches("embedding lookups of reference variables",
+_PATCHES = _tf.Patches("embedding lookups of reference variables",
                             _install)
 
 

@@ -469,7 +469,7 @@ def _predictions(estimator, input_fn, checkpoint, limit) -> List[Any]:
 
 def _recording_losses(model_fn, losses: List[float]):
   """model_fn whose TRAIN spec also records its loss after every step."""
-  accepted = _core._accepted_arguments(model_fn)  # pylint: disable=protected-access
+  accepted = _core.accepted_arguments(model_fn)
 
   def recording_model_fn(features, labels, mode, params, config):
     arguments = {"features": features, "labels": labels, "mode": mode,

@@ -12,6 +12,7 @@ from typing import (Callable, Optional)
 import tensorflow as tf
 
 from replicate import _core
+from replicate import _tf
 from replicate._meet import tower_optimizer
 from replicate.testing._configs import check_count
 from replicate.testing._configs import cpu_names
@@ -118,7 +119,7 @@ def replicated(
         _core.replicate_model_fn(canned.model_fn, devices=devices),
         model_dir=canned.model_dir, config=config, params=canned.params,
         # Estimator keeps warm_start_from only here; no public accessor.
-        warm_start_from=canned._warm_start_settings)  # pylint: disable=protected-access
+        warm_start_from=_tf.warm_start_settings(canned))
 
   return build
 
@@ -170,8 +171,6 @@ def _canned_optimizer(built, argument: str, name: Optional[str],
   min(0.005, 1/sqrt(columns)) for the linear part; a linear model's None is
   Ftrl at min(0.2, 1/sqrt(columns)).
   """
-  # tensorflow_estimator's own name -> optimizer lookup; it has no public one.
-  from tensorflow_estimator.python.estimator.canned import optimizers  # pylint: disable=g-import-not-at-top
   canned = built[0]
   v2 = isinstance(canned, tf.estimator.Estimator)
   columns = max(num_columns, 1)
@@ -190,6 +189,6 @@ def _canned_optimizer(built, argument: str, name: Optional[str],
         "which optimizer it builds from a name is not known here; pass an "
         "optimizer, or a function returning one.")
   if v2:
-    return optimizers.get_optimizer_instance_v2(name, learning_rate=rate)
-  return optimizers.get_optimizer_instance(name, learning_rate=rate)
+    return _tf.canned_optimizer_v2(name, rate)
+  return _tf.canned_optimizer(name, rate)
 
