@@ -301,7 +301,7 @@ def test_phantom_rows_are_left_out_of_sparse_and_ragged_predictions():
   # pylint: disable=g-import-not-at-top
   from replicate import _context
   from replicate._merge import specs
-  from replicate._batch import rows as _rows
+  from replicate._batch import row_kinds
   from replicate._meet import rewiring
   with tf.Graph().as_default() as graph:
     size = tf.compat.v1.placeholder_with_default(tf.constant(0, tf.int64), [])
@@ -318,7 +318,7 @@ def test_phantom_rows_are_left_out_of_sparse_and_ragged_predictions():
     replication.rewiring = rewiring.Rewiring(replication)
     for value in (towers[0]["dense"], towers[0]["sparse"].values,
                   towers[0]["ragged"].flat_values):
-      replication.rewiring.declare(value, _rows.Rows(0))
+      replication.rewiring.declare(value, row_kinds.Rows(0))
     merged = specs.concat_predictions(towers, replication)
     with tf.compat.v1.Session() as session:
       phantom = session.run(merged)

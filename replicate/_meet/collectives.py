@@ -18,7 +18,7 @@ import tensorflow as tf
 from replicate._batch import sums
 from replicate import _context
 from replicate._meet import meetings
-from replicate._batch import rows
+from replicate._batch import row_kinds
 from replicate._meet import rewiring
 
 
@@ -92,7 +92,7 @@ def batch_sum(x):
 
 def _whole_sum(replication, parts):
   """The whole batch's value: tower 0's where it is already, else the sum."""
-  if rows.shares_value(replication.rewiring.kind(parts[0])):
+  if row_kinds.shares_value(replication.rewiring.kind(parts[0])):
     return tf.identity(replication.rewiring.resolve(parts[0]))
   return sums.real_sum(parts, replication.validity)
 
@@ -189,7 +189,7 @@ def _whole_rows(replication, parts):
   first = parts[0]
   kind = replication.rewiring.kind(
       first.values if isinstance(first, tf.SparseTensor) else first)
-  if rows.shares_value(kind):
+  if row_kinds.shares_value(kind):
     if isinstance(first, tf.SparseTensor):
       return first
     return tf.identity(replication.rewiring.resolve(first))

@@ -31,7 +31,7 @@ import tensorflow as tf
 from absl import logging
 
 from replicate import _context
-from replicate._batch import rows
+from replicate._batch import row_kinds
 from replicate import _tf
 
 
@@ -43,7 +43,7 @@ class TensorSpec(NamedTuple):
   """A stand-in for a tensor: static shape, dtype and kind."""
   shape: tf.TensorShape
   dtype: tf.DType
-  kind: Any = rows.WHOLE
+  kind: Any = row_kinds.WHOLE
 
 
 class SlicesSpec(NamedTuple):
@@ -233,22 +233,22 @@ def _standins(spec: Spec, kind: str, replication):
   def make(leaf):
     if isinstance(leaf, OpSpec):
       op = tf.no_op(name="standin")
-      entries.append(_Entry(op, None, rows.WHOLE))
+      entries.append(_Entry(op, None, row_kinds.WHOLE))
       return op
     if isinstance(leaf, TensorSpec):
       return tensor(leaf.shape, leaf.dtype, leaf.kind)
     if isinstance(leaf, SlicesSpec):
-      values = tensor(leaf.values, leaf.dtype, rows.WHOLE)
+      values = tensor(leaf.values, leaf.dtype, row_kinds.WHOLE)
       indices = tensor(tf.TensorShape([leaf.values[0]]), tf.int64,
-                       rows.WHOLE)
+                       row_kinds.WHOLE)
       shape = (None if leaf.dense_shape is None else
                tf.constant(leaf.dense_shape, tf.int64))
       return tf.IndexedSlices(values, indices, shape)
     if isinstance(leaf, SparseSpec):
       return tf.SparseTensor(
-          tensor(tf.TensorShape([None, leaf.rank]), tf.int64, rows.WHOLE),
-          tensor(tf.TensorShape([None]), leaf.dtype, rows.WHOLE),
-          tensor(tf.TensorShape([leaf.rank]), tf.int64, rows.WHOLE))
+          tensor(tf.TensorShape([None, leaf.rank]), tf.int64, row_kinds.WHOLE),
+          tensor(tf.TensorShape([None]), leaf.dtype, row_kinds.WHOLE),
+          tensor(tf.TensorShape([leaf.rank]), tf.int64, row_kinds.WHOLE))
     if isinstance(leaf, list):
       return [make(item) for item in leaf]
     if isinstance(leaf, tuple) and not hasattr(leaf, "_fields"):
@@ -348,7 +348,7 @@ def _compatible(real, holder: tf.Tensor, replication):
   return real
 
 
-def tensor_spec(tensor, kind=rows.WHOLE) -> TensorSpec:
+def tensor_spec(tensor, kind=row_kinds.WHOLE) -> TensorSpec:
   """The spec of a result shaped like `tensor`."""
   tensor = tf.convert_to_tensor(tensor)
   return TensorSpec(tensor.shape, tensor.dtype, kind)

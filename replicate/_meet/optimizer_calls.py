@@ -22,7 +22,7 @@ import tensorflow as tf
 
 from replicate import _context
 from replicate._meet import meetings as _meetings
-from replicate._batch import rows
+from replicate._batch import row_kinds
 from replicate import _tf
 from replicate._meet import transforms as _transforms
 from replicate._meet import rewiring
@@ -80,9 +80,9 @@ def whole_batch_loss(replication, losses: Sequence[Any], call: str):
   """
   loss = replication.rewiring.resolve(tf.convert_to_tensor(losses[0]))
   kind = replication.rewiring.kind(loss)
-  if rows.shares_value(kind):
+  if row_kinds.shares_value(kind):
     return loss
-  if isinstance(kind, rows.Rows) and kind.axis == 0:
+  if isinstance(kind, row_kinds.Rows) and kind.axis == 0:
     parts = [tf.convert_to_tensor(replication.rewiring.counterpart(loss, i))
              for i in range(replication.num_towers)]
     with _context.outside(replication, "whole_batch_loss"), \
@@ -93,12 +93,12 @@ def whole_batch_loss(replication, losses: Sequence[Any], call: str):
 
 def not_whole_batch(tensor, kind, what: str) -> str:
   """The error message for a value that is not the whole batch's."""
-  if isinstance(kind, rows.Local):
+  if isinstance(kind, row_kinds.Local):
     cause = (f"op {kind.op!r} {kind.why}" if kind.op else kind.why)
-  elif kind is rows.SHARD:
+  elif kind is row_kinds.SHARD:
     cause = ("it is computed from each tower's own batch statistics "
              "(sync_batch_norm=False)")
-  elif isinstance(kind, rows.Size):
+  elif isinstance(kind, row_kinds.Size):
     cause = "it is the tower's shard size"
   else:
     cause = f"it holds the tower's rows ({kind})"
@@ -301,7 +301,7 @@ def transform_and_apply(grads_and_vars, transforms: "_transforms.Pipeline",
         continue
       for part in _components(grad):
         kind = replication.rewiring.kind(part)
-        if not rows.shares_value(kind):
+        if not row_kinds.shares_value(kind):
           raise ValueError(not_whole_batch(
               part, kind, f"the gradient of {variable.op.name} handed to "
               f"{call}"))

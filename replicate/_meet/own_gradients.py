@@ -29,7 +29,7 @@ from replicate._meet import optimizer_calls
 from replicate._meet import meetings
 from replicate import _tf
 from replicate._meet import routing
-from replicate._batch import rows
+from replicate._batch import row_kinds
 
 _ORIGINAL_V1 = tf.compat.v1.gradients
 _ORIGINAL_V2 = tf.gradients
@@ -77,11 +77,11 @@ def _whole_batch(replication, calls):
   for k, y0 in enumerate(first["ys"]):
     y0 = rewiring.resolve(y0)
     kind = rewiring.kind(y0)
-    if rows.shares_value(kind):
+    if row_kinds.shares_value(kind):
       ys.append(y0)
       grad_ys.append(first["grad_ys"][k] if first["grad_ys"] else None)
       continue
-    if not isinstance(kind, rows.Rows):
+    if not isinstance(kind, row_kinds.Rows):
       raise ValueError(optimizer_calls.not_whole_batch(
           y0, kind, "the tensor differentiated by tf.gradients"))
     for index, call in enumerate(calls):
@@ -116,7 +116,7 @@ def _whole_batch(replication, calls):
       # One device's rows for a lookup of unique ids.
       grad = optimizer_calls.one_device_slices([(grad, x)])[0][0]
     elif grad is not None and not isinstance(grad, tf.IndexedSlices):
-      rewiring.declare(grad, rows.Like(x))
+      rewiring.declare(grad, row_kinds.Like(x))
     by_key[_key(x)] = grad
   return [[_phantom_zeros(replication, index, x, by_key[_key(x)])
            for x in call["xs"]] for index, call in enumerate(calls)]
@@ -145,7 +145,7 @@ def _spec(call):
                    if len(call["ys"]) == 1 else
                    meetings.TensorSpec(x.shape, x.dtype.base_dtype))
     elif isinstance(x, tf.Tensor) and x.op in ancestors:
-      specs.append(meetings.TensorSpec(x.shape, x.dtype, rows.Like(x)))
+      specs.append(meetings.TensorSpec(x.shape, x.dtype, row_kinds.Like(x)))
     else:
       specs.append(None)
   return specs

@@ -36,6 +36,7 @@ from replicate._batch import sums as _sums
 from replicate._batch_norm import whole_batch
 from replicate import _context
 from replicate._batch import rows as _rows
+from replicate._batch import row_kinds
 from replicate import _tf
 from replicate import _graph
 
@@ -86,7 +87,7 @@ class Rewiring:
   def kind(self, tensor, index: int = 0):
     """The kind (`_batch.rows`) of tower `index`'s `tensor` as analysed so far."""
     analysis = self._analyses.get(index)
-    return _rows.WHOLE if analysis is None else analysis.kind(tensor)
+    return row_kinds.WHOLE if analysis is None else analysis.kind(tensor)
 
   def resolve(self, tensor):
     """The whole batch's value of tower 0's `tensor` where it was given one.
@@ -209,7 +210,7 @@ class Rewiring:
       taken = self._taken[index]
       for op in self._replication.model_ops(index):
         if op in taken or not any(
-            isinstance(analysis.kind(t), _rows.Rows) and t.consumers()
+            isinstance(analysis.kind(t), row_kinds.Rows) and t.consumers()
             for t in op.outputs):
           continue
         raise ValueError(
@@ -254,7 +255,7 @@ class Rewiring:
     found = self._tensors[index].get(tensor0.ref())
     if found is not None:
       return found
-    if _rows.shares_value(self.kind(tensor0)):
+    if row_kinds.shares_value(self.kind(tensor0)):
       return tensor0
     op0 = tensor0.op
     if op0.type in ("Placeholder", "VarHandleOp", "VariableV2") or (
@@ -286,13 +287,13 @@ class Rewiring:
   # ------------------------------------------------------------ events
 
   def _handle(self, event):
-    if isinstance(event, _rows.Reduction):
+    if isinstance(event, row_kinds.Reduction):
       self._reduction(event)
-    elif isinstance(event, _rows.SizeUse):
+    elif isinstance(event, row_kinds.SizeUse):
       self._size_use(event)
-    elif isinstance(event, _rows.Mixing):
+    elif isinstance(event, row_kinds.Mixing):
       self._mixing(event)
-    elif isinstance(event, _rows.FusedNorm):
+    elif isinstance(event, row_kinds.FusedNorm):
       self._fused_norm(event)
 
   def _towers_op(self, op0, index):
@@ -301,7 +302,7 @@ class Rewiring:
       self._handled[index].add(op)
     return op
 
-  def _reduction(self, event: _rows.Reduction):
+  def _reduction(self, event: row_kinds.Reduction):
     replication = self._replication
     op0 = event.op
     with tf.name_scope(_scope(op0, "whole_batch")):
@@ -326,7 +327,7 @@ class Rewiring:
   def _inputs_are_counterparts(self, op0, op, index) -> bool:
     return index == 0 or all(
         self._tensors[index].get(t0.ref(), t0) is t or
-        _rows.shares_value(self.kind(t0))
+        row_kinds.shares_value(self.kind(t0))
         for t0, t in zip(op0.inputs, op.inputs))
 
   def _mean(self, op0, axis):
@@ -363,7 +364,7 @@ class Rewiring:
         self._handled[index].add(op)
         substitute(op.outputs[output_index], whole)
 
-  def _size_use(self, event: _rows.SizeUse):
+  def _size_use(self, event: row_kinds.SizeUse):
     op0, position = event.op, event.index
     tensor0 = op0.inputs[position]
     whole = self.whole_size(tensor0)
@@ -386,13 +387,13 @@ class Rewiring:
     with tf.name_scope(_scope(op, "whole_batch")):
       if op.type in ("Shape", "ShapeN", "Size") and isinstance(
           self.kind(op.inputs[tensor0.value_index if op.type == "ShapeN"
-                              else 0]), (_rows.Rows, _rows.Listed)):
+                              else 0]), (row_kinds.Rows, row_kinds.Listed)):
         whole = self._whole_shape(op, tensor0)
       elif not op.inputs or not any(
-          isinstance(self.kind(t), _rows.Size) for t in op.inputs):
+          isinstance(self.kind(t), row_kinds.Size) for t in op.inputs):
         whole = self._whole_source_size(tensor0, kind)
       else:
-        inputs = [self.whole_size(t) if isinstance(self.kind(t), _rows.Size)
+        inputs = [self.whole_size(t) if isinstance(self.kind(t), row_kinds.Size)
                   else t for t in op.inputs]
         whole = self._copy(op, inputs, replication.hub,
                            name=op.name.replace("/", "_") + "_whole"
@@ -422,7 +423,7 @@ class Rewiring:
   def _whole_source_size(self, tensor0, kind):
     """A size the tower was handed: a sparse shard's dense shape."""
     replication = self._replication
-    if not isinstance(kind, _rows.Size) or kind.scalar or (
+    if not isinstance(kind, row_kinds.Size) or kind.scalar or (
         kind.entries != frozenset([0])):
       raise ValueError(
           f"{tensor0.name} is computed from the tower's shard size in a way "
@@ -433,22 +434,22 @@ class Rewiring:
     total = _combine("sum", parts, replication.validity)
     return tf.concat([[total], tensor0[1:]], 0)
 
-  def _mixing(self, event: _rows.Mixing):
+  def _mixing(self, event: row_kinds.Mixing):
     """The op runs once, on every tower's rows concatenated in order."""
     replication = self._replication
     op0 = event.op
     inputs, place = [], None
     for tensor in op0.inputs:
       kind = self.kind(tensor)
-      if isinstance(kind, _rows.Rows):
+      if isinstance(kind, row_kinds.Rows):
         parts = [self.counterpart(tensor, index)
                  for index in range(replication.num_towers)]
         whole, placing = concatenated(replication, parts, kind.axis)
         place = place or placing
         inputs.append(whole)
-      elif isinstance(kind, _rows.Size):
+      elif isinstance(kind, row_kinds.Size):
         inputs.append(self.whole_size(tensor))
-      elif _rows.shares_value(kind):
+      elif row_kinds.shares_value(kind):
         inputs.append(tensor)
       else:
         raise ValueError(
@@ -460,7 +461,7 @@ class Rewiring:
                       name=op0.name.replace("/", "_") + "_whole_batch")
     for position, (output, kind) in enumerate(zip(once.outputs,
                                                   event.kinds)):
-      if isinstance(kind, _rows.Rows) and place is not None:
+      if isinstance(kind, row_kinds.Rows) and place is not None:
         rows = place(output, kind.axis)
         self._replace(op0.outputs[position], rows[0])
         for index in range(1, replication.num_towers):
@@ -473,7 +474,7 @@ class Rewiring:
     logging.info("replicate: %s (%s) runs once on the whole batch",
                  op0.name, op0.type)
 
-  def _fused_norm(self, event: _rows.FusedNorm):
+  def _fused_norm(self, event: row_kinds.FusedNorm):
     replication = self._replication
     op0 = event.op
     ops = [op0] + [self._towers_op(op0, index)
@@ -529,11 +530,11 @@ def _has_readers(op: tf.Operation) -> bool:
 
 
 def _describe(event) -> str:
-  if isinstance(event, _rows.Reduction):
+  if isinstance(event, row_kinds.Reduction):
     return "reduces over the batch's rows"
-  if isinstance(event, _rows.SizeUse):
+  if isinstance(event, row_kinds.SizeUse):
     return "reads the batch's size"
-  if isinstance(event, _rows.Mixing):
+  if isinstance(event, row_kinds.Mixing):
     return "mixes the batch's rows"
   return "normalises over the batch's rows"
 

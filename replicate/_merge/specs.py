@@ -19,7 +19,7 @@ from absl import logging
 from replicate import _context
 from replicate._meet import optimizer_calls
 from replicate._merge import hooks
-from replicate._batch import rows
+from replicate._batch import row_kinds
 from replicate._prepare import split
 from replicate._merge import tpu as _tpu
 from replicate._meet import rewiring as _rewiring
@@ -71,12 +71,12 @@ def _merged(tensors: Sequence[Any], path: str, name: str,
   else:
     first = tf.convert_to_tensor(first)
     kind = rewiring.kind(first)
-  if rows.shares_value(kind):
+  if row_kinds.shares_value(kind):
     return first
-  if isinstance(kind, rows.Size):
+  if isinstance(kind, row_kinds.Size):
     with _context.outside(replication):
       return rewiring.whole_size(first)
-  if not isinstance(kind, rows.Rows) or kind.axis != 0:
+  if not isinstance(kind, row_kinds.Rows) or kind.axis != 0:
     raise ValueError(optimizer_calls.not_whole_batch(first, kind, path))
   parts = _rewiring.real_rows(tensors, replication, examples=True)
   if isinstance(first, tf.SparseTensor):
@@ -177,9 +177,9 @@ def _whole_loss(loss: tf.Tensor, replication: _context.Replication):
   """Tower 0's loss, which is the whole batch's (see `_meet.rewiring`)."""
   loss = replication.rewiring.resolve(loss)
   kind = replication.rewiring.kind(loss)
-  if rows.shares_value(kind):
+  if row_kinds.shares_value(kind):
     return loss
-  if isinstance(kind, rows.Size):
+  if isinstance(kind, row_kinds.Size):
     return replication.rewiring.whole_size(loss)
   raise ValueError(optimizer_calls.not_whole_batch(
       loss, kind, "the loss the model_fn returned"))
@@ -196,7 +196,7 @@ def _whole_summaries(replication: _context.Replication):
       continue
     summaries[position] = rewiring.resolve(summary)
     kind = rewiring.kind(summary)
-    if isinstance(kind, rows.Local):
+    if isinstance(kind, row_kinds.Local):
       logging.warning(
           "replicate: summary %s shows tower 0's own value, not the whole "
           "batch's: op %s %s; summarise the whole batch's rows or a "

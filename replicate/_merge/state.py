@@ -37,7 +37,7 @@ import tensorflow as tf
 from absl import logging
 
 from replicate._batch import sums
-from replicate._batch import rows as _rows
+from replicate._batch import row_kinds
 from replicate._batch import step_ops
 from replicate import _graph
 from replicate import _tf
@@ -169,7 +169,7 @@ def _check_writes_in_functions(replication: Replication, variables, skip,
     for op, variable in _function_writes(ops, variables, skip).values():
       if index == 0:
         kinds = [rewiring.kind(t) for t in op.inputs]
-        if all(_rows.shares_value(k) for k in kinds):
+        if all(row_kinds.shares_value(k) for k in kinds):
           continue
       else:
         if run is None:
@@ -263,12 +263,12 @@ def _written_kind(replication: Replication, write: _Write):
   """The kind (`_batch.rows`) of what tower 0's write writes."""
   kinds = [replication.rewiring.kind(t) for t in write.op.inputs[1:]]
   for kind in kinds:
-    if isinstance(kind, _rows.Local) or kind is _rows.SHARD:
+    if isinstance(kind, row_kinds.Local) or kind is row_kinds.SHARD:
       return kind
   for kind in kinds:
-    if isinstance(kind, _rows.Rows):
+    if isinstance(kind, row_kinds.Rows):
       return kind
-  return _rows.WHOLE
+  return row_kinds.WHOLE
 
 
 def _combine(replication: Replication, group: List[Optional[_Write]],
@@ -289,10 +289,10 @@ def _combine(replication: Replication, group: List[Optional[_Write]],
         f"{[i for i, w in enumerate(group) if w]} but not by tower 0, whose "
         "writes are the model's; write it in every tower or in tower 0.")
   kind = _written_kind(replication, group[0])
-  if _rows.shares_value(kind):
+  if row_kinds.shares_value(kind):
     _check_written_alike(group)
     how = "tower 0's (the whole batch's value)"
-  elif isinstance(kind, _rows.Rows):
+  elif isinstance(kind, row_kinds.Rows):
     if first.kind not in (_Kind.SCATTER_ADD, _Kind.SCATTER):
       raise ValueError(
           f"Variable {name!r} is assigned a value with a row per example "
@@ -306,7 +306,7 @@ def _combine(replication: Replication, group: List[Optional[_Write]],
   for write in group[1:]:
     if write is not None:
       _follow(write, group[0], sinks, order,
-              values=not _rows.shares_value(kind))
+              values=not row_kinds.shares_value(kind))
   logging.info("replicate: %d writes to %s (%s) made one: %s", len(present),
                name, first.kind.value, how)
 
@@ -641,7 +641,7 @@ def _check_same_in_every_tower(replication, group: List[Optional[_Write]]):
          "(minimum) needs none when written as tf.maximum(old value, "
          "tf.reduce_max(x)) (tf.minimum, tf.reduce_min)")
   kind = _written_kind(replication, write)
-  cause = (f": op {kind.op!r} {kind.why}" if isinstance(kind, _rows.Local)
+  cause = (f": op {kind.op!r} {kind.why}" if isinstance(kind, row_kinds.Local)
            and kind.op else "")
   raise ValueError(
       f"Tower 0 writes {name!r} ({write.op.type} {write.op.name!r}) with a "

@@ -1,0 +1,113 @@
+"""Integer values of shape tensors known while the graph is built.
+
+A rule needs the axes, sizes and positions an op is given; these are
+folded from the few ops shape arithmetic uses, without running the graph.
+"""
+
+from typing import (List, Optional)
+
+import numpy as np
+import tensorflow as tf
+
+from replicate import _graph
+
+
+# Ops a small integer vector built from constants may go through.
+_FOLDABLE = frozenset([
+    "Const", "Identity", "Tile", "ConcatV2", "Concat", "Pack", "Squeeze",
+    "ExpandDims", "Reshape", "Cast", "Fill", "Range", "AddV2", "Add", "Sub",
+    "Mul", "StridedSlice", "Slice", "Neg", "Maximum", "Minimum", "Prod",
+    "Sum", "ZerosLike", "OnesLike"])
+
+
+def _folded_ints(tensor, limit: int = 32) -> Optional[List[int]]:
+  """An int vector computed from constants alone, evaluated; else None.
+
+  `tf.get_static_value` folds a few ops only (not Tile or Squeeze, which
+  MultiHead's logits slices are built with).
+  """
+  if not tensor.dtype.is_integer or tensor.shape.rank not in (0, 1):
+    return None
+  ops = {}
+  for op in _graph.walk([tensor.op], _graph.input_ops):
+    if op.type not in _FOLDABLE or len(ops) >= limit or op.control_inputs:
+      return None
+    ops[op.name] = op
+  graph_def = tf.compat.v1.GraphDef()
+  for op in sorted(ops.values(), key=lambda o: o.name):
+    node = graph_def.node.add()
+    node.CopyFrom(op.node_def)
+    node.ClearField("device")
+  with tf.Graph().as_default() as graph:
+    tf.graph_util.import_graph_def(graph_def, name="")
+    with tf.compat.v1.Session(graph=graph) as session:
+      value = session.run(graph.get_tensor_by_name(tensor.name))
+  return [int(v) for v in np.reshape(value, [-1])]
+
+
+def partial_ints(tensor, depth: int = 0) -> Optional[List[Optional[int]]]:
+  """The entries of an int vector known when built (None: not known).
+
+  Follows constants, stacks, concatenations and slices of a static shape,
+  as a new shape is usually written (`[v, -1]` joined to `tf.shape(x)[1:]`).
+  """
+  values = static_ints(tensor)
+  if values is not None:
+    return values
+  op = tensor.op
+  if depth > 8 or tensor.shape.rank != 1:
+    return None
+  if op.type in ("Tile", "Squeeze", "Reshape", "ExpandDims"):
+    values = _folded_ints(tensor)
+    if values is not None:
+      return values
+  length = tensor.shape.num_elements()
+  if op.type in ("ZerosLike", "OnesLike") and length is not None:
+    return [0 if op.type == "ZerosLike" else 1] * length
+  if op.type in ("Mul", "AddV2", "Add", "Sub") and length is not None:
+    parts = []
+    for part in op.inputs:
+      found = (static_ints(part) if part.shape.rank == 0 else
+               partial_ints(part, depth + 1))
+      if found is None:
+        return None
+      parts.append(found * length if len(found) == 1 else found)
+    apply = {"Mul": lambda a, b: a * b, "Sub": lambda a, b: a - b}.get(
+        op.type, lambda a, b: a + b)
+    return [None if a is None or b is None else apply(a, b)
+            for a, b in zip(*parts)]
+  if op.type == "Pack":
+    return [(static_ints(t) or [None])[0] for t in op.inputs]
+  if op.type in ("ConcatV2", "Concat"):
+    parts = op.inputs[:-1] if op.type == "ConcatV2" else op.inputs[1:]
+    entries = []
+    for part in parts:
+      found = partial_ints(part, depth + 1)
+      if found is None:
+        length = part.shape.num_elements()
+        if length is None:
+          return None
+        found = [None] * length
+      entries.extend(found)
+    return entries
+  length = tensor.shape.num_elements()
+  return None if length is None else [None] * length
+
+
+def static_ints(tensor) -> Optional[List[int]]:
+  value = tf.get_static_value(tensor)
+  if value is None:
+    return None
+  return [int(v) for v in np.reshape(value, [-1])]
+
+
+def rank_of(tensor) -> Optional[int]:
+  """The static rank of `tensor`, or None."""
+  return tensor.shape.rank
+
+
+def axis_in(axis: int, rank: Optional[int]) -> Optional[int]:
+  """`axis` as a non-negative index, or None where the rank is unknown."""
+  if axis >= 0:
+    return axis
+  return None if rank is None else axis % rank

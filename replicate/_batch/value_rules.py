@@ -1,0 +1,543 @@
+"""Rows rules of ops that compute values: reductions, products, per-row
+and elementwise ops, sparse ops, summaries.
+
+Each rule maps an op and its inputs' kinds (see `_batch.kinds`) to its
+outputs' kinds, and reports through `ctx` (`_batch.rows`) what needs every
+tower; `RULES` maps op types to rules.
+"""
+
+from typing import (Callable, Dict, Sequence)
+
+import tensorflow as tf
+
+from replicate._batch import row_kinds
+from replicate._batch import op_types
+from replicate._batch import static
+
+
+def _elementwise(op, kinds: Sequence[row_kinds.Kind]) -> row_kinds.Kind:
+  """The output kind of a broadcasting elementwise op."""
+  out_rank = static.rank_of(op.outputs[0]) if op.outputs else None
+  axes, shard = set(), False
+  for tensor, kind in zip(op.inputs, kinds):
+    if row_kinds.is_local(kind):
+      return kind
+    if kind is row_kinds.SHARD:
+      shard = True
+    if isinstance(kind, row_kinds.Rows):
+      in_rank = static.rank_of(tensor)
+      if out_rank is not None and in_rank is not None:
+        axes.add(out_rank - in_rank + kind.axis)
+      else:
+        axes.add(kind.axis)
+  if len(axes) > 1:
+    return row_kinds.Local(op.name, f"combines rows cut along axes {sorted(axes)}")
+  if axes:
+    return row_kinds.Rows(axes.pop())
+  return row_kinds.SHARD if shard else row_kinds.WHOLE
+
+
+# ------------------------------------------------------- transfer functions
+
+def _reduction(op, kinds, ctx):
+  data, axes = op.inputs[0], op.inputs[1]
+  kind = kinds[0]
+  if row_kinds.is_local(kind) or kind is row_kinds.SHARD:
+    return [kind]
+  if not isinstance(kind, row_kinds.Rows):
+    return [row_kinds.WHOLE]
+  rank = static.rank_of(data)
+  values = static.static_ints(axes)
+  keep = op.get_attr("keep_dims")
+  if values is None:
+    # Axes computed at run time (all of them for an unknown rank).
+    return [ctx.reduce(op, op_types.REDUCTIONS[op.type], kind.axis)]
+  reduced = {static.axis_in(a, rank) for a in values}
+  if None in reduced:
+    reduced = set(values)
+  if kind.axis in reduced:
+    return [ctx.reduce(op, op_types.REDUCTIONS[op.type], kind.axis)]
+  if keep:
+    return [kind]
+  return [row_kinds.Rows(kind.axis - sum(1 for a in reduced if a < kind.axis))]
+
+
+def _arg_reduction(op, kinds, ctx):
+  kind = kinds[0]
+  if not isinstance(kind, row_kinds.Rows):
+    return [kind if row_kinds.is_local(kind) or kind is row_kinds.SHARD else row_kinds.WHOLE]
+  axis = static.static_ints(op.inputs[1])
+  if axis is None or static.axis_in(axis[0], static.rank_of(op.inputs[0])) == kind.axis:
+    return [row_kinds.Local(op.name, "takes the position of an extremum over rows")]
+  return [row_kinds.Rows(kind.axis - (1 if axis[0] % (static.rank_of(op.inputs[0]) or 1)
+                            < kind.axis else 0))]
+
+
+def _segment_reduction(op, kinds, ctx):
+  data, ids, count = kinds[0], kinds[1], kinds[2]
+  if isinstance(count, row_kinds.Size):
+    return [row_kinds.Rows(0)]  # one segment per row
+  local = row_kinds.any_local([data, ids])
+  if local:
+    return [local]
+  if isinstance(data, row_kinds.Rows) and data.axis == 0 or isinstance(ids, row_kinds.Rows):
+    return [ctx.reduce(op, op_types.SEGMENT_REDUCTIONS[op.type], 0)]
+  if isinstance(data, row_kinds.Rows):
+    return [row_kinds.Rows(data.axis)]
+  return [row_kinds.SHARD if row_kinds.SHARD in (data, ids) else row_kinds.WHOLE]
+
+
+def _sorted_segment(op, kinds, ctx):
+  if any(k is not row_kinds.WHOLE for k in kinds[:2]):
+    local = row_kinds.any_local(kinds)
+    return [local or row_kinds.Rows(0)]
+  return [row_kinds.WHOLE]
+
+
+def _matmul(op, kinds, ctx):
+  a, b = kinds[0], kinds[1]
+  local = row_kinds.any_local([a, b])
+  if local:
+    return [local]
+  ta = op.get_attr("transpose_a")
+  tb = op.get_attr("transpose_b")
+  a_rows = a.axis if isinstance(a, row_kinds.Rows) else None
+  b_rows = b.axis if isinstance(b, row_kinds.Rows) else None
+  a_contracted = a_rows is not None and a_rows == (0 if ta else 1)
+  b_contracted = b_rows is not None and b_rows == (1 if tb else 0)
+  if a_rows is not None and b_rows is not None:
+    if a_contracted and b_contracted:
+      return [ctx.reduce(op, "sum", a_rows)]
+    return [row_kinds.Local(op.name, "multiplies rows by rows (e.g. a batch times its "
+                  "own transpose)")]
+  if a_rows is not None:
+    return [row_kinds.Rows(0)] if not a_contracted else [
+        row_kinds.Local(op.name, "contracts rows with a tensor without rows")]
+  if b_rows is not None:
+    return [row_kinds.Rows(1)] if not b_contracted else [
+        row_kinds.Local(op.name, "contracts rows with a tensor without rows")]
+  return [row_kinds.SHARD if row_kinds.SHARD in (a, b) else row_kinds.WHOLE]
+
+
+def _batch_matmul(op, kinds, ctx):
+  rows = [k for k in kinds[:2] if isinstance(k, row_kinds.Rows)]
+  local = row_kinds.any_local(kinds[:2])
+  if local:
+    return [local]
+  out_rank = static.rank_of(op.outputs[0])
+  if not rows:
+    return [row_kinds.SHARD if row_kinds.SHARD in kinds else row_kinds.WHOLE]
+  axes = set()
+  for tensor, kind in zip(op.inputs[:2], kinds[:2]):
+    if isinstance(kind, row_kinds.Rows):
+      rank = static.rank_of(tensor)
+      if rank is None or out_rank is None or kind.axis >= rank - 2:
+        return [row_kinds.Local(op.name, "multiplies along the rows axis")]
+      axes.add(out_rank - rank + kind.axis)
+  if len(axes) != 1:
+    return [row_kinds.Local(op.name, "multiplies rows cut along different axes")]
+  return [row_kinds.Rows(axes.pop())]
+
+
+def _einsum(op, kinds, ctx):
+  local = row_kinds.any_local(kinds)
+  if local:
+    return [local]
+  equation = op.get_attr("equation").decode().replace(" ", "")
+  if "..." in equation or "->" not in equation:
+    return [row_kinds.first_rows(kinds) and row_kinds.Local(op.name, "einsum with ellipsis over "
+                                          "rows") or row_kinds.WHOLE]
+  inputs, output = equation.split("->")
+  letters = inputs.split(",")
+  batch = set()
+  for kind, spec in zip(kinds, letters):
+    if isinstance(kind, row_kinds.Rows):
+      if kind.axis >= len(spec):
+        return [row_kinds.Local(op.name, "einsum over rows")]
+      batch.add(spec[kind.axis])
+  if not batch:
+    return [row_kinds.SHARD if row_kinds.SHARD in kinds else row_kinds.WHOLE]
+  if len(batch) > 1:
+    return [row_kinds.Local(op.name, "einsum combining rows of different axes")]
+  letter = batch.pop()
+  carriers = [k for k, spec in zip(kinds, letters) if letter in spec]
+  if not all(isinstance(k, row_kinds.Rows) for k in carriers):
+    return [row_kinds.Local(op.name, "einsum of rows with a tensor without rows")]
+  if letter in output:
+    return [row_kinds.Rows(output.index(letter))]
+  rows_inputs = [k for k in kinds if isinstance(k, row_kinds.Rows)]
+  return [ctx.reduce(op, "sum", rows_inputs[0].axis)]
+
+
+def _where(op, kinds, ctx):
+  if len(op.inputs) == 1:
+    kind = kinds[0]
+    if isinstance(kind, row_kinds.Rows):
+      return [row_kinds.Rows(0)]  # coordinates of true entries, in row order
+    return [kind if row_kinds.is_local(kind) else row_kinds.WHOLE]
+  return [_elementwise(op, kinds)]
+
+
+def _one_hot(op, kinds, ctx):
+  kind = kinds[0]
+  if not isinstance(kind, row_kinds.Rows):
+    local = row_kinds.any_local(kinds)
+    return [local or (kind if kind is row_kinds.SHARD else row_kinds.WHOLE)]
+  axis = op.get_attr("axis")
+  rank = static.rank_of(op.inputs[0])
+  if axis == -1 or rank is None or axis > kind.axis:
+    return [kind]
+  return [row_kinds.Rows(kind.axis + 1)]
+
+
+def _along_axis_input(axis_index: int, what: str):
+  """Ops working along one axis given as an input (cumsum, reverse, ...)."""
+  def rule(op, kinds, ctx):
+    kind = kinds[0]
+    if not isinstance(kind, row_kinds.Rows):
+      return row_kinds.same_for_outputs(op, kind if row_kinds.is_local(kind) or kind is row_kinds.SHARD
+                               else row_kinds.WHOLE)
+    axes = static.static_ints(op.inputs[axis_index])
+    rank = static.rank_of(op.inputs[0])
+    if axes is None or kind.axis in {static.axis_in(a, rank) for a in axes}:
+      return row_kinds.same_for_outputs(op, row_kinds.Local(op.name, what))
+    return row_kinds.same_for_outputs(op, kind)
+  return rule
+
+
+def _last_axis(what: str):
+  """Ops working along the last axis (softmax, top_k)."""
+  def rule(op, kinds, ctx):
+    kind = kinds[0]
+    if not isinstance(kind, row_kinds.Rows):
+      local = row_kinds.any_local(kinds)
+      return row_kinds.same_for_outputs(op, local or (kind if kind is row_kinds.SHARD
+                                             else row_kinds.WHOLE))
+    rank = static.rank_of(op.inputs[0])
+    if rank is None or kind.axis == rank - 1:
+      return row_kinds.same_for_outputs(op, row_kinds.Local(op.name, what))
+    return row_kinds.same_for_outputs(op, kind)
+  return rule
+
+
+def _per_row(op, kinds, ctx):
+  """Every output keeps the rows (axis 0) of the first input with rows."""
+  local = row_kinds.any_local(kinds)
+  if local:
+    return row_kinds.same_for_outputs(op, local)
+  rows = row_kinds.first_rows(kinds)
+  if rows is None:
+    return row_kinds.same_for_outputs(op, row_kinds.SHARD if row_kinds.SHARD in kinds else row_kinds.WHOLE)
+  return row_kinds.same_for_outputs(op, row_kinds.Rows(0) if rows.axis == 0 else rows)
+
+
+def _fused_norm(op, kinds, ctx):
+  kind = kinds[0]
+  if not isinstance(kind, row_kinds.Rows):
+    return row_kinds.same_for_outputs(op, kind if row_kinds.is_local(kind) or kind is row_kinds.SHARD
+                             else row_kinds.WHOLE)
+  rank = static.rank_of(op.inputs[0])
+  channel = 1 if op.get_attr("data_format").decode().startswith("NC") else (
+      None if rank is None else rank - 1)
+  if kind.axis == channel:
+    # Each row normalised by itself (the batch folded into the channels:
+    # Keras' LayerNormalization): statistics per row.
+    return [kind] + [row_kinds.Rows(0)] * (len(op.outputs) - 1)
+  if not op.get_attr("is_training"):
+    return [kind] + [row_kinds.WHOLE] * (len(op.outputs) - 1)
+  if kind.axis != 0:
+    return row_kinds.same_for_outputs(op, row_kinds.Local(op.name, "normalises over an axis "
+                                       "that is not the batch's"))
+  if ctx.per_tower(op):
+    return [kind] + [row_kinds.SHARD] * (len(op.outputs) - 1)
+  statistics = ctx.needs_every_tower(op, row_kinds.FusedNorm(op), row_kinds.WHOLE,
+                                     "normalises with batch statistics")
+  return [kind if statistics is row_kinds.WHOLE else statistics] + [statistics] * (
+      len(op.outputs) - 1)
+
+
+def _py_func(op, kinds, ctx):
+  if all(not isinstance(k, (row_kinds.Rows, row_kinds.Local, row_kinds.Size, row_kinds.Listed)) and k is not row_kinds.SHARD
+         for k in kinds):
+    return row_kinds.same_for_outputs(op, row_kinds.WHOLE)
+  local = row_kinds.any_local(kinds)
+  if local:
+    return row_kinds.same_for_outputs(op, local)
+  return row_kinds.same_for_outputs(op, ctx.needs_every_tower(
+      op, row_kinds.Mixing(op, tuple([row_kinds.WHOLE] * len(op.outputs))), row_kinds.WHOLE,
+      "runs Python on the rows"))
+
+
+def _unique(op, kinds, ctx):
+  kind = kinds[0]
+  if not isinstance(kind, row_kinds.Rows):
+    return row_kinds.same_for_outputs(op, kind if row_kinds.is_local(kind) else row_kinds.WHOLE)
+  outputs = [row_kinds.Local(op.name, "is the set of the tower's values"), kind]
+  outputs += [row_kinds.Local(op.name, "counts the tower's values")] * (
+      len(op.outputs) - 2)
+  return outputs
+
+
+def _dynamic_stitch(op, kinds, ctx):
+  if all(k is row_kinds.WHOLE for k in kinds):
+    return [row_kinds.WHOLE]
+  return [row_kinds.Rows(0)]
+
+
+def _dynamic_partition(op, kinds, ctx):
+  if all(k is row_kinds.WHOLE for k in kinds):
+    return row_kinds.same_for_outputs(op, row_kinds.WHOLE)
+  return row_kinds.same_for_outputs(op, row_kinds.Local(op.name, "partitions the rows"))
+
+
+def _sparse_fill_empty_rows(op, kinds, ctx):
+  if all(k is row_kinds.WHOLE for k in kinds):
+    return row_kinds.same_for_outputs(op, row_kinds.WHOLE)
+  return [row_kinds.Rows(0), row_kinds.Rows(0), row_kinds.Rows(0), row_kinds.Rows(0)][:len(op.outputs)]
+
+
+def _sparse_reshape(op, kinds, ctx):
+  if all(k is row_kinds.WHOLE for k in kinds):
+    return row_kinds.same_for_outputs(op, row_kinds.WHOLE)
+  return [row_kinds.Rows(0), row_kinds.Size(False, frozenset([0]))]
+
+
+def _sparse_to_dense(op, kinds, ctx):
+  shape = kinds[1]
+  if isinstance(shape, row_kinds.Size):
+    return [row_kinds.Rows(min(shape.entries) if shape.entries else 0)]
+  local = row_kinds.any_local(kinds)
+  if local:
+    return [local]
+  if isinstance(kinds[0], row_kinds.Rows) or isinstance(kinds[2], row_kinds.Rows):
+    return [ctx.reduce(op, "sum", 0)]
+  return [row_kinds.WHOLE]
+
+
+def _sparse_segment(op, kinds, ctx):
+  ids = kinds[2]
+  if len(op.inputs) > 3 and isinstance(kinds[3], row_kinds.Size):
+    return [row_kinds.Rows(0)]
+  if all(k is row_kinds.WHOLE for k in kinds):
+    return [row_kinds.WHOLE]
+  if ids is row_kinds.WHOLE and isinstance(kinds[0], row_kinds.Rows):
+    return [row_kinds.Local(op.name, "sums rows into fixed segments")]
+  return [row_kinds.Rows(0)]
+
+
+def _sparse_dense_matmul(op, kinds, ctx):
+  a_indices, a_values, a_shape, b = kinds
+  sparse_rows = isinstance(a_shape, row_kinds.Size) or isinstance(a_values, row_kinds.Rows)
+  adjoint_a = op.get_attr("adjoint_a")
+  if sparse_rows:
+    if isinstance(b, row_kinds.Rows):
+      return [row_kinds.Local(op.name, "multiplies sparse rows by rows")]
+    if adjoint_a:
+      return [ctx.reduce(op, "sum", 0)]
+    return [row_kinds.Rows(0)]
+  if isinstance(b, row_kinds.Rows):
+    if op.get_attr("adjoint_b"):
+      return [row_kinds.Rows(1)]
+    return [row_kinds.Local(op.name, "contracts rows with a sparse tensor")]
+  local = row_kinds.any_local(kinds)
+  return [local or row_kinds.WHOLE]
+
+
+def _sparse_reduce(op, kinds, ctx):
+  if all(k is row_kinds.WHOLE for k in kinds[:3]):
+    return row_kinds.same_for_outputs(op, row_kinds.WHOLE)
+  axes = static.static_ints(op.inputs[3])
+  rank = op.inputs[2].shape.num_elements()
+  if axes is None:
+    return row_kinds.same_for_outputs(op, row_kinds.Local(op.name, "reduces a sparse tensor "
+                                       "along run-time axes"))
+  reduced = {static.axis_in(a, rank) for a in axes}
+  if 0 in reduced:
+    combine = "sum" if "Sum" in op.type else "max"
+    if op.type.endswith("Sparse"):
+      return row_kinds.same_for_outputs(op, row_kinds.Local(op.name, "reduces sparse rows to a "
+                                         "sparse value"))
+    return [ctx.reduce(op, combine, 0)]
+  if op.type.endswith("Sparse"):
+    return [row_kinds.Rows(0), row_kinds.Rows(0), row_kinds.Size(False, frozenset([0]))]
+  return [row_kinds.Rows(0)]
+
+
+def _sparse_rows(op, kinds, ctx):
+  """Sparse ops whose (indices, values, shape) outputs keep the rows."""
+  if all(k is row_kinds.WHOLE for k in kinds):
+    return row_kinds.same_for_outputs(op, row_kinds.WHOLE)
+  local = row_kinds.any_local(kinds)
+  if local:
+    return row_kinds.same_for_outputs(op, local)
+  outputs = []
+  for tensor in op.outputs:
+    if tensor.dtype == tf.int64 and tensor.shape.rank == 1 and (
+        tensor.name.endswith(":2") or "shape" in tensor.name):
+      outputs.append(row_kinds.Size(False, frozenset([0])))
+    else:
+      outputs.append(row_kinds.Rows(0))
+  return outputs
+
+
+def _ctc(op, kinds, ctx):
+  if all(k is row_kinds.WHOLE for k in kinds):
+    return row_kinds.same_for_outputs(op, row_kinds.WHOLE)
+  return [row_kinds.Rows(0), row_kinds.Rows(1)][:len(op.outputs)] + [row_kinds.Rows(0)] * max(
+      0, len(op.outputs) - 2)
+
+
+def _reverse_sequence(op, kinds, ctx):
+  kind = kinds[0]
+  if not isinstance(kind, row_kinds.Rows):
+    return [kind if row_kinds.is_local(kind) else row_kinds.WHOLE]
+  if op.get_attr("seq_dim") == kind.axis:
+    return [row_kinds.Local(op.name, "reverses the rows")]
+  return [kind]
+
+
+def _pass_through(op, kinds, ctx):
+  if op.type == "IdentityN":
+    return list(kinds)
+  if op.type == "Print":
+    return [kinds[0]]
+  if not kinds:
+    return row_kinds.same_for_outputs(op, row_kinds.WHOLE)
+  return row_kinds.same_for_outputs(op, kinds[0])
+
+
+def _sink(op, kinds, ctx):
+  return row_kinds.same_for_outputs(op, row_kinds.WHOLE)
+
+
+def _bias_add_grad(op, kinds, ctx):
+  """A bias's gradient sums every axis but the channels'."""
+  kind = kinds[0]
+  if not isinstance(kind, row_kinds.Rows):
+    return [kind if row_kinds.is_local(kind) or kind is row_kinds.SHARD else row_kinds.WHOLE]
+  rank = static.rank_of(op.inputs[0])
+  nchw = op.type == "BiasAddGrad" and (
+      op.get_attr("data_format") in (b"NCHW", "NCHW"))
+  channels = 1 if nchw else (None if rank is None else rank - 1)
+  if channels is None or kind.axis == channels:
+    return [row_kinds.Local(op.name, "sums a bias's gradient of rows of unknown rank")]
+  return [ctx.reduce(op, "sum", kind.axis)]
+
+
+def _summary(op, kinds, ctx):
+  """A summary of rows (a histogram, images) is of the whole batch's."""
+  local = row_kinds.any_local(kinds)
+  if local:
+    return [local]
+  if any(isinstance(k, (row_kinds.Rows, row_kinds.Size)) for k in kinds):
+    return [ctx.needs_every_tower(op, row_kinds.Mixing(op, (row_kinds.WHOLE,)), row_kinds.WHOLE,
+                                  "summarises rows")]
+  return [row_kinds.WHOLE]
+
+
+
+
+# Op type -> rule.
+RULES: Dict[str, Callable] = {
+    "MatMul": _matmul,
+    "BatchMatMul": _batch_matmul,
+    "BatchMatMulV2": _batch_matmul,
+    "BatchMatMulV3": _batch_matmul,
+    "Einsum": _einsum,
+    "Where": _where,
+    "OneHot": _one_hot,
+    "ArgMax": _arg_reduction,
+    "ArgMin": _arg_reduction,
+    "Cumsum": _along_axis_input(1, "accumulates along the rows"),
+    "Cumprod": _along_axis_input(1, "accumulates along the rows"),
+    "CumulativeLogsumexp": _along_axis_input(1, "accumulates along the "
+                                             "rows"),
+    "ReverseV2": _along_axis_input(1, "reverses the rows"),
+    "Roll": _along_axis_input(2, "rolls the rows"),
+    "Softmax": _last_axis("normalises over the rows"),
+    "LogSoftmax": _last_axis("normalises over the rows"),
+    "TopKV2": _last_axis("sorts the rows"),
+    "TopK": _last_axis("sorts the "
+                                                               "rows"),
+    "RandomShuffle": lambda op, k, c: [
+        row_kinds.Local(op.name, "shuffles the rows") if row_kinds.is_rows(k[0]) else
+        (k[0] if row_kinds.is_local(k[0]) else row_kinds.WHOLE)],
+    "SegmentSum": _sorted_segment,
+    "SegmentMean": _sorted_segment,
+    "SegmentMax": _sorted_segment,
+    "SegmentMin": _sorted_segment,
+    "SegmentProd": _sorted_segment,
+    "BiasAddGrad": _bias_add_grad,
+    "BiasAddGradV1": _bias_add_grad,
+    "L2Loss": lambda op, k, c: (
+        [c.reduce(op, "sum", k[0].axis)] if row_kinds.is_rows(k[0]) else
+        [k[0] if row_kinds.is_local(k[0]) or k[0] is row_kinds.SHARD else row_kinds.WHOLE]),
+    "Unique": _unique,
+    "UniqueV2": _unique,
+    "UniqueWithCounts": _unique,
+    "DynamicStitch": _dynamic_stitch,
+    "ParallelDynamicStitch": _dynamic_stitch,
+    "DynamicPartition": _dynamic_partition,
+    "SparseFillEmptyRows": _sparse_fill_empty_rows,
+    "SparseReshape": _sparse_reshape,
+    "SparseToDense": _sparse_to_dense,
+    "SparseSegmentSum": _sparse_segment,
+    "SparseSegmentMean": _sparse_segment,
+    "SparseSegmentSqrtN": _sparse_segment,
+    "SparseSegmentSumWithNumSegments": _sparse_segment,
+    "SparseSegmentMeanWithNumSegments": _sparse_segment,
+    "SparseSegmentSqrtNWithNumSegments": _sparse_segment,
+    "SparseTensorDenseMatMul": _sparse_dense_matmul,
+    "SparseReduceSum": _sparse_reduce,
+    "SparseReduceMax": _sparse_reduce,
+    "SparseReduceSumSparse": _sparse_reduce,
+    "SparseReduceMaxSparse": _sparse_reduce,
+    "SparseSlice": _sparse_rows,
+    "SparseAdd": _sparse_rows,
+    "SparseReorder": _sparse_rows,
+    "SparseSoftmax": _sparse_rows,
+    "SparseDenseCwiseMul": _sparse_rows,
+    "SparseDenseCwiseAdd": _sparse_rows,
+    "SparseDenseCwiseDiv": _sparse_rows,
+    "SparseCross": _sparse_rows,
+    "SparseCrossV2": _sparse_rows,
+    "SparseCrossHashed": _sparse_rows,
+    "CTCLoss": _ctc,
+    "CTCLossV2": _ctc,
+    "ReverseSequence": _reverse_sequence,
+    "FusedBatchNorm": _fused_norm,
+    "FusedBatchNormV2": _fused_norm,
+    "FusedBatchNormV3": _fused_norm,
+}
+
+
+for op_type in op_types.REDUCTIONS:
+  RULES[op_type] = _reduction
+
+
+for op_type in op_types.SEGMENT_REDUCTIONS:
+  RULES[op_type] = _segment_reduction
+
+
+for op_type in op_types.ELEMENTWISE:
+  RULES.setdefault(op_type, lambda op, k, c: [_elementwise(op, k)])
+
+
+for op_type in op_types.PER_ROW:
+  RULES.setdefault(op_type, _per_row)
+
+
+for op_type in op_types.PASS_THROUGH:
+  RULES[op_type] = _pass_through
+
+
+for op_type in op_types.SINKS:
+  RULES[op_type] = _sink
+
+
+for op_type in op_types.SUMMARIES:
+  RULES[op_type] = _summary
+
+
+for op_type in op_types.PY_FUNCS:
+  RULES[op_type] = _py_func
