@@ -42,24 +42,25 @@ from absl import flags
 import numpy as np
 import tensorflow as tf
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(
-    __file__))))
-import replicate  # pylint: disable=g-import-not-at-top
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common  # pylint: disable=g-import-not-at-top
+
+import replicate  # pylint: disable=g-import-not-at-top
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("towers", ["1", "2", "4"], "Tower counts N.")
 flags.DEFINE_list("variants", ["sync", "unsync", "mirrored"],
                   "Besides plain: sync, unsync, mirrored.")
-flags.DEFINE_list("measures", ["model_fn", "estimator"],
-                  "model_fn (the call under a graph), estimator (to the "
-                  "first hook's begin()).")
+flags.DEFINE_list(
+    "measures", ["model_fn", "estimator"],
+    "model_fn (the call under a graph), estimator (to the "
+    "first hook's begin()).")
 flags.DEFINE_bool("quick", False, "A small batch-norm CNN instead of ResNet50.")
 flags.DEFINE_integer("batch_size", 32, "Global batch (static shape).")
 flags.DEFINE_integer("repeats", 3, "Timed builds per graph.", lower_bound=1)
-flags.DEFINE_string("profile", None,
-                    "VARIANT:N: cProfile one model_fn build and print the "
-                    "top functions instead of the table.")
+flags.DEFINE_string(
+    "profile", None, "VARIANT:N: cProfile one model_fn build and print the "
+    "top functions instead of the table.")
 flags.DEFINE_string("result_file", None, "Where the JSON goes (else stdout).")
 
 _IMAGE = (64, 64, 3)
@@ -71,12 +72,15 @@ def _small_cnn(training: bool):
   layers = tf.keras.layers
   blocks = []
   for filters in (16, 32, 64):
-    blocks += [layers.Conv2D(filters, 3, strides=2, padding="same",
-                             use_bias=False),
-               layers.BatchNormalization(), layers.ReLU()]
+    blocks += [
+        layers.Conv2D(filters, 3, strides=2, padding="same", use_bias=False),
+        layers.BatchNormalization(),
+        layers.ReLU()
+    ]
   model = tf.keras.Sequential(
       [tf.keras.Input(_IMAGE)] + blocks +
-      [layers.GlobalAveragePooling2D(), layers.Dense(_CLASSES)])
+      [layers.GlobalAveragePooling2D(),
+       layers.Dense(_CLASSES)])
   del training
   return model
 
@@ -85,7 +89,9 @@ def _model(quick: bool):
   if quick:
     return _small_cnn(True)
   return tf.keras.applications.ResNet50(
-      weights=None, input_shape=_IMAGE, classes=_CLASSES,
+      weights=None,
+      input_shape=_IMAGE,
+      classes=_CLASSES,
       classifier_activation=None)
 
 
@@ -116,16 +122,18 @@ def _devices(n: int) -> List[str]:
 def _config(n: int, strategy=None) -> tf.estimator.RunConfig:
   return tf.estimator.RunConfig(
       session_config=tf.compat.v1.ConfigProto(device_count={"CPU": n}),
-      train_distribute=strategy, save_checkpoints_steps=None,
-      save_checkpoints_secs=None, save_summary_steps=None,
+      train_distribute=strategy,
+      save_checkpoints_steps=None,
+      save_checkpoints_secs=None,
+      save_summary_steps=None,
       log_step_count_steps=None)
 
 
 def _wrapped(variant: str, n: int) -> Tuple[Callable, Dict[str, Any]]:
   if variant == "plain":
     return model_fn, {}
-  fn = replicate.replicate_model_fn(model_fn, devices=_devices(n),
-                                    sync_batch_norm=variant == "sync")
+  fn = replicate.replicate_model_fn(
+      model_fn, devices=_devices(n), sync_batch_norm=variant == "sync")
   return fn, {"config": _config(n)}
 
 
@@ -140,8 +148,8 @@ def build_model_fn(variant: str, n: int) -> Tuple[float, int]:
         _dataset()).get_next()
     existing = len(graph.get_operations())
     started = time.perf_counter()
-    fn(features, labels, tf.estimator.ModeKeys.TRAIN,
-       {"quick": FLAGS.quick}, **extra)
+    fn(features, labels, tf.estimator.ModeKeys.TRAIN, {"quick": FLAGS.quick},
+       **extra)
     seconds = time.perf_counter() - started
     ops = len(graph.get_operations()) - existing
   tf.keras.backend.clear_session()
@@ -179,8 +187,8 @@ def build_estimator(variant: str, n: int) -> Tuple[float, int]:
     config = extra.get("config", _config(1))
     input_fn = _dataset
   with tempfile.TemporaryDirectory() as model_dir:
-    estimator = tf.estimator.Estimator(fn, model_dir=model_dir, config=config,
-                                       params={"quick": FLAGS.quick})
+    estimator = tf.estimator.Estimator(
+        fn, model_dir=model_dir, config=config, params={"quick": FLAGS.quick})
     hook = _StopAtBegin(time.perf_counter())
     try:
       estimator.train(input_fn, hooks=[hook], max_steps=1)
@@ -199,8 +207,9 @@ def _profile(spec: str):
   profiler.disable()
   print(f"{variant} N={n}: {seconds:.1f} s, {ops} ops")
   stats = pstats.Stats(profiler).sort_stats("cumulative")
-  stats.print_stats(r"replicate|gradients_util|ops\.py|base_layer|"
-                    r"batch_normalization|nn_impl", 45)
+  stats.print_stats(
+      r"replicate|gradients_util|ops\.py|base_layer|"
+      r"batch_normalization|nn_impl", 45)
   stats.sort_stats("tottime").print_stats(25)
 
 
@@ -209,12 +218,14 @@ def _runs(towers: List[int]) -> List[Tuple[str, str, int]]:
   if "model_fn" in FLAGS.measures:
     runs.append(("model_fn", "plain", 1))
     for n in towers:
-      runs += [("model_fn", v, n) for v in ("sync", "unsync")
-               if v in FLAGS.variants]
+      runs += [
+          ("model_fn", v, n) for v in ("sync", "unsync") if v in FLAGS.variants
+      ]
   if "estimator" in FLAGS.measures:
     runs.append(("estimator", "plain", 1))
     for n in towers:
-      runs += [("estimator", v, n) for v in ("sync", "mirrored")
+      runs += [("estimator", v, n)
+               for v in ("sync", "mirrored")
                if v in FLAGS.variants]
   return runs
 
@@ -235,24 +246,35 @@ def measure(towers: List[int]) -> Dict[str, Any]:
     plain = (run[0], "plain", 1)
     ratios = [a / b for a, b in zip(seconds[run], seconds[plain])]
     rows.append({
-        "measure": run[0], "variant": run[1], "towers": run[2],
+        "measure": run[0],
+        "variant": run[1],
+        "towers": run[2],
         "build_s": statistics.median(seconds[run]),
         "build_s_all": seconds[run],
         "x_plain_s": statistics.median(ratios),
         "x_plain_s_range": [min(ratios), max(ratios)],
-        "ops": ops[run], "x_plain_ops": ops[run] / ops[plain]})
-  return {"model": "small_cnn" if FLAGS.quick else "resnet50",
-          "batch_size": FLAGS.batch_size, "repeats": FLAGS.repeats,
-          "library": os.path.dirname(os.path.abspath(replicate.__file__)),
-          "load_average": os.getloadavg(), "rows": rows}
+        "ops": ops[run],
+        "x_plain_ops": ops[run] / ops[plain]
+    })
+  return {
+      "model": "small_cnn" if FLAGS.quick else "resnet50",
+      "batch_size": FLAGS.batch_size,
+      "repeats": FLAGS.repeats,
+      "library": os.path.dirname(os.path.abspath(replicate.__file__)),
+      "load_average": os.getloadavg(),
+      "rows": rows
+  }
 
 
 def table(result: Dict[str, Any]) -> str:
-  lines = ["| measure | variant | N | build s | x plain (range) | ops | "
-           "x plain ops | x unsync s | x unsync ops |",
-           "|---|---|---:|---:|---|---:|---:|---:|---:|"]
-  by_key = {(r["measure"], r["variant"], r["towers"]): r
-            for r in result["rows"]}
+  lines = [
+      "| measure | variant | N | build s | x plain (range) | ops | "
+      "x plain ops | x unsync s | x unsync ops |",
+      "|---|---|---:|---:|---|---:|---:|---:|---:|"
+  ]
+  by_key = {
+      (r["measure"], r["variant"], r["towers"]): r for r in result["rows"]
+  }
   for r in result["rows"]:
     un = by_key.get((r["measure"], "unsync", r["towers"]))
     vs = (f"{r['build_s'] / un['build_s']:.2f} | {r['ops'] / un['ops']:.2f}"

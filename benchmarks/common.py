@@ -48,26 +48,36 @@ def write_json(record: Any, path: Optional[str]) -> None:
 def define_timing_flags() -> None:
   """Flags the driver and the worker share: batch, data and timed windows."""
   from absl import flags  # pylint: disable=g-import-not-at-top
-  flags.DEFINE_integer("batch_size", 256,
-                       "Global batch (examples per step), same for all "
-                       "variants.", lower_bound=1)
-  flags.DEFINE_integer("examples", 2048,
-                       "Synthetic examples per workload (then repeated).",
-                       lower_bound=1)
-  flags.DEFINE_integer("warmup_steps", 20, "Untimed steps after the first.",
-                       lower_bound=0)
-  flags.DEFINE_integer("window_steps", 20, "Steps per timed window.",
-                       lower_bound=1)
-  flags.DEFINE_integer("windows", 5,
-                       "Timed windows per run (the median is reported).",
-                       lower_bound=1)
-  flags.DEFINE_integer("logical_gpus", 0,
-                       "GPU runs: split the first GPU into this many logical "
-                       "GPUs (one card standing in for several); 0: the "
-                       "GPUs as they are.", lower_bound=0)
-  flags.DEFINE_integer("gpu_memory_mb", 8192,
-                       "Memory of each logical GPU (--logical_gpus).",
-                       lower_bound=256)
+  flags.DEFINE_integer(
+      "batch_size",
+      256, "Global batch (examples per step), same for all "
+      "variants.",
+      lower_bound=1)
+  flags.DEFINE_integer(
+      "examples",
+      2048,
+      "Synthetic examples per workload (then repeated).",
+      lower_bound=1)
+  flags.DEFINE_integer(
+      "warmup_steps", 20, "Untimed steps after the first.", lower_bound=0)
+  flags.DEFINE_integer(
+      "window_steps", 20, "Steps per timed window.", lower_bound=1)
+  flags.DEFINE_integer(
+      "windows",
+      5,
+      "Timed windows per run (the median is reported).",
+      lower_bound=1)
+  flags.DEFINE_integer(
+      "logical_gpus",
+      0, "GPU runs: split the first GPU into this many logical "
+      "GPUs (one card standing in for several); 0: the "
+      "GPUs as they are.",
+      lower_bound=0)
+  flags.DEFINE_integer(
+      "gpu_memory_mb",
+      8192,
+      "Memory of each logical GPU (--logical_gpus).",
+      lower_bound=256)
 
 
 def worker_env(library_root: str = ROOT) -> Dict[str, str]:
@@ -77,14 +87,16 @@ def worker_env(library_root: str = ROOT) -> Dict[str, str]:
   checkout's to run the same benchmark scripts against its library.
   """
   env = dict(os.environ)
-  env["PYTHONPATH"] = os.pathsep.join(
-      [library_root] + [p for p in [env.get("PYTHONPATH")] if p])
+  env["PYTHONPATH"] = os.pathsep.join([library_root] +
+                                      [p for p in [env.get("PYTHONPATH")] if p])
   env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
   return env
 
 
-def run_worker(worker_flags: Dict[str, Any], result_file: str,
-               timeout: Optional[float], library_root: str = ROOT,
+def run_worker(worker_flags: Dict[str, Any],
+               result_file: str,
+               timeout: Optional[float],
+               library_root: str = ROOT,
                script: str = WORKER) -> Dict[str, Any]:
   """Runs `script` (worker.py) with `worker_flags`; its record, or an 'error'.
 
@@ -97,8 +109,12 @@ def run_worker(worker_flags: Dict[str, Any], result_file: str,
   args += [f"--{k}={v}" for k, v in worker_flags.items()]
   started = time.perf_counter()
   try:
-    proc = subprocess.run(args, capture_output=True, text=True,
-                          env=worker_env(library_root), timeout=timeout)
+    proc = subprocess.run(
+        args,
+        capture_output=True,
+        text=True,
+        env=worker_env(library_root),
+        timeout=timeout)
     error = None if proc.returncode == 0 and os.path.exists(result_file) else (
         f"exit {proc.returncode}: {proc.stderr[-2000:]}")
   except subprocess.TimeoutExpired:
@@ -123,8 +139,11 @@ def count_gpus(logical_gpus: int = 0) -> int:
   """
   code = ("import tensorflow as tf; "
           "print(len(tf.config.list_physical_devices('GPU')))")
-  out = subprocess.run([sys.executable, "-c", code], capture_output=True,
-                       text=True, env=worker_env(), check=True).stdout
+  out = subprocess.run([sys.executable, "-c", code],
+                       capture_output=True,
+                       text=True,
+                       env=worker_env(),
+                       check=True).stdout
   physical = int(out.strip().splitlines()[-1])
   return logical_gpus if logical_gpus and physical else physical
 
@@ -137,9 +156,9 @@ def configure_gpus(logical_gpus: int, memory_mb: int) -> None:
   if logical_gpus and gpus:
     tf.config.set_visible_devices(gpus[:1], "GPU")
     tf.config.set_logical_device_configuration(
-        gpus[0], [tf.config.LogicalDeviceConfiguration(memory_limit=memory_mb)]
-        * logical_gpus)
+        gpus[0],
+        [tf.config.LogicalDeviceConfiguration(memory_limit=memory_mb)] *
+        logical_gpus)
     return
   for gpu in gpus:
     tf.config.experimental.set_memory_growth(gpu, True)
-

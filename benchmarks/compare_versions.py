@@ -33,7 +33,6 @@ from typing import Any, Dict, List
 from absl import app
 from absl import flags
 from absl import logging
-
 import common
 import report
 
@@ -54,16 +53,24 @@ GRAPH_STATS = os.path.join(common.HERE, "graph_stats.py")
 
 
 def _checkouts() -> Dict[str, str]:
-  return {"before": os.path.abspath(FLAGS.before),
-          "after": os.path.abspath(FLAGS.after)}
+  return {
+      "before": os.path.abspath(FLAGS.before),
+      "after": os.path.abspath(FLAGS.after)
+  }
 
 
-def _run(version: str, root: str, flags_: Dict[str, Any], scratch: str,
+def _run(version: str,
+         root: str,
+         flags_: Dict[str, Any],
+         scratch: str,
          script: str = common.WORKER) -> Dict[str, Any]:
   """One process against `root`'s library; refuses another library."""
-  result = common.run_worker(flags_, os.path.join(scratch, "result.json"),
-                             FLAGS.run_timeout, library_root=root,
-                             script=script)
+  result = common.run_worker(
+      flags_,
+      os.path.join(scratch, "result.json"),
+      FLAGS.run_timeout,
+      library_root=root,
+      script=script)
   if "error" in result:
     raise RuntimeError(f"{version}: {result['error']}")
   for record in result.get("records", [result]):
@@ -75,20 +82,29 @@ def _run(version: str, root: str, flags_: Dict[str, Any], scratch: str,
 def throughput(scratch: str) -> List[Dict[str, Any]]:
   """Every round's records, tagged with 'version' and variant@version."""
   records = []
-  timing = {k: FLAGS[k].value for k in ("batch_size", "examples",
-                                        "warmup_steps", "window_steps",
-                                        "windows")}
+  timing = {
+      k: FLAGS[k].value for k in ("batch_size", "examples", "warmup_steps",
+                                  "window_steps", "windows")
+  }
   for r in range(FLAGS.rounds):
     for workload in FLAGS.workloads:
       for n in sorted(int(t) for t in FLAGS.towers):
         versions = list(_checkouts().items())
         for version, root in versions[(r + n) % 2:] + versions[:(r + n) % 2]:
-          flags_ = dict(workload=workload, towers=n, device_type="CPU",
-                        fast_exit=True, together=",".join(
-                            VARIANTS[r % 2:] + VARIANTS[:r % 2]), **timing)
+          flags_ = dict(
+              workload=workload,
+              towers=n,
+              device_type="CPU",
+              fast_exit=True,
+              together=",".join(VARIANTS[r % 2:] + VARIANTS[:r % 2]),
+              **timing)
           for record in _run(version, root, flags_, scratch)["records"]:
-            records.append(dict(record, round=r, version=version,
-                                variant=f"{record['variant']}@{version}"))
+            records.append(
+                dict(
+                    record,
+                    round=r,
+                    version=version,
+                    variant=f"{record['variant']}@{version}"))
           logging.info("round %d %s N=%d %s done", r, workload, n, version)
   return records
 
@@ -103,8 +119,11 @@ def _round_ratios(group, variant: str, against: str) -> List[float]:
   by_round = {}
   for rec in group:
     by_round.setdefault(rec["round"], {})[rec["variant"]] = rec
-  return [runs[variant]["examples_per_sec"] / runs[against]["examples_per_sec"]
-          for runs in by_round.values() if variant in runs and against in runs]
+  return [
+      runs[variant]["examples_per_sec"] / runs[against]["examples_per_sec"]
+      for runs in by_round.values()
+      if variant in runs and against in runs
+  ]
 
 
 def _rel_vs_plain(group) -> List[float]:
@@ -120,34 +139,41 @@ def _rel_vs_plain(group) -> List[float]:
       plain = runs[f"plain@{version}"]["window_examples_per_sec"]
       per_round.setdefault(r, {})[version] = statistics.median(
           a / b for a, b in zip(mine, plain))
-  return [v["after"] / v["before"] for v in per_round.values()
-          if len(v) == 2]
+  return [v["after"] / v["before"] for v in per_round.values() if len(v) == 2]
 
 
 def throughput_table(records: List[Dict[str, Any]]) -> str:
   """Markdown: after/before per (workload, N), with spreads."""
-  lines = ["| workload | N | ex/s before | ex/s after | after/before "
-           "| plain a/b | × plain before | × plain after | rel. × plain "
-           "| build s before | build s after |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+  lines = [
+      "| workload | N | ex/s before | ex/s after | after/before "
+      "| plain a/b | × plain before | × plain after | rel. × plain "
+      "| build s before | build s after |",
+      "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+  ]
   for workload in FLAGS.workloads:
     for n in sorted(int(t) for t in FLAGS.towers):
-      group = [r for r in records
-               if r["workload"] == workload and r["towers"] == n]
-      def med(key, variant):
-        return statistics.median(r[key] for r in group
-                                 if r["variant"] == variant)
-      ratio = lambda a, b: report.spread(_round_ratios(group, a, b))
-      cells = [f"{med('examples_per_sec', 'replicate_shared@before'):,.0f}",
-               f"{med('examples_per_sec', 'replicate_shared@after'):,.0f}",
-               _fmt(ratio("replicate_shared@after",
-                          "replicate_shared@before")),
-               _fmt(ratio("plain@after", "plain@before")),
-               _fmt(_spread_of_windows(group, "before")),
-               _fmt(_spread_of_windows(group, "after")),
-               _fmt(report.spread(_rel_vs_plain(group))),
-               f"{med('build_s', 'replicate_shared@before'):.2f}",
-               f"{med('build_s', 'replicate_shared@after'):.2f}"]
+      group = [
+          r for r in records if r["workload"] == workload and r["towers"] == n
+      ]
+
+      def med(key, variant, group=group):
+        return statistics.median(
+            r[key] for r in group if r["variant"] == variant)
+
+      def ratio(a, b, group=group):
+        return report.spread(_round_ratios(group, a, b))
+
+      cells = [
+          f"{med('examples_per_sec', 'replicate_shared@before'):,.0f}",
+          f"{med('examples_per_sec', 'replicate_shared@after'):,.0f}",
+          _fmt(ratio("replicate_shared@after", "replicate_shared@before")),
+          _fmt(ratio("plain@after", "plain@before")),
+          _fmt(_spread_of_windows(group, "before")),
+          _fmt(_spread_of_windows(group, "after")),
+          _fmt(report.spread(_rel_vs_plain(group))),
+          f"{med('build_s', 'replicate_shared@before'):.2f}",
+          f"{med('build_s', 'replicate_shared@after'):.2f}"
+      ]
       lines.append(f"| {workload} | {n} | " + " | ".join(cells) + " |")
   return "\n".join(lines)
 
@@ -155,8 +181,8 @@ def throughput_table(records: List[Dict[str, Any]]) -> str:
 def _spread_of_windows(group, version: str):
   """replicate_shared / plain over windows taken in turn, all rounds."""
   mine = [r for r in group if r["version"] == version]
-  return report.spread(report.ratios(
-      mine, f"replicate_shared@{version}", f"plain@{version}"))
+  return report.spread(
+      report.ratios(mine, f"replicate_shared@{version}", f"plain@{version}"))
 
 
 def graph_stats(scratch: str) -> Dict[str, List[Dict[str, Any]]]:
@@ -164,33 +190,41 @@ def graph_stats(scratch: str) -> Dict[str, List[Dict[str, Any]]]:
   found = {"before": [], "after": []}
   for _ in range(FLAGS.graph_rounds):
     for version, root in _checkouts().items():
-      found[version].append(_run(
-          version, root, dict(workloads=",".join(FLAGS.workloads),
-                              towers=",".join(FLAGS.towers),
-                              batch_size=FLAGS.batch_size),
-          scratch, GRAPH_STATS))
+      found[version].append(
+          _run(
+              version, root,
+              dict(
+                  workloads=",".join(FLAGS.workloads),
+                  towers=",".join(FLAGS.towers),
+                  batch_size=FLAGS.batch_size), scratch, GRAPH_STATS))
   return found
 
 
 def graph_table(found: Dict[str, List[Dict[str, Any]]]) -> str:
   """Markdown: ops and model_fn build seconds (median over runs)."""
-  lines = ["| workload | graph | ops before | ops after | model_fn s before "
-           "| model_fn s after |", "|---|---|---:|---:|---:|---:|"]
+  lines = [
+      "| workload | graph | ops before | ops after | model_fn s before "
+      "| model_fn s after |", "|---|---|---:|---:|---:|---:|"
+  ]
   for workload in FLAGS.workloads:
-    for key in ["plain"] + [str(int(t)) for t in sorted(
-        FLAGS.towers, key=int)]:
+    for key in ["plain"] + [str(int(t)) for t in sorted(FLAGS.towers, key=int)]:
       cells = []
       for field, spec in (("ops", "d"), ("build_s", ".2f")):
         for version in ("before", "after"):
-          values = [run["workloads"][workload][key][field]
-                    for run in found[version]]
-          cells.append(format(statistics.median(values), spec)
-                       if field == "build_s" else str(values[0]))
+          values = [
+              run["workloads"][workload][key][field] for run in found[version]
+          ]
+          cells.append(
+              format(statistics.median(values), spec) if field ==
+              "build_s" else str(values[0]))
       label = "unwrapped" if key == "plain" else f"{key} tower(s)"
       lines.append(f"| {workload} | {label} | " + " | ".join(cells) + " |")
-  same = {v: all(run["workloads"][w].get("one_tower_same_ops")
-                 for run in runs for w in FLAGS.workloads)
-          for v, runs in found.items()}
+  same = {
+      v:
+          all(run["workloads"][w].get("one_tower_same_ops")
+              for run in runs
+              for w in FLAGS.workloads) for v, runs in found.items()
+  }
   lines.append(f"\nOne tower = the unwrapped graph's op names and types: "
                f"before {same['before']}, after {same['after']}.")
   return "\n".join(lines)

@@ -1,12 +1,12 @@
 r"""Op counts and build time of the workloads' training graphs, per tower count.
 
 Builds each workload's TRAIN graph (features and labels from a dataset
-iterator with the global batch's static shape) with the unwrapped model_fn and with
-`replicate.replicate_model_fn(model_fn, devices=N virtual CPUs)`, and
-reports the ops the model_fn added, the seconds the model_fn call took
-(median over --repeats builds, taken in turn after one untimed build), and
-whether the 1-tower replicated graph has exactly the unwrapped graph's op
-names and types (replicate's promise: one tower adds no ops).
+iterator with the global batch's static shape) with the unwrapped model_fn and
+with `replicate.replicate_model_fn(model_fn, devices=N virtual CPUs)`, and
+reports the ops the model_fn added, the seconds the model_fn call took (median
+over --repeats builds, taken in turn after one untimed build), and whether the
+1-tower replicated graph has exactly the unwrapped graph's op names and types
+(replicate's promise: one tower adds no ops).
 
 `replicate` is whichever PYTHONPATH finds first, so the same script measures
 an older checkout (benchmarks/compare_versions.py runs it for both).
@@ -23,11 +23,11 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from absl import app  # pylint: disable=g-import-not-at-top
 from absl import flags
+import common
 import tensorflow as tf
+import workloads
 
 import replicate
-import common
-import workloads
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("workloads", ["mlp", "cnn"],
@@ -87,11 +87,17 @@ def measure(workload: str, towers: list) -> Dict[str, Any]:
     for c in configs:
       ops[c], s = build(workload, c)
       seconds[c].append(s)
-  result = {"plain": {"ops": len(ops[None]),
-                      "build_s": statistics.median(seconds[None])}}
+  result = {
+      "plain": {
+          "ops": len(ops[None]),
+          "build_s": statistics.median(seconds[None])
+      }
+  }
   for n in towers:
-    result[str(n)] = {"ops": len(ops[n]),
-                      "build_s": statistics.median(seconds[n])}
+    result[str(n)] = {
+        "ops": len(ops[n]),
+        "build_s": statistics.median(seconds[n])
+    }
   if 1 in towers:
     result["one_tower_same_ops"] = ops[1] == ops[None]
   return result
@@ -104,8 +110,12 @@ def main(argv):
   cpu = tf.config.list_physical_devices("CPU")[0]
   tf.config.set_logical_device_configuration(
       cpu, [tf.config.LogicalDeviceConfiguration()] * max(towers))
-  result = {"library": os.path.dirname(os.path.abspath(replicate.__file__)),
-            "workloads": {w: measure(w, towers) for w in FLAGS.workloads}}
+  result = {
+      "library": os.path.dirname(os.path.abspath(replicate.__file__)),
+      "workloads": {
+          w: measure(w, towers) for w in FLAGS.workloads
+      }
+  }
   common.write_json(result, FLAGS.result_file)
 
 

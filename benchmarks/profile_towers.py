@@ -23,15 +23,15 @@ from typing import Any, Dict, List
 
 from absl import app
 from absl import flags
+import common
 from tensorflow.core.framework import graph_pb2
 from tensorflow.core.framework import step_stats_pb2
 
-import common
-
 FLAGS = flags.FLAGS
-flags.DEFINE_list("variants", ["plain", "replicate_shared",
-                               "replicate_round_robin", "mirrored"],
-                  "Variants to trace.")
+flags.DEFINE_list(
+    "variants",
+    ["plain", "replicate_shared", "replicate_round_robin", "mirrored"],
+    "Variants to trace.")
 flags.DEFINE_string("workload", "mlp", "mlp, cnn or cnn_bn.")
 flags.DEFINE_list("towers", ["2", "4"], "Tower counts.")
 flags.DEFINE_integer("batch_size", 256, "Global batch.")
@@ -40,18 +40,19 @@ flags.DEFINE_integer("warmup_steps", 30, "Steps before the windows.")
 flags.DEFINE_bool("serial", False, "One inter-op and one intra-op thread.")
 flags.DEFINE_integer("inter_op_threads", 0, "Without --serial; 0: TF's.")
 flags.DEFINE_integer("intra_op_threads", 0, "Without --serial; 0: TF's.")
-flags.DEFINE_integer("repeats", 3,
-                     "Runs per (variant, N), interleaved; medians over all "
-                     "their traced steps.")
+flags.DEFINE_integer(
+    "repeats", 3, "Runs per (variant, N), interleaved; medians over all "
+    "their traced steps.")
 flags.DEFINE_string("trace_dir", None, "Keep traces here (default: temp).")
 
 CATEGORIES = ("input", "split", "forward", "backward", "grad_sum", "apply",
               "merge", "transfer", "bookkeeping")
-_BOOKKEEPING = {"Const", "VarHandleOp", "ReadVariableOp", "Identity", "NoOp",
-                "Switch", "Merge", "_Retval", "_Arg", "VarIsInitializedOp",
-                "IdentityN", "Cast", "Pack", "Shape", "Fill", "ExpandDims",
-                "Reshape", "ZerosLike", "OnesLike", "Size", "StopGradient",
-                "_SOURCE"}
+_BOOKKEEPING = {
+    "Const", "VarHandleOp", "ReadVariableOp", "Identity", "NoOp", "Switch",
+    "Merge", "_Retval", "_Arg", "VarIsInitializedOp", "IdentityN", "Cast",
+    "Pack", "Shape", "Fill", "ExpandDims", "Reshape", "ZerosLike", "OnesLike",
+    "Size", "StopGradient", "_SOURCE"
+}
 _REDUCE_OPS = {"CollectiveReduce", "CollectiveReduceV2", "NcclAllReduce"}
 
 
@@ -101,8 +102,12 @@ def summarise_step(stats) -> Dict[str, Any]:
       by_category[category(node.node_name, op)] += node.all_end_rel_micros
       by_device[short] += node.all_end_rel_micros
       ops[op] += 1
-  return {"wall_us": max(ends) - min(starts), "category_us": by_category,
-          "device_us": by_device, "op_counts": ops}
+  return {
+      "wall_us": max(ends) - min(starts),
+      "category_us": by_category,
+      "device_us": by_device,
+      "op_counts": ops
+  }
 
 
 def count_sends(partition_files: List[str]) -> int:
@@ -120,12 +125,21 @@ def traced_run(variant: str, towers: int, trace_dir: str) -> Dict[str, Any]:
   inter = 1 if FLAGS.serial else FLAGS.inter_op_threads
   intra = 1 if FLAGS.serial else FLAGS.intra_op_threads
   record = common.run_worker(
-      dict(variant=variant, workload=FLAGS.workload, towers=towers,
-           batch_size=FLAGS.batch_size, warmup_steps=FLAGS.warmup_steps,
-           window_steps=10, windows=3, trace_steps=FLAGS.trace_steps,
-           trace_dir=trace_dir, inter_op_threads=inter,
-           intra_op_threads=intra, fast_exit=True),
-      os.path.join(trace_dir, "result.json"), timeout=600)
+      dict(
+          variant=variant,
+          workload=FLAGS.workload,
+          towers=towers,
+          batch_size=FLAGS.batch_size,
+          warmup_steps=FLAGS.warmup_steps,
+          window_steps=10,
+          windows=3,
+          trace_steps=FLAGS.trace_steps,
+          trace_dir=trace_dir,
+          inter_op_threads=inter,
+          intra_op_threads=intra,
+          fast_exit=True),
+      os.path.join(trace_dir, "result.json"),
+      timeout=600)
   if "error" in record:
     raise RuntimeError(f"{variant} N={towers}: {record['error']}")
   steps = []
@@ -147,18 +161,31 @@ def aggregate(variant: str, towers: int,
   busy = [sum(s["device_us"].values()) for s in steps]
   walls = [s["wall_us"] for s in steps]
   return {
-      "variant": variant, "towers": towers, "runs": len(runs),
-      "untraced_step_ms": statistics.median(
-          1e3 * FLAGS.batch_size / r["record"]["examples_per_sec"]
-          for r in runs),
-      "traced_step_ms": statistics.median(walls) / 1e3,
-      "busy_ms": statistics.median(busy) / 1e3,
-      "gaps_ms": statistics.median(w - b for w, b in zip(walls, busy)) / 1e3,
-      "category_ms": {c: median("category_us", c) / 1e3 for c in CATEGORIES},
-      "device_ms": {d: median("device_us", d) / 1e3
-                    for d in sorted(steps[0]["device_us"])},
-      "ops": sum(steps[0]["op_counts"].values()),
-      "sends": runs[0]["sends"],
+      "variant":
+          variant,
+      "towers":
+          towers,
+      "runs":
+          len(runs),
+      "untraced_step_ms":
+          statistics.median(1e3 * FLAGS.batch_size /
+                            r["record"]["examples_per_sec"] for r in runs),
+      "traced_step_ms":
+          statistics.median(walls) / 1e3,
+      "busy_ms":
+          statistics.median(busy) / 1e3,
+      "gaps_ms":
+          statistics.median(w - b for w, b in zip(walls, busy)) / 1e3,
+      "category_ms": {
+          c: median("category_us", c) / 1e3 for c in CATEGORIES
+      },
+      "device_ms": {
+          d: median("device_us", d) / 1e3 for d in sorted(steps[0]["device_us"])
+      },
+      "ops":
+          sum(steps[0]["op_counts"].values()),
+      "sends":
+          runs[0]["sends"],
   }
 
 
@@ -172,13 +199,15 @@ def _threads() -> str:
 
 def markdown(rows: List[Dict[str, Any]]) -> str:
   head = ("| variant | N | step ms (untraced) | step ms (traced) | op time "
-           "| traced - op time | ops | sends | " + " | ".join(CATEGORIES) +
-           " | op time per device |")
-  lines = [f"Workload {FLAGS.workload}, global batch {FLAGS.batch_size}, "
-           f"{_threads()}; op time "
-           "summed per category, ms per step: medians over the traced steps "
-           f"of {FLAGS.repeats} interleaved runs.", "",
-           head, "|" + "---|" * (8 + len(CATEGORIES) + 1)]
+          "| traced - op time | ops | sends | " + " | ".join(CATEGORIES) +
+          " | op time per device |")
+  lines = [
+      f"Workload {FLAGS.workload}, global batch {FLAGS.batch_size}, "
+      f"{_threads()}; op time "
+      "summed per category, ms per step: medians over the traced steps "
+      f"of {FLAGS.repeats} interleaved runs.", "", head,
+      "|" + "---|" * (8 + len(CATEGORIES) + 1)
+  ]
   for r in rows:
     cats = " | ".join(f"{r['category_ms'][c]:.2f}" for c in CATEGORIES)
     devices = ", ".join(f"{d} {ms:.1f}" for d, ms in r["device_ms"].items())
@@ -199,8 +228,9 @@ def main(argv):
       k = repeat % len(FLAGS.variants)
       for variant in FLAGS.variants[k:] + FLAGS.variants[:k]:
         runs[variant, towers].append(traced_run(variant, towers, trace_dir))
-  rows = [aggregate(v, n, runs[v, n]) for n in towers_list
-          for v in FLAGS.variants]
+  rows = [
+      aggregate(v, n, runs[v, n]) for n in towers_list for v in FLAGS.variants
+  ]
   print(markdown(rows))
   print(f"\nChrome traces (chrome://tracing, Perfetto): {trace_dir}")
 

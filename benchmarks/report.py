@@ -9,7 +9,6 @@ import statistics
 from typing import Any, Dict, List, Optional, Sequence
 
 from absl import logging
-
 from common import Settings
 
 REPLICATE = ("replicate_shared", "replicate_round_robin",
@@ -19,15 +18,13 @@ UNSYNCED = "replicate_shared_unsynced"
 
 # The project's targets: (name, towers, variant, against, minimum ratio).
 TARGETS = (
-    ("1 tower: replicate within 2% of plain", 1, "replicate_shared",
-     "plain", 0.98),
+    ("1 tower: replicate within 2% of plain", 1, "replicate_shared", "plain",
+     0.98),
     ("1 tower: replicate within 2% of plain", 1, "replicate_round_robin",
      "plain", 0.98),
-    ("N=2: replicate >= 1.3x mirrored", 2, "replicate_shared", "mirrored",
-     1.3),
+    ("N=2: replicate >= 1.3x mirrored", 2, "replicate_shared", "mirrored", 1.3),
     ("N=2: replicate >= 0.95x plain", 2, "replicate_shared", "plain", 0.95),
-    ("N=4: replicate >= 1.3x mirrored", 4, "replicate_shared", "mirrored",
-     1.3),
+    ("N=4: replicate >= 1.3x mirrored", 4, "replicate_shared", "mirrored", 1.3),
     ("N=4: replicate >= 0.9x plain", 4, "replicate_shared", "plain", 0.9),
 )
 
@@ -54,8 +51,10 @@ def ratios(records, variant: str, against: str) -> List[float]:
       continue
     mine, theirs = runs[variant], runs[against]
     if mine.get("pairing") == theirs.get("pairing") == "windows":
-      found += [a / b for a, b in zip(mine["window_examples_per_sec"],
-                                      theirs["window_examples_per_sec"])]
+      found += [
+          a / b for a, b in zip(mine["window_examples_per_sec"],
+                                theirs["window_examples_per_sec"])
+      ]
     else:
       found.append(mine["examples_per_sec"] / theirs["examples_per_sec"])
   return found
@@ -65,8 +64,12 @@ def spread(values: List[float]) -> Optional[Dict[str, float]]:
   """Median, min, max and count of ratios (None without any)."""
   if not values:
     return None
-  return {"median": statistics.median(values), "min": min(values),
-          "max": max(values), "pairs": len(values)}
+  return {
+      "median": statistics.median(values),
+      "min": min(values),
+      "max": max(values),
+      "pairs": len(values)
+  }
 
 
 def aggregate(records: List[Dict[str, Any]],
@@ -75,17 +78,22 @@ def aggregate(records: List[Dict[str, Any]],
   rows = []
   for workload in settings.workloads:
     for n in settings.towers:
-      group = [r for r in records
-               if r["workload"] == workload and r["towers"] == n]
+      group = [
+          r for r in records if r["workload"] == workload and r["towers"] == n
+      ]
       for variant in settings.variants:
         mine = [r for r in group if r["variant"] == variant]
         ok = [r for r in mine if "error" not in r]
-        row = {"workload": workload, "towers": n, "variant": variant,
-               "runs": len(ok), "failed": len(mine) - len(ok)}
+        row = {
+            "workload": workload,
+            "towers": n,
+            "variant": variant,
+            "runs": len(ok),
+            "failed": len(mine) - len(ok)
+        }
         for key in ("examples_per_sec", "build_s", "peak_rss_mib",
-                    "rss_growth_mib",
-                    "cpu_s_per_example", "cores_used", "final_loss",
-                    "return_after_last_step_s"):
+                    "rss_growth_mib", "cpu_s_per_example", "cores_used",
+                    "final_loss", "return_after_last_step_s"):
           row[key] = _median([r.get(key) for r in ok])
         row["vs_plain"] = spread(ratios(group, variant, "plain"))
         if variant in REPLICATE:
@@ -106,9 +114,15 @@ def check_targets(rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
       spread = row.get(f"vs_{against}")
       if spread is None:
         continue
-      found.append({"target": name, "workload": row["workload"],
-                    "variant": variant, "towers": n, "minimum": minimum,
-                    "ratio": spread, "met": spread["median"] >= minimum})
+      found.append({
+          "target": name,
+          "workload": row["workload"],
+          "variant": variant,
+          "towers": n,
+          "minimum": minimum,
+          "ratio": spread,
+          "met": spread["median"] >= minimum
+      })
   return found
 
 
@@ -149,11 +163,12 @@ def markdown(rows: List[Dict[str, Any]], targets: List[Dict[str, Any]],
       f"{w['warmup_steps']} warm-up steps, {w['windows']} windows of "
       f"{w['window_steps']} steps; {settings.rounds} rounds; {pairing}. "
       "ex/s and the other figures: median over rounds.", "",
-      "| workload | N | variant | ex/s | × plain | × mirrored "
-      + ("| × unsynced " if unsynced else "") + "| build s "
+      "| workload | N | variant | ex/s | × plain | × mirrored " +
+      ("| × unsynced " if unsynced else "") + "| build s "
       "| return s | peak RSS MiB | CPU µs/ex | cores | final loss |",
-      "|---|---:|---|---:|---:|---:|" + ("---:|" if unsynced else "")
-      + "---:|---:|---:|---:|---:|---:|"]
+      "|---|---:|---|---:|---:|---:|" + ("---:|" if unsynced else "") +
+      "---:|---:|---:|---:|---:|---:|"
+  ]
   for row in rows:
     failed = f" ({row['failed']} failed)" if row["failed"] else ""
     cpu = row["cpu_s_per_example"]
@@ -161,9 +176,9 @@ def markdown(rows: List[Dict[str, Any]], targets: List[Dict[str, Any]],
         f"| {row['workload']} | {row['towers']} | {row['variant']}{failed} "
         f"| {_fmt(row['examples_per_sec'], ',.0f')} "
         f"| {_fmt_ratio(row['vs_plain'])} "
-        f"| {_fmt_ratio(row.get('vs_mirrored'))} "
-        + (f"| {_fmt_ratio(row.get('vs_unsynced'))} " if unsynced else "")
-        + f"| {_fmt(row['build_s'], '.2f')} "
+        f"| {_fmt_ratio(row.get('vs_mirrored'))} " +
+        (f"| {_fmt_ratio(row.get('vs_unsynced'))} " if unsynced else "") +
+        f"| {_fmt(row['build_s'], '.2f')} "
         f"| {_fmt(row['return_after_last_step_s'], '.2f')} "
         f"| {_memory(row)} "
         f"| {_fmt(None if cpu is None else cpu * 1e6, '.1f')} "
@@ -189,15 +204,17 @@ def plot(rows: List[Dict[str, Any]], settings: Settings, path: str) -> bool:
                     "matplotlib, or the package's [benchmarks] extra).")
     return False
   columns = len(settings.workloads)
-  figure, axes = pyplot.subplots(2, columns, figsize=(5 * columns, 7),
-                                 squeeze=False)
+  figure, axes = pyplot.subplots(
+      2, columns, figsize=(5 * columns, 7), squeeze=False)
   for col, workload in enumerate(settings.workloads):
     for variant in settings.variants:
-      mine = [r for r in rows if r["workload"] == workload and
-              r["variant"] == variant and r["examples_per_sec"] is not None]
+      mine = [
+          r for r in rows if r["workload"] == workload and
+          r["variant"] == variant and r["examples_per_sec"] is not None
+      ]
       ns = [r["towers"] for r in mine]
-      axes[0][col].plot(ns, [r["examples_per_sec"] for r in mine], "o-",
-                        label=variant)
+      axes[0][col].plot(
+          ns, [r["examples_per_sec"] for r in mine], "o-", label=variant)
       axes[1][col].plot(ns, [r["build_s"] for r in mine], "o-", label=variant)
     axes[0][col].set_title(f"{workload}: training examples/sec")
     axes[1][col].set_title(f"{workload}: graph build + first step (s)")
@@ -211,5 +228,3 @@ def plot(rows: List[Dict[str, Any]], settings: Settings, path: str) -> bool:
   figure.tight_layout()
   figure.savefig(path, dpi=100)
   return True
-
-

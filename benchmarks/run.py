@@ -41,7 +41,6 @@ from typing import Any, Dict, List, Sequence
 from absl import app
 from absl import flags
 from absl import logging
-
 import common
 from common import Settings
 import report
@@ -56,57 +55,82 @@ flags.DEFINE_list("variants", list(common.DEFAULT_VARIANTS),
 flags.DEFINE_list("workloads", list(DEFAULT_WORKLOADS),
                   f"Subset of {WORKLOADS}.")
 flags.DEFINE_list("towers", ["1", "2", "4", "8"], "Tower counts N.")
-flags.DEFINE_integer("rounds", 3, "Rounds; each runs every variant once.",
-                     lower_bound=1)
+flags.DEFINE_integer(
+    "rounds", 3, "Rounds; each runs every variant once.", lower_bound=1)
 common.define_timing_flags()
 flags.DEFINE_integer("seed", 0, "Data and weight seed.")
 flags.DEFINE_integer("inter_op_threads", 0, "Same for all variants; 0: TF's.")
 flags.DEFINE_integer("intra_op_threads", 0, "Same for all variants; 0: TF's.")
 flags.DEFINE_enum("device_type", "auto", ["auto", "CPU", "GPU"],
                   "auto: GPUs if TensorFlow sees any, else virtual CPUs.")
-flags.DEFINE_bool("fast_exit", False,
-                  "Workers exit right after their last step (skips the "
-                  "end-of-training checkpoint and teardown; no 'return s').")
-flags.DEFINE_integer("run_timeout", 600, "Seconds before a run is killed.",
-                     lower_bound=1)
-flags.DEFINE_integer("jobs", 1,
-                     "Runs at once. Keep 1 to measure: concurrent runs share "
-                     "the cores; --smoke uses 2 (it checks, not measures).",
-                     lower_bound=1)
-flags.DEFINE_enum("pairing", "runs", ["runs", "windows"],
-                  "runs: a process per variant, ratios between runs of a "
-                  "round; windows: the variants of a round share a process, "
-                  "ratios between windows taken in turn.")
-flags.DEFINE_bool("quick", False,
-                  "Regression check, < 3 min on 2 cores: mlp, N in {1, 2}, "
-                  "3 rounds of few steps (explicit flags still win).")
-flags.DEFINE_bool("batch_norm", False,
-                  "Cost of sync batch norm (issue 16): cnn_bn, plain vs "
-                  "replicate_shared (sync_batch_norm=True) vs "
-                  "replicate_shared_unsynced (False), N in {1, 2, 4}, "
-                  "paired windows (explicit flags still win).")
-flags.DEFINE_bool("smoke", False,
-                  "Fastest check that everything runs: mlp, N in {1, 2}, one "
-                  "round of a few tiny steps (explicit flags still win).")
+flags.DEFINE_bool(
+    "fast_exit", False, "Workers exit right after their last step (skips the "
+    "end-of-training checkpoint and teardown; no 'return s').")
+flags.DEFINE_integer(
+    "run_timeout", 600, "Seconds before a run is killed.", lower_bound=1)
+flags.DEFINE_integer(
+    "jobs",
+    1, "Runs at once. Keep 1 to measure: concurrent runs share "
+    "the cores; --smoke uses 2 (it checks, not measures).",
+    lower_bound=1)
+flags.DEFINE_enum(
+    "pairing", "runs", ["runs", "windows"],
+    "runs: a process per variant, ratios between runs of a "
+    "round; windows: the variants of a round share a process, "
+    "ratios between windows taken in turn.")
+flags.DEFINE_bool(
+    "quick", False, "Regression check, < 3 min on 2 cores: mlp, N in {1, 2}, "
+    "3 rounds of few steps (explicit flags still win).")
+flags.DEFINE_bool(
+    "batch_norm", False, "Cost of sync batch norm (issue 16): cnn_bn, plain vs "
+    "replicate_shared (sync_batch_norm=True) vs "
+    "replicate_shared_unsynced (False), N in {1, 2, 4}, "
+    "paired windows (explicit flags still win).")
+flags.DEFINE_bool(
+    "smoke", False, "Fastest check that everything runs: mlp, N in {1, 2}, one "
+    "round of a few tiny steps (explicit flags still win).")
 flags.DEFINE_string("out", None, "Write every run and the table as JSON.")
 flags.DEFINE_string("plot", None, "Write a PNG (needs matplotlib).")
-flags.DEFINE_string("from_json", None,
-                    "Run nothing: report (and --plot) the runs saved in this "
-                    "--out file.")
+flags.DEFINE_string(
+    "from_json", None,
+    "Run nothing: report (and --plot) the runs saved in this "
+    "--out file.")
 
 # Presets; a flag given on the command line overrides them.
 _PRESETS = {
-    "batch_norm": dict(workloads=["cnn_bn"], towers=["1", "2", "4"],
-                       variants=["plain", "replicate_shared",
-                                 "replicate_shared_unsynced"],
-                       rounds=3, warmup_steps=10, window_steps=20, windows=6,
-                       fast_exit=True, pairing="windows"),
-    "quick": dict(workloads=["mlp"], towers=["1", "2"], rounds=3,
-                  warmup_steps=10, window_steps=50, windows=6,
-                  fast_exit=True, pairing="windows"),
-    "smoke": dict(workloads=["mlp"], towers=["1", "2"], rounds=1,
-                  batch_size=64, examples=256, warmup_steps=1,
-                  window_steps=2, windows=2, fast_exit=True, jobs=2),
+    "batch_norm":
+        dict(
+            workloads=["cnn_bn"],
+            towers=["1", "2", "4"],
+            variants=["plain", "replicate_shared", "replicate_shared_unsynced"],
+            rounds=3,
+            warmup_steps=10,
+            window_steps=20,
+            windows=6,
+            fast_exit=True,
+            pairing="windows"),
+    "quick":
+        dict(
+            workloads=["mlp"],
+            towers=["1", "2"],
+            rounds=3,
+            warmup_steps=10,
+            window_steps=50,
+            windows=6,
+            fast_exit=True,
+            pairing="windows"),
+    "smoke":
+        dict(
+            workloads=["mlp"],
+            towers=["1", "2"],
+            rounds=1,
+            batch_size=64,
+            examples=256,
+            warmup_steps=1,
+            window_steps=2,
+            windows=2,
+            fast_exit=True,
+            jobs=2),
 }
 _WORKER_FLAGS = ("batch_size", "examples", "warmup_steps", "window_steps",
                  "windows", "seed", "inter_op_threads", "intra_op_threads",
@@ -153,9 +177,13 @@ def resolve_settings() -> Settings:
       logging.warning("Only %d GPUs: skipping N=%s.", gpus, skipped)
     towers = [n for n in towers if n <= gpus]
   return Settings(
-      variants=list(variants), workloads=list(workloads), towers=towers,
-      rounds=_flag("rounds", presets), device_type=device_type,
-      fast_exit=_flag("fast_exit", presets), jobs=_flag("jobs", presets),
+      variants=list(variants),
+      workloads=list(workloads),
+      towers=towers,
+      rounds=_flag("rounds", presets),
+      device_type=device_type,
+      fast_exit=_flag("fast_exit", presets),
+      jobs=_flag("jobs", presets),
       worker_flags={k: _flag(k, presets) for k in _WORKER_FLAGS},
       pairing=_flag("pairing", presets))
 
@@ -179,17 +207,22 @@ def schedule(settings: Settings) -> List[Dict[str, Any]]:
         order = rotated(settings.variants, r + n)
         groups = ([order] if settings.pairing == "windows" else
                   [[variant] for variant in order])
-        runs += [dict(round=r, workload=workload, towers=n, variants=group)
-                 for group in groups]
+        runs += [
+            dict(round=r, workload=workload, towers=n, variants=group)
+            for group in groups
+        ]
   return runs
 
 
 def run_worker(run: Dict[str, Any], settings: Settings,
                result_file: str) -> List[Dict[str, Any]]:
   """One process; a record per variant (with an 'error' if it failed)."""
-  worker_flags = dict(workload=run["workload"], towers=run["towers"],
-                      device_type=settings.device_type,
-                      fast_exit=settings.fast_exit, **settings.worker_flags)
+  worker_flags = dict(
+      workload=run["workload"],
+      towers=run["towers"],
+      device_type=settings.device_type,
+      fast_exit=settings.fast_exit,
+      **settings.worker_flags)
   if settings.pairing == "windows":
     worker_flags["together"] = ",".join(run["variants"])
   else:
@@ -200,10 +233,14 @@ def run_worker(run: Dict[str, Any], settings: Settings,
   by_variant = {r.get("variant"): r for r in found}
   records = []
   for variant in run["variants"]:
-    record = dict(round=run["round"], workload=run["workload"],
-                  towers=run["towers"], variant=variant, process_wall_s=wall)
-    record.update(by_variant.get(variant) or {"error": result.get(
-        "error", "no record")})
+    record = dict(
+        round=run["round"],
+        workload=run["workload"],
+        towers=run["towers"],
+        variant=variant,
+        process_wall_s=wall)
+    record.update(
+        by_variant.get(variant) or {"error": result.get("error", "no record")})
     records.append(record)
   return records
 
@@ -218,18 +255,21 @@ def run_all(settings: Settings) -> List[Dict[str, Any]]:
     records = run_worker(run, settings, result_file)
     done.append(index)
     for record in records:
-      logging.info("[%d/%d] round %d %s N=%d %s: %s (%.1f s)", len(done),
-                   len(runs), run["round"], run["workload"], run["towers"],
-                   record["variant"], record.get("error", "")[:200] or
-                   f"{record['examples_per_sec']:,.0f} ex/s",
-                   record["process_wall_s"])
+      logging.info(
+          "[%d/%d] round %d %s N=%d %s: %s (%.1f s)", len(done), len(runs),
+          run["round"], run["workload"], run["towers"], record["variant"],
+          record.get("error", "")[:200] or
+          f"{record['examples_per_sec']:,.0f} ex/s", record["process_wall_s"])
     return records
 
   with tempfile.TemporaryDirectory(prefix="replicate_bench_") as scratch:
     with futures.ThreadPoolExecutor(max_workers=settings.jobs) as pool:
-      return [record for records in pool.map(
-          one, range(len(runs)), runs, [scratch] * len(runs))
-              for record in records]
+      return [
+          record
+          for records in pool.map(one, range(len(runs)), runs, [scratch] *
+                                  len(runs))
+          for record in records
+      ]
 
 
 def load_runs(path: str):
@@ -254,9 +294,16 @@ def main(argv):
   failures = [r for r in records if "error" in r]
   if FLAGS.out:
     with open(FLAGS.out, "w") as f:
-      json.dump({"settings": dataclasses.asdict(settings), "rows": rows,
-                 "targets": targets, "runs": records,
-                 "wall_s": time.perf_counter() - started}, f, indent=1)
+      json.dump(
+          {
+              "settings": dataclasses.asdict(settings),
+              "rows": rows,
+              "targets": targets,
+              "runs": records,
+              "wall_s": time.perf_counter() - started
+          },
+          f,
+          indent=1)
   if FLAGS.plot:
     report.plot(rows, settings, FLAGS.plot)
   logging.info("Done in %.0f s.", time.perf_counter() - started)

@@ -48,10 +48,10 @@ import tensorflow as tf
 import replicate
 
 FLAGS = flags.FLAGS
-flags.DEFINE_list("models", ["mlp", "embedding"],
-                  "Models: mlp, embedding, embedding_sparse, "
-                  "embedding_converted, lstm, bn, ema (for the values); a "
-                  "`_ref` suffix: reference variables.")
+flags.DEFINE_list(
+    "models", ["mlp", "embedding"], "Models: mlp, embedding, embedding_sparse, "
+    "embedding_converted, lstm, bn, ema (for the values); a "
+    "`_ref` suffix: reference variables.")
 flags.DEFINE_list("towers", ["1", "2", "4"], "Tower counts N (plain always).")
 flags.DEFINE_integer("cpus", 4, "CPU devices of the worker.")
 flags.DEFINE_integer("batch_size", 64, "Global batch.")
@@ -77,7 +77,10 @@ def _free_ports(count: int) -> List[int]:
 
 def _dense(x, units, name, seed, activation=None):
   return tf.compat.v1.layers.dense(
-      x, units, activation=activation, name=name,
+      x,
+      units,
+      activation=activation,
+      name=name,
       kernel_initializer=tf.compat.v1.glorot_uniform_initializer(seed=seed))
 
 
@@ -87,28 +90,33 @@ def _keras_logits(model: str, x):
   x = tf.reshape(x, [-1, 28, 28])
   if model == "lstm":
     h = tf.keras.layers.LSTM(
-        32, name="lstm", kernel_initializer=glorot(1),
-        recurrent_initializer=tf.keras.initializers.Orthogonal(seed=2))(x)
+        32,
+        name="lstm",
+        kernel_initializer=glorot(1),
+        recurrent_initializer=tf.keras.initializers.Orthogonal(seed=2))(
+            x)
   else:
-    h = tf.keras.layers.Conv2D(8, 3, strides=2, name="conv",
-                               kernel_initializer=glorot(3))(x[..., None])
+    h = tf.keras.layers.Conv2D(
+        8, 3, strides=2, name="conv", kernel_initializer=glorot(3))(
+            x[..., None])
     h = tf.keras.layers.BatchNormalization(name="bn")(h, training=True)
     h = tf.keras.layers.Flatten()(h)
-  return tf.keras.layers.Dense(10, name="logits",
-                               kernel_initializer=glorot(4))(h)
+  return tf.keras.layers.Dense(
+      10, name="logits", kernel_initializer=glorot(4))(
+          h)
 
 
 def _logits(model: str, features):
   if model.endswith("_ref"):
     # Reference variables (TF1's, `use_resource=False`), same names.
-    with tf.compat.v1.variable_scope(tf.compat.v1.get_variable_scope(),
-                                     use_resource=False):
+    with tf.compat.v1.variable_scope(
+        tf.compat.v1.get_variable_scope(), use_resource=False):
       return _logits(model[:-len("_ref")], features)
   if model in ("lstm", "bn"):
     return _keras_logits(model, features["x"])
   if model == "ema":
-    return _dense(_dense(features["x"], 32, "hidden", 1, tf.nn.relu), 10,
-                  "logits", 2)
+    return _dense(
+        _dense(features["x"], 32, "hidden", 1, tf.nn.relu), 10, "logits", 2)
   if model == "mlp":
     h = _dense(features["x"], 512, "hidden1", 1, tf.nn.relu)
     h = _dense(h, 512, "hidden2", 2, tf.nn.relu)
@@ -122,7 +130,8 @@ def _logits(model: str, features):
         partitioner=tf.compat.v1.fixed_size_partitioner(4))
     ids = tf.sparse.from_dense(features["ids"] + 1)  # id 0 would be dropped
     h = tf.compat.v1.nn.safe_embedding_lookup_sparse(
-        table, tf.SparseTensor(ids.indices, ids.values - 1, ids.dense_shape),
+        table,
+        tf.SparseTensor(ids.indices, ids.values - 1, ids.dense_shape),
         combiner="mean")
   else:
     table = tf.compat.v1.get_variable(
@@ -147,13 +156,11 @@ def model_fn(features, labels, mode, params):
   # Batch norm's moving statistics (none elsewhere).
   with tf.control_dependencies(
       tf.compat.v1.get_collection(tf.compat.v1.GraphKeys.UPDATE_OPS)):
-    train_op = optimizer.minimize(
-        loss, tf.compat.v1.train.get_global_step())
+    train_op = optimizer.minimize(loss, tf.compat.v1.train.get_global_step())
   if params["model"] == "ema":
     weights = tf.compat.v1.trainable_variables()
     with tf.control_dependencies([train_op]):
-      train_op = tf.compat.v1.train.ExponentialMovingAverage(0.5).apply(
-          weights)
+      train_op = tf.compat.v1.train.ExponentialMovingAverage(0.5).apply(weights)
   return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
 
 
@@ -174,18 +181,28 @@ class Cluster:
     ps_port, worker_port = _free_ports(2)
     self.spec = tf.train.ClusterSpec({
         "ps": [f"127.0.0.1:{ps_port}"],
-        "worker": [f"127.0.0.1:{worker_port}"]})
+        "worker": [f"127.0.0.1:{worker_port}"]
+    })
     self.config = tf.compat.v1.ConfigProto(device_count={"CPU": cpus})
     self._servers = [
-        tf.distribute.Server(self.spec, job_name=job, task_index=0,
-                             config=self.config, start=True)
-        for job in ("ps", "worker")]
+        tf.distribute.Server(
+            self.spec,
+            job_name=job,
+            task_index=0,
+            config=self.config,
+            start=True) for job in ("ps", "worker")
+    ]
     self.target = self._servers[1].target
 
   def device_setter(self):
-    """Estimator's device function on a cluster (`_get_replica_device_setter`)."""
+    """Estimator's device function on a cluster.
+
+    (`_get_replica_device_setter`, which it keeps private.)
+    """
     return tf.compat.v1.train.replica_device_setter(
-        ps_tasks=1, worker_device="/job:worker/task:0", merge_devices=True,
+        ps_tasks=1,
+        worker_device="/job:worker/task:0",
+        merge_devices=True,
         cluster=self.spec)
 
 
@@ -203,8 +220,12 @@ def _transfers(run_metadata) -> Dict[str, int]:
   return received
 
 
-def measure(cluster: Cluster, model: str, towers: Optional[int],
-            batch_size: int, steps: int, values_dir: Optional[str],
+def measure(cluster: Cluster,
+            model: str,
+            towers: Optional[int],
+            batch_size: int,
+            steps: int,
+            values_dir: Optional[str],
             traces: int = 6) -> Dict:
   """Trains `steps` steps, traces `traces` more; bytes per direction.
 
@@ -225,35 +246,44 @@ def measure(cluster: Cluster, model: str, towers: Optional[int],
         dataset = tf.data.Dataset.from_tensors((features, labels)).repeat()
         x, y = tf.compat.v1.data.make_one_shot_iterator(dataset).get_next()
       spec = fn(x, y, tf.estimator.ModeKeys.TRAIN, {"model": model})
-    parameters = sum(
-        v.shape.num_elements() * v.dtype.size
-        for v in tf.compat.v1.trainable_variables())
+    parameters = sum(v.shape.num_elements() * v.dtype.size
+                     for v in tf.compat.v1.trainable_variables())
     variables = tf.compat.v1.global_variables()  # slots and step too
-    init = [tf.compat.v1.global_variables_initializer(),
-            tf.compat.v1.local_variables_initializer()]
+    init = [
+        tf.compat.v1.global_variables_initializer(),
+        tf.compat.v1.local_variables_initializer()
+    ]
     # Soft placement off: every op must place where it asked to be.
     config = tf.compat.v1.ConfigProto(allow_soft_placement=False)
     with tf.compat.v1.Session(cluster.target, config=config) as session:
       session.run(init)
-      losses = [session.run([spec.loss, spec.train_op])[0]
-                for _ in range(steps)]
+      losses = [
+          session.run([spec.loss, spec.train_op])[0] for _ in range(steps)
+      ]
       traced = []
       for _ in range(traces):
         run_metadata = tf.compat.v1.RunMetadata()
-        session.run(spec.train_op, options=tf.compat.v1.RunOptions(
-            trace_level=tf.compat.v1.RunOptions.FULL_TRACE),
-                    run_metadata=run_metadata)
+        session.run(
+            spec.train_op,
+            options=tf.compat.v1.RunOptions(
+                trace_level=tf.compat.v1.RunOptions.FULL_TRACE),
+            run_metadata=run_metadata)
         traced.append(_transfers(run_metadata))
       # A task's RecvTensor log sometimes misses a traced step (it comes back
       # empty); every step sends the same tensors, so take the fullest.
-      result = {"model": model, "towers": towers or 0,
-                "parameter_bytes": parameters,
-                **{d: max(t[d] for t in traced) for d in traced[0]},
-                "traced": traced}
+      result = {
+          "model": model,
+          "towers": towers or 0,
+          "parameter_bytes": parameters,
+          **{
+              d: max(t[d] for t in traced) for d in traced[0]
+          }, "traced": traced
+      }
       if values_dir:
-        np.savez(os.path.join(values_dir, f"{model}_{towers or 0}.npz"),
-                 losses=np.array(losses),
-                 **{v.op.name: session.run(v) for v in variables})
+        np.savez(
+            os.path.join(values_dir, f"{model}_{towers or 0}.npz"),
+            losses=np.array(losses),
+            **{v.op.name: session.run(v) for v in variables})
   return result
 
 
@@ -266,13 +296,15 @@ def run(models: List[str], towers: List[int], cpus: int, batch_size: int,
     plain = measure(cluster, model, None, batch_size, steps, values_dir)
     # Dense: one read and one gradient of every parameter. Sparse: what the
     # unwrapped model_fn sends.
-    minimum = ({d: plain["parameter_bytes"]
-                for d in ("worker_to_ps", "ps_to_worker")}
-               if not model.startswith("embedding") else
-               {d: plain[d] for d in ("worker_to_ps", "ps_to_worker")})
+    minimum = ({
+        d: plain["parameter_bytes"] for d in ("worker_to_ps", "ps_to_worker")
+    } if not model.startswith("embedding") else {
+        d: plain[d] for d in ("worker_to_ps", "ps_to_worker")
+    })
     for result in [plain] + [
         measure(cluster, model, n, batch_size, steps, values_dir)
-        for n in towers]:
+        for n in towers
+    ]:
       for direction, least in minimum.items():
         result[f"{direction}_ratio"] = result[direction] / least
       rows.append(result)
@@ -280,8 +312,10 @@ def run(models: List[str], towers: List[int], cpus: int, batch_size: int,
 
 
 def _table(rows: List[Dict]) -> str:
-  lines = ["| model | towers | worker->ps MB | x min | ps->worker MB | x min |",
-           "|---|---|---|---|---|---|"]
+  lines = [
+      "| model | towers | worker->ps MB | x min | ps->worker MB | x min |",
+      "|---|---|---|---|---|---|"
+  ]
   for r in rows:
     lines.append(
         f"| {r['model']} | {r['towers'] or 'plain'} | "

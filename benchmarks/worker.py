@@ -35,13 +35,13 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from absl import app  # pylint: disable=g-import-not-at-top
 from absl import flags
+import common
 import numpy as np
 import tensorflow as tf
 from tensorflow.python.client import timeline
-
-import common
-import replicate
 import workloads
+
+import replicate
 
 VARIANTS = common.VARIANTS
 LOSS_COLLECTION = "benchmark_losses"
@@ -49,17 +49,19 @@ _NEVER = 10**9  # steps: no checkpoints, summaries or step logs while timing
 
 FLAGS = flags.FLAGS
 flags.DEFINE_enum("variant", "plain", VARIANTS, "What to run.")
-flags.DEFINE_list("together", [],
-                  "Variants to run in this process, taking turns window by "
-                  "window (overrides --variant; no tracing).")
+flags.DEFINE_list(
+    "together", [], "Variants to run in this process, taking turns window by "
+    "window (overrides --variant; no tracing).")
 flags.DEFINE_enum("workload", "mlp", workloads.WORKLOADS, "Model.")
 flags.DEFINE_integer("towers", 1, "Number of devices N.", lower_bound=1)
 flags.DEFINE_enum("device_type", "CPU", ["CPU", "GPU"],
                   "CPU: N virtual CPU devices; GPU: the first N GPUs.")
 common.define_timing_flags()
-flags.DEFINE_integer("trace_steps", 0,
-                     "Extra FULL_TRACE steps after the windows (profiling).",
-                     lower_bound=0)
+flags.DEFINE_integer(
+    "trace_steps",
+    0,
+    "Extra FULL_TRACE steps after the windows (profiling).",
+    lower_bound=0)
 flags.DEFINE_string("trace_dir", None, "Where traced steps' StepStats go.")
 flags.DEFINE_integer("seed", 0, "Seed of the data and the initial weights.")
 flags.DEFINE_float("learning_rate", 0.01, "Momentum optimizer rate.")
@@ -67,9 +69,9 @@ flags.DEFINE_float("momentum", 0.9, "Momentum.")
 flags.DEFINE_integer("inter_op_threads", 0, "0: TensorFlow's default.")
 flags.DEFINE_integer("intra_op_threads", 0, "0: TensorFlow's default.")
 flags.DEFINE_string("result_file", None, "Where the JSON record goes.")
-flags.DEFINE_bool("fast_exit", False,
-                  "Write the record and exit right after the last step, "
-                  "skipping the end-of-training checkpoint and teardown.")
+flags.DEFINE_bool(
+    "fast_exit", False, "Write the record and exit right after the last step, "
+    "skipping the end-of-training checkpoint and teardown.")
 
 
 def device_names(device_type: str, towers: int) -> List[str]:
@@ -133,26 +135,34 @@ def build_model_fn(variant: str, devices: List[str]):
   """The workload's model_fn, replicated for the replicate variants."""
   base = workloads.model_fn
   if variant.startswith("replicate_"):
-    base = replicate.replicate_model_fn(base, devices=devices,
-                                        **replicate_options(variant))
+    base = replicate.replicate_model_fn(
+        base, devices=devices, **replicate_options(variant))
   return recording(base)
 
 
 def build_estimator(variant: str, devices: List[str], model_dir: str,
                     config: tf.compat.v1.ConfigProto) -> tf.estimator.Estimator:
   """An Estimator that never checkpoints, summarises or logs while timing."""
-  strategy = (tf.distribute.MirroredStrategy(devices=devices)
-              if variant == "mirrored" else None)
+  strategy = (
+      tf.distribute.MirroredStrategy(
+          devices=devices) if variant == "mirrored" else None)
   run_config = tf.estimator.RunConfig(
-      model_dir=model_dir, tf_random_seed=FLAGS.seed,
-      save_checkpoints_steps=_NEVER, save_checkpoints_secs=None,
-      save_summary_steps=_NEVER, log_step_count_steps=_NEVER,
-      keep_checkpoint_max=1, session_config=config,
+      model_dir=model_dir,
+      tf_random_seed=FLAGS.seed,
+      save_checkpoints_steps=_NEVER,
+      save_checkpoints_secs=None,
+      save_summary_steps=_NEVER,
+      log_step_count_steps=_NEVER,
+      keep_checkpoint_max=1,
+      session_config=config,
       train_distribute=strategy)
-  params = {"workload": FLAGS.workload, "learning_rate": FLAGS.learning_rate,
-            "momentum": FLAGS.momentum}
-  return tf.estimator.Estimator(build_model_fn(variant, devices),
-                                config=run_config, params=params)
+  params = {
+      "workload": FLAGS.workload,
+      "learning_rate": FLAGS.learning_rate,
+      "momentum": FLAGS.momentum
+  }
+  return tf.estimator.Estimator(
+      build_model_fn(variant, devices), config=run_config, params=params)
 
 
 class TimingHook(tf.estimator.SessionRunHook):
@@ -163,7 +173,11 @@ class TimingHook(tf.estimator.SessionRunHook):
   first checkpoint and the end-of-training work stay outside the windows.
   """
 
-  def __init__(self, warmup: int, window: int, windows: int, trace: int,
+  def __init__(self,
+               warmup: int,
+               window: int,
+               windows: int,
+               trace: int,
                on_last_step: Optional[Callable[[], None]] = None,
                on_mark: Optional[Callable[[], None]] = None):
     self._marks_at = {warmup + 1 + k * window for k in range(windows + 1)}
@@ -227,16 +241,24 @@ def summarise(hook: TimingHook, t_train: float, batch: int,
   examples = window * batch * len(walls)
   final_step = len(hook.losses) - len(hook.step_stats)
   return {
-      "examples_per_sec": statistics.median(rates),
-      "window_examples_per_sec": rates,
-      "build_s": hook.first_after_run - t_train,
-      "cpu_s_per_example": cpu / examples,
-      "cores_used": cpu / wall,
-      "first_loss": hook.losses[0],
-      "final_loss": hook.losses[final_step - 1],
-      "steps": final_step,
-      "peak_rss_mib": resource.getrusage(
-          resource.RUSAGE_SELF).ru_maxrss / 1024.0,
+      "examples_per_sec":
+          statistics.median(rates),
+      "window_examples_per_sec":
+          rates,
+      "build_s":
+          hook.first_after_run - t_train,
+      "cpu_s_per_example":
+          cpu / examples,
+      "cores_used":
+          cpu / wall,
+      "first_loss":
+          hook.losses[0],
+      "final_loss":
+          hook.losses[final_step - 1],
+      "steps":
+          final_step,
+      "peak_rss_mib":
+          resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
   }
 
 
@@ -307,7 +329,9 @@ class Run:
   parks its thread (the process exits once every run has recorded).
   """
 
-  def __init__(self, variant: str, devices: List[str],
+  def __init__(self,
+               variant: str,
+               devices: List[str],
                baton: Optional[Baton] = None):
     self.variant = variant
     self.devices = devices
@@ -327,13 +351,19 @@ class Run:
     self.done = threading.Event()
 
   def record(self) -> Dict[str, Any]:
-    record = {"variant": self.variant, "workload": FLAGS.workload,
-              "towers": FLAGS.towers, "device_type": FLAGS.device_type,
-              "devices": self.devices, "batch_size": FLAGS.batch_size,
-              # Which checkout's library ran (compare_versions.py checks).
-              "library": os.path.dirname(os.path.abspath(replicate.__file__))}
-    record.update(summarise(self.hook, self.t_train, FLAGS.batch_size,
-                            FLAGS.window_steps))
+    record = {
+        "variant": self.variant,
+        "workload": FLAGS.workload,
+        "towers": FLAGS.towers,
+        "device_type": FLAGS.device_type,
+        "devices": self.devices,
+        "batch_size": FLAGS.batch_size,
+        # Which checkout's library ran (compare_versions.py checks).
+        "library": os.path.dirname(os.path.abspath(replicate.__file__))
+    }
+    record.update(
+        summarise(self.hook, self.t_train, FLAGS.batch_size,
+                  FLAGS.window_steps))
     if self.baton:
       # One process for all variants: its peak says nothing of one of them.
       record["pairing"] = "windows"
@@ -374,12 +404,12 @@ class Run:
       if self.baton:
         self.baton.wait(self.variant)
         self.rss_before = _resident_mib()
-      estimator = build_estimator(self.variant, self.devices, self.model_dir,
-                                  session_config(FLAGS.device_type,
-                                                 FLAGS.towers))
+      estimator = build_estimator(
+          self.variant, self.devices, self.model_dir,
+          session_config(FLAGS.device_type, FLAGS.towers))
       self.t_train = time.perf_counter()
-      estimator.train(workloads.input_fn(data, element), hooks=[self.hook],
-                      steps=steps)
+      estimator.train(
+          workloads.input_fn(data, element), hooks=[self.hook], steps=steps)
       t_return = time.perf_counter()
     finally:
       shutil.rmtree(self.model_dir, ignore_errors=True)

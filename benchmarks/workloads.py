@@ -58,7 +58,10 @@ def _initializer(seed: int):
 
 def _dense(x, units: int, name: str, seed: int, activation=None):
   return tf.compat.v1.layers.dense(
-      x, units, activation=activation, name=name,
+      x,
+      units,
+      activation=activation,
+      name=name,
       kernel_initializer=_initializer(seed))
 
 
@@ -72,7 +75,12 @@ def mlp_logits(x: tf.Tensor, training: bool) -> tf.Tensor:
 
 def _conv(x, filters: int, name: str, seed: int):
   return tf.compat.v1.layers.conv2d(
-      x, filters, 3, padding="same", activation=tf.nn.relu, name=name,
+      x,
+      filters,
+      3,
+      padding="same",
+      activation=tf.nn.relu,
+      name=name,
       kernel_initializer=_initializer(seed))
 
 
@@ -84,20 +92,27 @@ def _conv_bn(x, filters: int, name: str, seed: int, training: bool):
   statistics, which `replicate` makes the whole batch's (sync_batch_norm).
   """
   h = tf.compat.v1.layers.conv2d(
-      x, filters, 3, padding="same", use_bias=False, name=name,
+      x,
+      filters,
+      3,
+      padding="same",
+      use_bias=False,
+      name=name,
       kernel_initializer=_initializer(seed))
-  h = tf.compat.v1.layers.batch_normalization(h, training=training,
-                                              name=name + "_bn")
+  h = tf.compat.v1.layers.batch_normalization(
+      h, training=training, name=name + "_bn")
   return tf.nn.relu(h)
 
 
-def cnn_logits(x: tf.Tensor, training: bool,
+def cnn_logits(x: tf.Tensor,
+               training: bool,
                batch_norm: bool = False) -> tf.Tensor:
   """conv3x3(16)-pool-conv3x3(32)-pool-dense(64)-dense(10) on 28x28x1.
 
   With `batch_norm`, each conv is followed by batch normalization (before
   its ReLU): the cnn_bn workload.
   """
+
   def conv(h, filters, name, seed):
     if batch_norm:
       return _conv_bn(h, filters, name, seed, training)
@@ -130,7 +145,9 @@ def resnet50_logits(x: tf.Tensor, training: bool) -> tf.Tensor:
   h = tf.reshape(x, (-1,) + IMAGE_SHAPE)
   h = tf.tile(tf.pad(h, [[0, 0], [2, 2], [2, 2], [0, 0]]), [1, 1, 1, 3])
   model = tf.keras.applications.ResNet50(
-      weights=None, input_shape=(32, 32, 3), classes=NUM_CLASSES,
+      weights=None,
+      input_shape=(32, 32, 3),
+      classes=NUM_CLASSES,
       classifier_activation=None)
   built = {id(update) for update in model.updates}  # on its own Input
   logits = model(h, training=training)
@@ -140,8 +157,12 @@ def resnet50_logits(x: tf.Tensor, training: bool) -> tf.Tensor:
   return logits
 
 
-_LOGITS = {"mlp": mlp_logits, "cnn": cnn_logits, "cnn_bn": cnn_bn_logits,
-           "resnet50": resnet50_logits}
+_LOGITS = {
+    "mlp": mlp_logits,
+    "cnn": cnn_logits,
+    "cnn_bn": cnn_bn_logits,
+    "resnet50": resnet50_logits
+}
 
 
 def model_fn(features: Dict[str, tf.Tensor], labels: tf.Tensor, mode: str,
@@ -156,14 +177,16 @@ def model_fn(features: Dict[str, tf.Tensor], labels: tf.Tensor, mode: str,
     return tf.estimator.EstimatorSpec(mode, predictions={"logits": logits})
   # Default reduction SUM_BY_NONZERO_WEIGHTS, replicate's default too.
   loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
-  optimizer = replicate.TowerOptimizer(tf.compat.v1.train.MomentumOptimizer(
-      params["learning_rate"], params["momentum"]))
+  optimizer = replicate.TowerOptimizer(
+      tf.compat.v1.train.MomentumOptimizer(params["learning_rate"],
+                                           params["momentum"]))
   # Batch norm's moving-statistics updates run with each step (none for
   # mlp and cnn: an empty control dependency adds no op).
   update_ops = tf.compat.v1.get_collection(tf.compat.v1.GraphKeys.UPDATE_OPS)
   with tf.control_dependencies(update_ops):
     train_op = optimizer.minimize(
-        loss, tf.compat.v1.train.get_global_step(),
+        loss,
+        tf.compat.v1.train.get_global_step(),
         gate_gradients=params.get("gate_gradients",
                                   tf.compat.v1.train.Optimizer.GATE_OP))
   return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)

@@ -32,6 +32,10 @@ from typing import Dict, List, Optional, Tuple
 from absl import app
 from absl import flags
 from absl import logging
+
+# The progress and throughput hook is the digits examples' (same directory).
+from digits_lib import ProgressHook
+from digits_lib import with_training_hooks
 import numpy as np
 from sklearn import datasets
 from sklearn import model_selection
@@ -39,9 +43,6 @@ import tensorflow as tf
 
 import replicate
 import replicate.testing
-# The progress and throughput hook is the digits examples' (same directory).
-from digits_lib import ProgressHook
-from digits_lib import with_training_hooks
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer(
@@ -51,9 +52,10 @@ flags.DEFINE_integer(
 flags.DEFINE_integer("steps", 150, "Training steps (global batches).")
 flags.DEFINE_integer("batch_size", 64,
                      "Global batch size, split across the towers.")
-flags.DEFINE_string("model_dir", None,
-                    "Checkpoints and TensorBoard summaries. Default: a fresh "
-                    "temporary directory.")
+flags.DEFINE_string(
+    "model_dir", None,
+    "Checkpoints and TensorBoard summaries. Default: a fresh "
+    "temporary directory.")
 flags.DEFINE_integer("log_every", 50, "Print the loss every this many steps.")
 
 DEFAULT_CPU_TOWERS = 4
@@ -70,8 +72,8 @@ def feature_key(name: str) -> str:
   return name.replace(" ", "_")
 
 
-def load_data() -> Tuple[Tuple[Features, np.ndarray],
-                         Tuple[Features, np.ndarray]]:
+def load_data(
+) -> Tuple[Tuple[Features, np.ndarray], Tuple[Features, np.ndarray]]:
   """The breast-cancer data, split 80/20 (seeded, stratified).
 
   Returns:
@@ -81,14 +83,18 @@ def load_data() -> Tuple[Tuple[Features, np.ndarray],
   """
   data = datasets.load_breast_cancer()
   train_x, test_x, train_y, test_y = model_selection.train_test_split(
-      data.data.astype(np.float32), data.target.astype(np.int32),
-      test_size=TEST_FRACTION, random_state=0, stratify=data.target)
+      data.data.astype(np.float32),
+      data.target.astype(np.int32),
+      test_size=TEST_FRACTION,
+      random_state=0,
+      stratify=data.target)
   names = list(data.feature_names)
 
   def as_dict(x):
     features = {"measurements": x}
     features.update({feature_key(n): x[:, names.index(n)] for n in BUCKETIZED})
     return features
+
   return (as_dict(train_x), train_y), (as_dict(test_x), test_y)
 
 
@@ -101,16 +107,20 @@ def feature_columns(train: Features):
   """
   measurements = train["measurements"]
   mean, std = measurements.mean(axis=0), measurements.std(axis=0) + 1e-6
-  deep = [tf.feature_column.numeric_column(
-      "measurements", shape=(measurements.shape[1],),
-      normalizer_fn=lambda x: (x - mean) / std)]
+  deep = [
+      tf.feature_column.numeric_column(
+          "measurements",
+          shape=(measurements.shape[1],),
+          normalizer_fn=lambda x: (x - mean) / std)
+  ]
   buckets = []
   for name in BUCKETIZED:
     values = train[feature_key(name)]
     edges = np.quantile(values, np.linspace(0, 1, BUCKETS + 1)[1:-1])
-    buckets.append(tf.feature_column.bucketized_column(
-        tf.feature_column.numeric_column(feature_key(name)),
-        boundaries=sorted(float(e) for e in edges)))
+    buckets.append(
+        tf.feature_column.bucketized_column(
+            tf.feature_column.numeric_column(feature_key(name)),
+            boundaries=sorted(float(e) for e in edges)))
   crossed = tf.feature_column.crossed_column(buckets, hash_bucket_size=64)
   wide = buckets + [crossed]
   deep += [tf.feature_column.indicator_column(b) for b in buckets]
@@ -127,12 +137,13 @@ def train_input_fn(features: Features, labels: np.ndarray,
 def eval_input_fn(features: Features, labels: np.ndarray,
                   batch_size: int) -> tf.data.Dataset:
   """One pass in order; the last batch need not divide by the towers."""
-  return tf.data.Dataset.from_tensor_slices((features, labels)).batch(
-      batch_size)
+  return tf.data.Dataset.from_tensor_slices(
+      (features, labels)).batch(batch_size)
 
 
 def configure_devices(
-    towers: Optional[int]) -> Tuple[Optional[List[str]], tf.estimator.RunConfig]:
+    towers: Optional[int]
+) -> Tuple[Optional[List[str]], tf.estimator.RunConfig]:
   """Tower devices and a RunConfig; without a GPU, virtual CPU devices.
 
   Raises:
@@ -158,17 +169,20 @@ def main(argv: List[str]) -> None:
     logging.set_verbosity(logging.WARNING)
   devices, config = configure_devices(FLAGS.towers)
   model_dir = FLAGS.model_dir or tempfile.mkdtemp(prefix="canned_")
-  config = config.replace(model_dir=model_dir, tf_random_seed=0,
-                          save_summary_steps=10)
+  config = config.replace(
+      model_dir=model_dir, tf_random_seed=0, save_summary_steps=10)
   (train_x, train_y), (test_x, test_y) = load_data()
   print(f"replicate {replicate.__version__}: DNNLinearCombinedClassifier on "
         f"{len(devices)} towers {devices}")
-  print(f"breast cancer: {len(train_y)} train, {len(test_y)} test examples; "
-        f"batch {FLAGS.batch_size}, {FLAGS.steps} steps", flush=True)
+  print(
+      f"breast cancer: {len(train_y)} train, {len(test_y)} test examples; "
+      f"batch {FLAGS.batch_size}, {FLAGS.steps} steps",
+      flush=True)
 
   wide, deep = feature_columns(train_x)
   canned = tf.estimator.DNNLinearCombinedClassifier(
-      linear_feature_columns=wide, dnn_feature_columns=deep,
+      linear_feature_columns=wide,
+      dnn_feature_columns=deep,
       dnn_hidden_units=[32, 16],
       # Line 1 of 2: wrap the optimizers (functions build one per graph).
       linear_optimizer=replicate.TowerOptimizer(
@@ -179,8 +193,8 @@ def main(argv: List[str]) -> None:
   hooks: List[ProgressHook] = []
 
   def make_progress_hook(spec):
-    hooks.append(ProgressHook(spec.loss, FLAGS.log_every, FLAGS.batch_size,
-                              FLAGS.steps))
+    hooks.append(
+        ProgressHook(spec.loss, FLAGS.log_every, FLAGS.batch_size, FLAGS.steps))
     return hooks[-1:]
 
   estimator = tf.estimator.Estimator(
@@ -190,8 +204,9 @@ def main(argv: List[str]) -> None:
           make_progress_hook),
       config=config)
 
-  estimator.train(lambda: train_input_fn(train_x, train_y, FLAGS.batch_size),
-                  steps=FLAGS.steps)
+  estimator.train(
+      lambda: train_input_fn(train_x, train_y, FLAGS.batch_size),
+      steps=FLAGS.steps)
   metrics = estimator.evaluate(
       lambda: eval_input_fn(test_x, test_y, FLAGS.batch_size))
   for name in sorted(metrics):

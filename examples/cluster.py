@@ -12,8 +12,8 @@ each task's output prefixed by its role, ends the parameter servers once
 training and evaluation are done and exits non-zero if any task failed or
 `--timeout` passed. Every child is ended on exit or Ctrl-C.
 
-    python examples/cluster.py                          # ps, chief, worker, evaluator
-    python examples/cluster.py --workers=2 --ps=2 --sync --steps=200
+    python examples/cluster.py                          # ps, chief, worker,
+    evaluator python examples/cluster.py --workers=2 --ps=2 --sync --steps=200
 
 With `--task`, it runs the one task that the `TF_CONFIG` environment
 variable names: that is the command for each machine of a real cluster
@@ -47,15 +47,16 @@ from absl import flags
 from absl import logging
 
 FLAGS = flags.FLAGS
-flags.DEFINE_bool("task", False,
-                  "Run the one task that TF_CONFIG names (the command for "
-                  "each machine); without it, launch a whole cluster here.")
+flags.DEFINE_bool(
+    "task", False, "Run the one task that TF_CONFIG names (the command for "
+    "each machine); without it, launch a whole cluster here.")
 flags.DEFINE_integer("ps", 1, "Launcher: parameter-server tasks.")
-flags.DEFINE_integer("workers", 1, "Launcher: worker tasks (besides the chief).")
+flags.DEFINE_integer("workers", 1,
+                     "Launcher: worker tasks (besides the chief).")
 flags.DEFINE_bool("evaluator", True, "Launcher: start an evaluator task.")
-flags.DEFINE_float("timeout", 600,
-                   "Seconds after which every task is ended and the run "
-                   "fails (each task also ends itself after this long).")
+flags.DEFINE_float(
+    "timeout", 600, "Seconds after which every task is ended and the run "
+    "fails (each task also ends itself after this long).")
 flags.DEFINE_integer(
     "towers", None,
     "Towers per trainer. Default: every local GPU, or 2 virtual CPU devices "
@@ -68,28 +69,28 @@ flags.DEFINE_enum("optimizer", "adam", ["adam", "sgd"],
                   "Adam, or plain gradient descent.")
 flags.DEFINE_float("learning_rate", 0.01, "The optimizer's learning rate.")
 flags.DEFINE_float("dropout", 0.2, "Dropout rate.")
-flags.DEFINE_bool("sync", False,
-                  "Synchronous training: SyncReplicasOptimizer (inside "
-                  "TowerOptimizer) averages one gradient of every trainer "
-                  "per step.")
-flags.DEFINE_string("model_dir", None,
-                    "Checkpoint directory, shared by every task. Default: a "
-                    "fresh temporary one.")
+flags.DEFINE_bool(
+    "sync", False, "Synchronous training: SyncReplicasOptimizer (inside "
+    "TowerOptimizer) averages one gradient of every trainer "
+    "per step.")
+flags.DEFINE_string(
+    "model_dir", None, "Checkpoint directory, shared by every task. Default: a "
+    "fresh temporary one.")
 flags.DEFINE_integer("save_checkpoints_steps", 100,
                      "The chief saves a checkpoint every this many steps.")
 flags.DEFINE_integer("throttle_secs", 1,
                      "The evaluator evaluates at most this often (seconds).")
 flags.DEFINE_integer("log_every", 100,
                      "Print the loss every this many steps of a trainer.")
-flags.DEFINE_integer("step_delay_ms", 0,
-                     "Each trainer sleeps this long after every step: slows "
-                     "training down, to watch it or to kill tasks mid-way.")
+flags.DEFINE_integer(
+    "step_delay_ms", 0, "Each trainer sleeps this long after every step: slows "
+    "training down, to watch it or to kill tasks mid-way.")
 
 # Forwarded from the launcher to every task.
 _TASK_FLAGS = ("towers", "steps", "batch_size", "model", "optimizer",
-               "learning_rate",
-               "dropout", "sync", "model_dir", "save_checkpoints_steps",
-               "throttle_secs", "log_every", "step_delay_ms", "timeout")
+               "learning_rate", "dropout", "sync", "model_dir",
+               "save_checkpoints_steps", "throttle_secs", "log_every",
+               "step_delay_ms", "timeout")
 _POLL_SECS = 0.2
 _STOP_GRACE_SECS = 5
 
@@ -111,8 +112,10 @@ def _free_ports(count: int) -> List[int]:
 def make_cluster(num_ps: int, num_workers: int) -> Dict[str, List[str]]:
   """A cluster spec of localhost addresses on free ports."""
   ports = iter(_free_ports(num_ps + 1 + num_workers))
-  cluster = {"chief": [f"localhost:{next(ports)}"],
-             "ps": [f"localhost:{next(ports)}" for _ in range(num_ps)]}
+  cluster = {
+      "chief": [f"localhost:{next(ports)}"],
+      "ps": [f"localhost:{next(ports)}" for _ in range(num_ps)]
+  }
   if num_workers:
     cluster["worker"] = [f"localhost:{next(ports)}" for _ in range(num_workers)]
   return cluster
@@ -142,16 +145,21 @@ class _Child:
     self.lines: List[str] = []
     # Its own session: Ctrl-C reaches the launcher only, which ends it.
     self.process = subprocess.Popen(
-        args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True, start_new_session=True)
+        args,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True)
     self._lock, self._start = lock, start
     self._reader = threading.Thread(target=self._read, daemon=True)
     self._reader.start()
 
   def _print(self, text: str) -> None:
     with self._lock:
-      print(f"[{self.label:>9} {time.monotonic() - self._start:6.1f}s] {text}",
-            flush=True)
+      print(
+          f"[{self.label:>9} {time.monotonic() - self._start:6.1f}s] {text}",
+          flush=True)
 
   def _read(self):
     for line in self.process.stdout:
@@ -189,8 +197,16 @@ def _start_children(cluster, start: float) -> Dict[str, _Child]:
   lock = threading.Lock()
   children = {}
   for job, index in task_names(cluster, FLAGS.evaluator):
-    env = dict(os.environ, PYTHONUNBUFFERED="1", TF_CONFIG=json.dumps(
-        {"cluster": cluster, "task": {"type": job, "index": index}}))
+    env = dict(
+        os.environ,
+        PYTHONUNBUFFERED="1",
+        TF_CONFIG=json.dumps({
+            "cluster": cluster,
+            "task": {
+                "type": job,
+                "index": index
+            }
+        }))
     label = _label(job, index)
     children[label] = _Child(label, _task_args(), env, lock, start)
   return children
@@ -201,18 +217,21 @@ def _wait(children: Dict[str, _Child], timeout_secs: float) -> List[str]:
   deadline = time.monotonic() + timeout_secs
   finishers = [c for c in children.values() if not c.label.startswith("ps")]
   while True:
-    failed = [f"{c.label} exited with status {c.process.returncode}"
-              for c in children.values()
-              if c.process.poll() is not None and (
-                  c.process.returncode != 0 or c not in finishers)]
+    failed = [
+        f"{c.label} exited with status {c.process.returncode}"
+        for c in children.values()
+        if c.process.poll() is not None and
+        (c.process.returncode != 0 or c not in finishers)
+    ]
     if failed:
       return failed
     if all(c.process.poll() is not None for c in finishers):
       return []
     if time.monotonic() > deadline:
-      return [f"timeout: still running after {timeout_secs:.0f} s: "
-              + ", ".join(c.label for c in finishers
-                          if c.process.poll() is None)]
+      return [
+          f"timeout: still running after {timeout_secs:.0f} s: " +
+          ", ".join(c.label for c in finishers if c.process.poll() is None)
+      ]
     time.sleep(_POLL_SECS)
 
 
@@ -227,9 +246,11 @@ def launch_cluster() -> int:
   """Starts every task here, waits for them, ends them all; 0 if all ok."""
   FLAGS.model_dir = FLAGS.model_dir or tempfile.mkdtemp(prefix="cluster_")
   cluster = make_cluster(FLAGS.ps, FLAGS.workers)
-  print(f"cluster {json.dumps(cluster)}; "
-        f"{'synchronous' if FLAGS.sync else 'asynchronous'} training, "
-        f"{FLAGS.steps} steps; model_dir {FLAGS.model_dir}", flush=True)
+  print(
+      f"cluster {json.dumps(cluster)}; "
+      f"{'synchronous' if FLAGS.sync else 'asynchronous'} training, "
+      f"{FLAGS.steps} steps; model_dir {FLAGS.model_dir}",
+      flush=True)
   # SIGTERM (e.g. from a CI runner) ends the children as Ctrl-C does.
   signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
   children = {}
@@ -243,16 +264,18 @@ def launch_cluster() -> int:
     for child in children.values():
       child.stop()
   for label, pattern in (("evaluator", r"evaluated global step"),
-                         ("chief", r"global steps/s"),
-                         ("chief", r"test accuracy")):
+                         ("chief", r"global steps/s"), ("chief",
+                                                        r"test accuracy")):
     line = label in children and _last_match(children[label].lines, pattern)
     if line:
       print(f"{label}: {line}")
   if failed:
     print("cluster FAILED: " + "; ".join(failed), flush=True)
     return 1
-  print(f"cluster finished in {time.monotonic() - start:.1f} s; "
-        f"checkpoints in {FLAGS.model_dir}", flush=True)
+  print(
+      f"cluster finished in {time.monotonic() - start:.1f} s; "
+      f"checkpoints in {FLAGS.model_dir}",
+      flush=True)
   return 0
 
 
@@ -267,8 +290,9 @@ def run_task() -> int:
       raise app.UsageError("--model_dir is required with TF_CONFIG: every "
                            "task of the cluster needs the same directory.")
     FLAGS.model_dir = tempfile.mkdtemp(prefix="digits_")
-  cluster_task.run_task(cluster_task.TaskOptions(
-      **{name: FLAGS[name].value for name in _TASK_FLAGS}))
+  cluster_task.run_task(
+      cluster_task.TaskOptions(
+          **{name: FLAGS[name].value for name in _TASK_FLAGS}))
   return 0
 
 

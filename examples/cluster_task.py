@@ -15,10 +15,10 @@ import threading
 import time
 from typing import Dict, Optional, Tuple
 
+import digits_lib
 import numpy as np
 import tensorflow as tf
 
-import digits_lib
 import replicate
 
 CPU_TOWERS = 2
@@ -65,14 +65,16 @@ def cluster_model_fn(features, labels, mode, params, config):
   # No initial tokens: the first update waits for every trainer's gradient,
   # so each step averages exactly one batch of each trainer.
   hook = sync.make_session_run_hook(config.is_chief, num_tokens=0)
-  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op,
-                                    training_hooks=[hook])
+  return tf.estimator.EstimatorSpec(
+      mode, loss=loss, train_op=train_op, training_hooks=[hook])
 
 
 def variables_fingerprint(values: Dict[str, np.ndarray]) -> float:
   """Sum of |value| over every variable, in float64: equal values, equal sum."""
-  return float(sum(np.sum(np.abs(np.asarray(values[name], np.float64)))
-                   for name in sorted(values)))
+  return float(
+      sum(
+          np.sum(np.abs(np.asarray(values[name], np.float64)))
+          for name in sorted(values)))
 
 
 class TaskProgressHook(tf.estimator.SessionRunHook):
@@ -99,9 +101,11 @@ class TaskProgressHook(tf.estimator.SessionRunHook):
   def after_create_session(self, session, coord):
     del coord  # Unused.
     values = session.run(self._variables)
-    print(f"session created at global step "
-          f"{values[self._global_step.op.name]}, variables fingerprint "
-          f"{variables_fingerprint(values)!r}", flush=True)
+    print(
+        f"session created at global step "
+        f"{values[self._global_step.op.name]}, variables fingerprint "
+        f"{variables_fingerprint(values)!r}",
+        flush=True)
 
   def before_run(self, run_context):
     return tf.estimator.SessionRunArgs((self._loss, self._global_step))
@@ -121,8 +125,10 @@ class TaskProgressHook(tf.estimator.SessionRunHook):
     if self._first is None or self._last[1] <= self._first[1]:
       return
     rate = (self._last[0] - self._first[0]) / (self._last[1] - self._first[1])
-    print(f"trained {self._steps} steps here; global step {self._first[0]} to "
-          f"{self._last[0]}: {rate:.1f} global steps/s", flush=True)
+    print(
+        f"trained {self._steps} steps here; global step {self._first[0]} to "
+        f"{self._last[0]}: {rate:.1f} global steps/s",
+        flush=True)
 
 
 class WaitForCheckpointHook(tf.estimator.SessionRunHook):
@@ -194,7 +200,8 @@ def with_task_hooks(model_fn, options: TaskOptions):
     if mode == tf.estimator.ModeKeys.TRAIN:
       hooks = list(spec.training_hooks) + [
           TaskProgressHook(spec.loss, options.log_every,
-                           options.step_delay_ms / 1000)]
+                           options.step_delay_ms / 1000)
+      ]
       if in_cluster(config) and config.task_type == "worker":
         hooks.append(WaitForCheckpointHook(options.model_dir, options.timeout))
       if options.sync and config.is_chief:
@@ -215,8 +222,9 @@ def exit_after(timeout_secs: float) -> None:
   """Ends this process after `timeout_secs`, whatever it is doing."""
 
   def expire():
-    print(f"timeout: still running after {timeout_secs:.0f} s, exiting",
-          flush=True)
+    print(
+        f"timeout: still running after {timeout_secs:.0f} s, exiting",
+        flush=True)
     os._exit(124)  # pylint: disable=protected-access
 
   timer = threading.Timer(timeout_secs, expire)
@@ -243,10 +251,12 @@ def _devices(towers: Optional[int]):
 
 def _run_config(options: TaskOptions, session_config):
   config = tf.estimator.RunConfig(
-      model_dir=options.model_dir, tf_random_seed=0,
+      model_dir=options.model_dir,
+      tf_random_seed=0,
       save_checkpoints_steps=options.save_checkpoints_steps,
       save_summary_steps=options.save_checkpoints_steps,
-      log_step_count_steps=None, experimental_max_worker_delay_secs=0)
+      log_step_count_steps=None,
+      experimental_max_worker_delay_secs=0)
   if in_cluster(config) and config.task_type != "evaluator":
     # A trainer (or ps) of a cluster keeps Estimator's session config: device
     # filters (a trainer talks to the ps tasks and itself only) and soft
@@ -266,16 +276,22 @@ def run_task(options: TaskOptions) -> None:
   config = _run_config(options, session_config)
   # Without a cluster RunConfig calls the lone machine a worker.
   role = config.task_type if in_cluster(config) else "local"
-  print(f"{role} {config.task_id}: replicate {replicate.__version__}, "
-        f"towers {devices or 'every GPU'}, model_dir {options.model_dir}",
-        flush=True)
+  print(
+      f"{role} {config.task_id}: replicate {replicate.__version__}, "
+      f"towers {devices or 'every GPU'}, model_dir {options.model_dir}",
+      flush=True)
 
   (train_x, train_y), (test_x, test_y) = digits_lib.load_digits()
   estimator = tf.estimator.Estimator(
-      model_fn, config=config,
-      params={"model": options.model, "learning_rate": options.learning_rate,
-              "optimizer": options.optimizer, "dropout": options.dropout,
-              "sync": options.sync})
+      model_fn,
+      config=config,
+      params={
+          "model": options.model,
+          "learning_rate": options.learning_rate,
+          "optimizer": options.optimizer,
+          "dropout": options.dropout,
+          "sync": options.sync
+      })
   trainers, index = config.num_worker_replicas, trainer_index(config)
   train_spec = tf.estimator.TrainSpec(
       lambda: digits_lib.train_input_fn(train_x, train_y, options.batch_size,
@@ -283,7 +299,9 @@ def run_task(options: TaskOptions) -> None:
       max_steps=options.steps)
   eval_spec = tf.estimator.EvalSpec(
       lambda: digits_lib.eval_input_fn(test_x, test_y, options.batch_size),
-      steps=None, start_delay_secs=0, throttle_secs=options.throttle_secs)
+      steps=None,
+      start_delay_secs=0,
+      throttle_secs=options.throttle_secs)
   train_and_evaluate(estimator, train_spec, eval_spec)
   if role in ("chief", "local"):
     _predict(estimator, test_x, test_y, options)
@@ -317,23 +335,31 @@ def train_and_evaluate(estimator: tf.estimator.Estimator,
       train()
       return
     except tf.errors.CancelledError as error:
-      if "just restarted" not in str(error) or (
-          attempt == _RESTARTED_PEER_RETRIES):
+      if "just restarted" not in str(error) or (attempt
+                                                == _RESTARTED_PEER_RETRIES):
         raise
-      print("a peer task restarted during a step; training again from the "
-            "latest checkpoint", flush=True)
+      print(
+          "a peer task restarted during a step; training again from the "
+          "latest checkpoint",
+          flush=True)
       train = functools.partial(
-          estimator.train, train_spec.input_fn, hooks=train_spec.hooks,
+          estimator.train,
+          train_spec.input_fn,
+          hooks=train_spec.hooks,
           max_steps=train_spec.max_steps)
 
 
 def _predict(estimator, test_x, test_y, options: TaskOptions) -> None:
   """Predicts the test images; saves their probabilities in model_dir."""
-  probabilities = np.array([p["probabilities"] for p in estimator.predict(
-      lambda: digits_lib.eval_input_fn(test_x, None, options.batch_size))])
-  np.save(os.path.join(options.model_dir, "test_probabilities.npy"),
-          probabilities)
+  probabilities = np.array([
+      p["probabilities"] for p in estimator.predict(
+          lambda: digits_lib.eval_input_fn(test_x, None, options.batch_size))
+  ])
+  np.save(
+      os.path.join(options.model_dir, "test_probabilities.npy"), probabilities)
   classes = np.argmax(probabilities, axis=1)
-  print(f"test accuracy of the final checkpoint: "
-        f"{np.mean(classes == test_y):.4f}; first 10 predictions "
-        f"{classes[:10].tolist()}, labels {test_y[:10].tolist()}", flush=True)
+  print(
+      f"test accuracy of the final checkpoint: "
+      f"{np.mean(classes == test_y):.4f}; first 10 predictions "
+      f"{classes[:10].tolist()}, labels {test_y[:10].tolist()}",
+      flush=True)

@@ -32,9 +32,7 @@ from typing import List
 from absl import app
 from absl import flags
 from absl import logging
-import tensorflow as tf
 
-import replicate
 # The data, model_fn and hooks live in digits_lib (shared with cluster.py);
 # these names stay importable from this module too.
 from digits_lib import ProgressHook
@@ -45,6 +43,9 @@ from digits_lib import model_fn
 from digits_lib import serving_input_receiver_fn
 from digits_lib import train_input_fn
 from digits_lib import with_training_hooks
+import tensorflow as tf
+
+import replicate
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer(
@@ -59,9 +60,9 @@ flags.DEFINE_string("model_dir", None,
                     "Checkpoint directory. Default: a fresh temporary one.")
 flags.DEFINE_float("learning_rate", 0.01, "Adam learning rate.")
 flags.DEFINE_integer("log_every", 50, "Print the loss every this many steps.")
-flags.DEFINE_string("export_dir", None,
-                    "If set, export a SavedModel for serving under this "
-                    "directory after training.")
+flags.DEFINE_string(
+    "export_dir", None, "If set, export a SavedModel for serving under this "
+    "directory after training.")
 
 
 def main(argv: List[str]) -> None:
@@ -72,12 +73,16 @@ def main(argv: List[str]) -> None:
     logging.set_verbosity(logging.WARNING)
   devices, session_config = configure_devices(FLAGS.towers)
   towers = devices or [d.name for d in tf.config.list_logical_devices("GPU")]
-  print(f"replicate {replicate.__version__}: {FLAGS.model} on "
-        f"{len(towers)} towers {towers}", flush=True)
+  print(
+      f"replicate {replicate.__version__}: {FLAGS.model} on "
+      f"{len(towers)} towers {towers}",
+      flush=True)
 
   (train_x, train_y), (test_x, test_y) = load_digits()
-  print(f"digits: {len(train_x)} train, {len(test_x)} test images; batch "
-        f"{FLAGS.batch_size}, {FLAGS.steps} steps", flush=True)
+  print(
+      f"digits: {len(train_x)} train, {len(test_x)} test images; batch "
+      f"{FLAGS.batch_size}, {FLAGS.steps} steps",
+      flush=True)
 
   model_dir = FLAGS.model_dir or tempfile.mkdtemp(prefix="digits_")
   progress = []
@@ -90,12 +95,14 @@ def main(argv: List[str]) -> None:
 
   estimator = tf.estimator.Estimator(
       model_fn=with_training_hooks(
-          replicate.replicate_model_fn(model_fn, devices=devices),
-          make_hooks),
+          replicate.replicate_model_fn(model_fn, devices=devices), make_hooks),
       model_dir=model_dir,
-      params={"model": FLAGS.model, "learning_rate": FLAGS.learning_rate},
-      config=tf.estimator.RunConfig(session_config=session_config,
-                                    tf_random_seed=0))
+      params={
+          "model": FLAGS.model,
+          "learning_rate": FLAGS.learning_rate
+      },
+      config=tf.estimator.RunConfig(
+          session_config=session_config, tf_random_seed=0))
 
   estimator.train(
       lambda: train_input_fn(train_x, train_y, FLAGS.batch_size),
@@ -111,8 +118,10 @@ def main(argv: List[str]) -> None:
   print(f"training examples/sec: {examples_per_sec:.1f}")
 
   count = 10
-  predicted = [p["classes"] for p in estimator.predict(
-      lambda: eval_input_fn(test_x[:count], None, FLAGS.batch_size))]
+  predicted = [
+      p["classes"] for p in estimator.predict(
+          lambda: eval_input_fn(test_x[:count], None, FLAGS.batch_size))
+  ]
   print(f"first {count} test labels:      {test_y[:count].tolist()}")
   print(f"first {count} test predictions: {[int(c) for c in predicted]}")
 

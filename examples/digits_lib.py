@@ -42,8 +42,11 @@ def load_digits() -> Tuple[Arrays, Arrays]:
   return (train_x, train_y), (test_x, test_y)
 
 
-def train_input_fn(images: np.ndarray, labels: np.ndarray, batch_size: int,
-                   num_shards: int = 1, index: int = 0) -> tf.data.Dataset:
+def train_input_fn(images: np.ndarray,
+                   labels: np.ndarray,
+                   batch_size: int,
+                   num_shards: int = 1,
+                   index: int = 0) -> tf.data.Dataset:
   """Shuffled, repeated training batches of `{'image': ...}` and labels.
 
   With `num_shards` > 1 the batches come from shard `index` of the images
@@ -68,7 +71,9 @@ def eval_input_fn(images: np.ndarray, labels: Optional[np.ndarray],
   return tf.data.Dataset.from_tensor_slices(data).batch(batch_size)
 
 
-def build_logits(images: tf.Tensor, model: str, training: bool,
+def build_logits(images: tf.Tensor,
+                 model: str,
+                 training: bool,
                  dropout: float = DROPOUT) -> tf.Tensor:
   """The network: images [batch, 8, 8] to logits [batch, 10].
 
@@ -112,15 +117,16 @@ def model_fn(features: Dict[str, tf.Tensor], labels: Optional[tf.Tensor],
 
   if mode == tf.estimator.ModeKeys.PREDICT:
     return tf.estimator.EstimatorSpec(
-        mode, predictions=predictions,
-        export_outputs={"serving_default":
-                        tf.estimator.export.PredictOutput(predictions)})
+        mode,
+        predictions=predictions,
+        export_outputs={
+            "serving_default": tf.estimator.export.PredictOutput(predictions)
+        })
 
   loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
   if mode == tf.estimator.ModeKeys.EVAL:
     metrics = {"accuracy": tf.compat.v1.metrics.accuracy(labels, classes)}
-    return tf.estimator.EstimatorSpec(mode, loss=loss,
-                                      eval_metric_ops=metrics)
+    return tf.estimator.EstimatorSpec(mode, loss=loss, eval_metric_ops=metrics)
 
   optimizer = replicate.TowerOptimizer(make_optimizer(params))
   train_op = optimizer.minimize(
@@ -143,8 +149,8 @@ def serving_input_receiver_fn() -> tf.estimator.export.ServingInputReceiver:
   """
   images = tf.compat.v1.placeholder(
       tf.float32, [None, IMAGE_SIZE, IMAGE_SIZE], name="image")
-  return tf.estimator.export.ServingInputReceiver(
-      {"image": images}, {"image": images})
+  return tf.estimator.export.ServingInputReceiver({"image": images},
+                                                  {"image": images})
 
 
 class ProgressHook(tf.estimator.SessionRunHook):
@@ -162,8 +168,7 @@ class ProgressHook(tf.estimator.SessionRunHook):
     steps: how many steps this `train()` call runs.
   """
 
-  def __init__(self, loss: tf.Tensor, every: int, batch_size: int,
-               steps: int):
+  def __init__(self, loss: tf.Tensor, every: int, batch_size: int, steps: int):
     self._loss = loss
     self._every = max(1, every)
     self._batch_size = batch_size
@@ -192,8 +197,9 @@ class ProgressHook(tf.estimator.SessionRunHook):
     self._step += 1
     self._done += 1
     if (self._step % self._every == 0 or self._done in (1, self._steps)):
-      print(f"step {self._step:5d}  loss {float(run_values.results):.4f}",
-            flush=True)
+      print(
+          f"step {self._step:5d}  loss {float(run_values.results):.4f}",
+          flush=True)
 
   @property
   def examples_per_sec(self) -> float:

@@ -25,8 +25,8 @@ import numpy as np
 import tensorflow as tf
 
 import replicate
-from replicate._prepare import devices as _devices
 from replicate import testing
+from replicate._prepare import devices as _devices
 
 _DEFAULT_CPU_TOWERS = 2
 _STEPS = 3
@@ -36,9 +36,10 @@ _FEATURES = 4
 
 def _versions() -> List[str]:
   where = os.path.dirname(replicate.__file__)
-  lines = [f"replicate {replicate.__version__} ({where})",
-           f"Python {platform.python_version()}",
-           f"TensorFlow {tf.__version__}"]
+  lines = [
+      f"replicate {replicate.__version__} ({where})",
+      f"Python {platform.python_version()}", f"TensorFlow {tf.__version__}"
+  ]
   for package in ("tensorflow-estimator", "keras", "numpy"):
     try:
       lines.append(f"{package} {importlib.metadata.version(package)}")
@@ -66,11 +67,11 @@ def _placement_lines(devices: List[str]) -> List[str]:
   chosen = _devices.resolve_devices(None)
   hub = _devices.consolidation_device(devices)
   return [
-      "local devices: " + ", ".join(
-          d.name for d in tf.config.list_logical_devices()),
-      f"devices=None would use: {chosen}" + (
-          "" if len(chosen) > 1 else " (one device: the model_fn runs "
-          "unsplit; pass devices=[...] for several towers)"),
+      "local devices: " +
+      ", ".join(d.name for d in tf.config.list_logical_devices()),
+      f"devices=None would use: {chosen}" +
+      ("" if len(chosen) > 1 else " (one device: the model_fn runs "
+       "unsplit; pass devices=[...] for several towers)"),
       f"this check's towers: {devices}",
       f"variable placement SHARED: every variable on {hub}",
       f"variable placement ROUND_ROBIN: spread over {devices}",
@@ -81,8 +82,8 @@ def _placement_lines(devices: List[str]) -> List[str]:
 def _dense(inputs, units, name):
   with tf.compat.v1.variable_scope(name):
     kernel = tf.compat.v1.get_variable("kernel", [inputs.shape[1], units])
-    bias = tf.compat.v1.get_variable("bias", [units],
-                                     initializer=tf.zeros_initializer())
+    bias = tf.compat.v1.get_variable(
+        "bias", [units], initializer=tf.zeros_initializer())
   return tf.matmul(inputs, kernel) + bias
 
 
@@ -91,10 +92,10 @@ def _model_fn(features, labels, mode):
   hidden = tf.nn.tanh(_dense(features["x"], 8, "hidden"))
   logits = _dense(hidden, 2, "logits")
   loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
-  optimizer = replicate.TowerOptimizer(
-      tf.compat.v1.train.AdagradOptimizer(0.5))
+  optimizer = replicate.TowerOptimizer(tf.compat.v1.train.AdagradOptimizer(0.5))
   return tf.estimator.EstimatorSpec(
-      mode, loss=loss,
+      mode,
+      loss=loss,
       train_op=optimizer.minimize(loss, tf.compat.v1.train.get_global_step()))
 
 
@@ -121,10 +122,13 @@ def main(argv: Optional[List[str]] = None) -> int:
   """Runs the self-check; returns the exit status."""
   parser = argparse.ArgumentParser(
       prog="python -m replicate", description=__doc__.split("\n\n")[0])
-  parser.add_argument("--towers", type=int, default=None,
-                      help="towers to check: at most the GPUs there are; "
-                      f"without GPUs, virtual CPUs (default "
-                      f"{_DEFAULT_CPU_TOWERS})")
+  parser.add_argument(
+      "--towers",
+      type=int,
+      default=None,
+      help="towers to check: at most the GPUs there are; "
+      f"without GPUs, virtual CPUs (default "
+      f"{_DEFAULT_CPU_TOWERS})")
   args = parser.parse_args(argv)
   tf.compat.v1.logging.set_verbosity(tf.compat.v1.logging.ERROR)
   for line in _versions():

@@ -34,17 +34,18 @@ class Tower:
 class Replication:
   """One call of a replicated model_fn: what every tower needs to know."""
   num_towers: int
-  fractions: List[Any]          # each tower's share of the batch
-  sizes: List[Any]              # each tower's number of examples
+  fractions: List[Any]  # each tower's share of the batch
+  sizes: List[Any]  # each tower's number of examples
   graph: tf.Graph
-  # Per tower: False where it computes on a phantom row (see _prepare.split); bools,
-  # or bool tensors where the batch size is dynamic. Empty: every tower.
+  # Per tower: False where it computes on a phantom row (see _prepare.split);
+  # bools, or bool tensors where the batch size is dynamic. Empty: every tower.
   valid: List[Any] = dataclasses.field(default_factory=list)
   root_name_scope: str = ""
   root_variable_scope: Any = None
   tower: Optional[Tower] = None
   # Per tower: variable creation key -> variable.
-  created: List[Dict[Any, tf.Variable]] = dataclasses.field(default_factory=list)
+  created: List[Dict[Any,
+                     tf.Variable]] = dataclasses.field(default_factory=list)
   # The tower that creates the variables: the first one built.
   creator: int = 0
   # True while variables are created for no tower (gradient apply, sinks).
@@ -58,8 +59,8 @@ class Replication:
   sync_batch_norm: bool = True
   # Per-tower collections as they were before the towers (each tower sees
   # these and its own additions).
-  collections_before: Dict[str, List[Any]] = dataclasses.field(
-      default_factory=dict)
+  collections_before: Dict[str,
+                           List[Any]] = dataclasses.field(default_factory=dict)
   # Per tower: the (features, labels) shard of the batch it was given.
   inputs: List[Any] = dataclasses.field(default_factory=list)
   # Per tower: the ops its model_fn call built (set once the towers are).
@@ -72,8 +73,8 @@ class Replication:
   # _sharing.read_once_per_step).
   shared_copies: Dict[Any, Any] = dataclasses.field(default_factory=dict)
   # Per tower: [first, end) of the graph versions its model_fn call built.
-  ranges: Dict[int, List[Optional[int]]] = dataclasses.field(
-      default_factory=dict)
+  ranges: Dict[int,
+               List[Optional[int]]] = dataclasses.field(default_factory=dict)
   # [first, end) graph versions of ops the library built (not the model's).
   library_ranges: List[List[int]] = dataclasses.field(default_factory=list)
   # Names of ops whose statistics stay the tower's (sync_batch_norm=False).
@@ -118,7 +119,8 @@ class Replication:
     if end <= first:
       return []
     ops = self.graph.get_operations()[first:end]
-    holes = [(max(a, first), min(b, end)) for a, b in self.library_ranges
+    holes = [(max(a, first), min(b, end))
+             for a, b in self.library_ranges
              if b > first and a < end]
     if not holes:
       return ops
@@ -138,9 +140,8 @@ class Replication:
     """Whether `op`'s statistics stay the tower's (sync_batch_norm=False)."""
     if op.name in self.per_tower_ops:
       return True
-    return (not self.sync_batch_norm and
-            op.type in ("FusedBatchNorm", "FusedBatchNormV2",
-                        "FusedBatchNormV3"))
+    return (not self.sync_batch_norm and op.type
+            in ("FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3"))
 
   def fraction(self, index: Optional[int] = None):
     return self.fractions[self.tower.index if index is None else index]
@@ -243,7 +244,8 @@ def replication_scope(replication: Replication):
   replication.root_variable_scope = tf.compat.v1.get_variable_scope()
   replication.collections_before = {
       key: replication.graph.get_collection(key)
-      for key in _PER_TOWER_COLLECTIONS}
+      for key in _PER_TOWER_COLLECTIONS
+  }
   with _current(replication):
     yield replication
 

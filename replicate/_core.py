@@ -3,12 +3,12 @@
 One call reads top-down: resolve devices; split the inputs on the
 consolidation device; build each tower to its end, one after another,
 tower 0 last (`_towers.build`): calls that need every tower meet
-(`_meet.meetings`: optimizer calls, wrapped or routed by `_meet.routing`, gradients
-the model_fn takes itself, batch_sum / batch_concat), and tower 0, the last
-to arrive, builds each once; make every batch reduction of every tower
-the whole batch's (`_meet.rewiring`); check that the towers built the same
-model and that an update was applied; make the towers' state writes one
-device's (`_merge.state`); merge the specs (`_merge.specs`).
+(`_meet.meetings`: optimizer calls, wrapped or routed by `_meet.routing`,
+gradients the model_fn takes itself, batch_sum / batch_concat), and tower 0, the
+last to arrive, builds each once; make every batch reduction of every tower the
+whole batch's (`_meet.rewiring`); check that the towers built the same model and
+that an update was applied; make the towers' state writes one device's
+(`_merge.state`); merge the specs (`_merge.specs`).
 """
 
 import contextlib
@@ -16,27 +16,27 @@ import copy
 import inspect
 from typing import Callable, Optional, Sequence
 
-import tensorflow as tf
 from absl import logging
+import tensorflow as tf
 
-from replicate._batch import sums
-from replicate._prepare import cluster
 from replicate import _context
-from replicate._prepare import devices as _devices
-from replicate._towers import lookups
-from replicate._meet import meetings
-from replicate._merge import specs as _specs
+from replicate import _graph
+from replicate import _tf
+from replicate._batch import sums
 from replicate._batch_norm import per_tower
+from replicate._meet import meetings
 from replicate._meet import own_gradients
+from replicate._meet import rewiring
 from replicate._meet import routing
+from replicate._merge import specs as _specs
+from replicate._merge import state
+from replicate._merge import tpu
+from replicate._prepare import cluster
+from replicate._prepare import devices as _devices
 from replicate._prepare import source
 from replicate._prepare import split as _split
-from replicate._merge import state
-from replicate import _tf
 from replicate._towers import build
-from replicate._merge import tpu
-from replicate._meet import rewiring
-from replicate import _graph
+from replicate._towers import lookups
 
 _ModeKeys = tf.estimator.ModeKeys
 _PLACEHOLDER_OPS = frozenset(["Placeholder"])
@@ -108,8 +108,9 @@ def replicate_model_fn(
     cluster.check_devices(tower_devices, config)
     arguments = _Arguments(accepted, labels is not None, mode, params, config)
     if _fed_by_placeholders(features):
-      logging.info("replicate: %s graph fed by placeholders (an export): one "
-                   "tower, no device pinned", mode)
+      logging.info(
+          "replicate: %s graph fed by placeholders (an export): one "
+          "tower, no device pinned", mode)
       return _run_on_one_device(model_fn, features, labels, arguments, None)
     if given:
       _devices.check_local_devices(given, config)
@@ -129,7 +130,8 @@ def replicate_model_fn(
       warm_start()
     return spec
 
-  replicated_model_fn.__name__ = f"replicated_{getattr(model_fn, '__name__', 'model_fn')}"
+  name = getattr(model_fn, "__name__", "model_fn")
+  replicated_model_fn.__name__ = f"replicated_{name}"
   replicated_model_fn.__doc__ = model_fn.__doc__
   return replicated_model_fn
 
@@ -149,8 +151,9 @@ class _Arguments:
     """Tower `index`'s arguments; TPUEstimator's batch size is its shard's."""
     kwargs = self(features, labels)
     if "params" in kwargs:
-      kwargs["params"] = tpu.tower_params(
-          kwargs["params"], self._fixed["config"], index, num_towers)
+      kwargs["params"] = tpu.tower_params(kwargs["params"],
+                                          self._fixed["config"], index,
+                                          num_towers)
     return kwargs
 
   def __call__(self, features, labels):
@@ -198,10 +201,13 @@ def _fed_by_placeholders(features, max_ops: int = 10000) -> bool:
   machine, a CPU-only one included. (`placeholder_with_default` is not a
   feed the export makes: such graphs are replicated.)
   """
-  tensors = [t for t in tf.nest.flatten(features, expand_composites=True)
-             if isinstance(t, tf.Tensor)]
-  return any(op.type in _PLACEHOLDER_OPS
-             for op in _graph.ancestors(tensors, limit=max_ops))
+  tensors = [
+      t for t in tf.nest.flatten(features, expand_composites=True)
+      if isinstance(t, tf.Tensor)
+  ]
+  return any(
+      op.type in _PLACEHOLDER_OPS
+      for op in _graph.ancestors(tensors, limit=max_ops))
 
 
 def _on_device(device: Optional[str]):
@@ -221,13 +227,13 @@ def _run_on_one_device(model_fn, features, labels, arguments, device):
 
 
 _UNFOLDED_SHAPES = _tf.Patches("tf.shape and tf.size of static tensors",
-                                    _tf.install_unfolded_shapes)
+                               _tf.install_unfolded_shapes)
 _TOWER_ROOTS = _tf.Patches("absolute name scopes of towers",
-                                _tf.install_tower_roots)
+                           _tf.install_tower_roots)
 
 
-def _run_towers(model_fn, features, labels, mode, arguments, devices,
-                placement, sync_batch_norm):
+def _run_towers(model_fn, features, labels, mode, arguments, devices, placement,
+                sync_batch_norm):
   """Several devices: split, build the towers in turn, check, merge."""
   graph = tf.compat.v1.get_default_graph()
   hub = _devices.consolidation_device(devices)
@@ -243,8 +249,12 @@ def _run_towers(model_fn, features, labels, mode, arguments, devices,
   hub = next((op.device for op in split if op.device), hub)
   replication = _context.Replication(
       num_towers=len(devices),
-      fractions=shards.fractions, sizes=shards.sizes, valid=shards.valid,
-      graph=graph, hub=hub, devices=list(devices),
+      fractions=shards.fractions,
+      sizes=shards.sizes,
+      valid=shards.valid,
+      graph=graph,
+      hub=hub,
+      devices=list(devices),
       sync_batch_norm=sync_batch_norm,
       placed=[_devices.on_task_of(device, hub) for device in devices],
       split_op_names={op.name for op in split},
@@ -252,16 +262,16 @@ def _run_towers(model_fn, features, labels, mode, arguments, devices,
   replication.meetings = meetings.Meetings(replication)
   replication.rewiring = rewiring.Rewiring(replication)
   choose = _devices.variable_device_chooser(placement, devices)
-  device_functions = [_devices.tower_device_function(device, choose)
-                      for device in devices]
+  device_functions = [
+      _devices.tower_device_function(device, choose) for device in devices
+  ]
   with _context.replication_scope(replication), \
       _UNFOLDED_SHAPES.applied(), _TOWER_ROOTS.applied(), \
       per_tower.per_tower(replication), \
       lookups.routed(replication), routing.routed(replication), \
       own_gradients.routed(replication):
     specs = build.build_towers(
-        replication,
-        lambda i: model_fn(**arguments.for_tower(
+        replication, lambda i: model_fn(**arguments.for_tower(
             shards.features[i], shards.labels[i], i, len(devices))),
         device_functions)
     replication.meetings.check_complete()
@@ -297,9 +307,11 @@ _GRADIENT_FREE_TRAINING = {
 
 
 def _gradient_free_trainers(replication):
-  return sorted({_GRADIENT_FREE_TRAINING[op.type]
-                 for op in replication.tower_ops[0]
-                 if op.type in _GRADIENT_FREE_TRAINING})
+  return sorted({
+      _GRADIENT_FREE_TRAINING[op.type]
+      for op in replication.tower_ops[0]
+      if op.type in _GRADIENT_FREE_TRAINING
+  })
 
 
 def _check_optimizer_calls(replication):

@@ -5,15 +5,23 @@ iterative, visits each node once, and can stop early: it yields as it goes,
 and `limit` bounds how many nodes it visits.
 """
 
-from typing import Callable, Hashable, Iterable, Iterator, List, Optional
-from typing import TypeVar
+from typing import (
+    Callable,
+    Hashable,
+    Iterable,
+    Iterator,
+    List,
+    Optional,
+    TypeVar,
+)
 
 import tensorflow as tf
 
 Node = TypeVar("Node", bound=Hashable)
 
 
-def walk(start: Iterable[Node], neighbours: Callable[[Node], Iterable[Node]],
+def walk(start: Iterable[Node],
+         neighbours: Callable[[Node], Iterable[Node]],
          limit: Optional[int] = None) -> Iterator[Node]:
   """Each node reachable from `start` through `neighbours`, once, depth first.
 

@@ -13,11 +13,10 @@ import sys
 import threading
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-import tensorflow as tf
 from absl import logging
+import tensorflow as tf
 
 # pylint: disable=protected-access,g-direct-tensorflow-import,g-import-not-at-top
-
 from tensorflow.core.framework import attr_value_pb2 as _attr_value_pb2
 from tensorflow.python.framework import ops as _ops
 from tensorflow.python.ops import array_ops as _array_ops
@@ -32,8 +31,8 @@ except ImportError:  # Keras moved or is absent.
 
 __all__ = ["PartitionedVariable"]
 
-
 # ------------------------------------------------------------ graph edits
+
 
 def update_input(op: tf.Operation, index: int, tensor: tf.Tensor) -> None:
   """Makes `op` read `tensor` as its input `index` (Operation._update_input)."""
@@ -45,7 +44,8 @@ def add_control_input(op: tf.Operation, control: tf.Operation) -> None:
   op._add_control_input(control)
 
 
-def rewire(tensor: tf.Tensor, replacement: tf.Tensor,
+def rewire(tensor: tf.Tensor,
+           replacement: tf.Tensor,
            keep: Sequence[tf.Operation] = ()) -> int:
   """Every consumer of `tensor` but `keep` reads `replacement` instead.
 
@@ -65,10 +65,14 @@ def rewire(tensor: tf.Tensor, replacement: tf.Tensor,
 
 def unknown_shapes_attr(shapes) -> Any:
   """An AttrValue listing `shapes` (TensorShapeProtos) with unknown sizes."""
-  relaxed = [tf.TensorShape(None) if s.unknown_rank else
-             tf.TensorShape([None] * len(s.dim)) for s in shapes]
-  return _attr_value_pb2.AttrValue(list=_attr_value_pb2.AttrValue.ListValue(
-      shape=[shape.as_proto() for shape in relaxed]))
+  relaxed = [
+      tf.TensorShape(None) if s.unknown_rank else tf.TensorShape([None] *
+                                                                 len(s.dim))
+      for s in shapes
+  ]
+  return _attr_value_pb2.AttrValue(
+      list=_attr_value_pb2.AttrValue.ListValue(
+          shape=[shape.as_proto() for shape in relaxed]))
 
 
 def gradient_function(op: tf.Operation):
@@ -80,6 +84,7 @@ def gradient_function(op: tf.Operation):
 
 
 # ------------------------------------------------------------ graph state
+
 
 def in_v1_control_flow(graph: tf.Graph) -> bool:
   """Whether ops built now in `graph` sit in a v1 tf.cond / tf.while_loop
@@ -122,8 +127,7 @@ def function_bodies(op: tf.Operation) -> Optional[List[Any]]:
   if op.type in ("If", "StatelessIf") and hasattr(op, "_true_graph"):
     return [op._true_graph, op._false_graph]
   names = []
-  for attr in ("then_branch", "else_branch", "cond", "body", "f",
-               "branches"):
+  for attr in ("then_branch", "else_branch", "cond", "body", "f", "branches"):
     try:
       value = op.get_attr(attr)
     except ValueError:
@@ -145,6 +149,7 @@ def function_bodies(op: tf.Operation) -> Optional[List[Any]]:
 
 # ------------------------------------------------- name counters of a graph
 
+
 class NameCounters:
   """Keras' layer-name counters and the variable scopes' default-name counts.
 
@@ -159,8 +164,8 @@ class NameCounters:
     if _keras_backend is not None:
       self._uids = dict(_keras_backend.get_default_graph_uid_map())
       self._observed = set(_keras_backend.OBSERVED_NAMES)
-    self._scopes = dict(_variable_scope.get_variable_scope_store()
-                        .variable_scopes_count)
+    self._scopes = dict(
+        _variable_scope.get_variable_scope_store().variable_scopes_count)
 
   def restore(self):
     if _keras_backend is not None:
@@ -175,6 +180,7 @@ class NameCounters:
 
 
 # --------------------------------------------------------- shape functions
+
 
 def install_unfolded_shapes() -> List[Any]:
   """Makes `tf.shape` / `tf.size` of a static tensor build Shape / Size ops.
@@ -262,7 +268,6 @@ def top_level_name_scopes():
 
 NN_IMPL = _nn_impl
 
-
 # ------------------------------------------------------------ optimizers
 
 
@@ -302,8 +307,7 @@ def canned_optimizer(name_or_optimizer: Any, learning_rate: float) -> Any:
 def canned_optimizer_v2(name_or_optimizer: Any, learning_rate: Any) -> Any:
   """As `canned_optimizer`, for the v2 canned estimators (Keras optimizers)."""
   from tensorflow_estimator.python.estimator.canned import optimizers
-  return optimizers.get_optimizer_instance_v2(name_or_optimizer,
-                                              learning_rate)
+  return optimizers.get_optimizer_instance_v2(name_or_optimizer, learning_rate)
 
 
 # ------------------------------------------------------------ patches
@@ -391,7 +395,6 @@ class Patches:
 # protected hooks (no public API; Keras' LossScaleOptimizer overrides the same).
 
 
-
 class TracksWrapped:
   """Mixin: checkpoints see `_tracked_optimizer()`'s dependencies."""
 
@@ -424,7 +427,7 @@ class TracksWrapped:
     return self._tracked_optimizer()._restore_slot_variable(
         slot_name, variable, slot_variable)
 
-  def _create_or_restore_slot_variable(self, slot_variable_position,
-                                       slot_name, variable):
+  def _create_or_restore_slot_variable(self, slot_variable_position, slot_name,
+                                       variable):
     return self._tracked_optimizer()._create_or_restore_slot_variable(
         slot_variable_position, slot_name, variable)

@@ -31,7 +31,9 @@ _DEFAULT_CPUS = 4
 
 def pytest_addoption(parser):
   parser.addoption(
-      "--replicate-cpus", type=int, default=_DEFAULT_CPUS,
+      "--replicate-cpus",
+      type=int,
+      default=_DEFAULT_CPUS,
       help="virtual CPU devices replicate.pytest_plugin makes (default "
       f"{_DEFAULT_CPUS})")
 
@@ -47,8 +49,9 @@ def replicate_devices(pytestconfig) -> List[str]:
 
 
 @pytest.fixture
-def replicate_run_config(replicate_devices,  # pylint: disable=redefined-outer-name
-                         tmp_path) -> tf.estimator.RunConfig:
+def replicate_run_config(
+    replicate_devices,  # pylint: disable=redefined-outer-name
+    tmp_path) -> tf.estimator.RunConfig:
   """A RunConfig with as many CPU devices, a fresh model_dir, seed 0."""
-  return testing.run_config(len(replicate_devices), model_dir=str(tmp_path),
-                            tf_random_seed=0)
+  return testing.run_config(
+      len(replicate_devices), model_dir=str(tmp_path), tf_random_seed=0)

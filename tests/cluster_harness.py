@@ -71,8 +71,12 @@ class Task:
     self.starts += 1
     with open(self._log(self.starts), "w") as log:
       self.process = subprocess.Popen(
-          self._args, env=self._env, cwd=ROOT, stdout=log,
-          stderr=subprocess.STDOUT, start_new_session=True)
+          self._args,
+          env=self._env,
+          cwd=ROOT,
+          stdout=log,
+          stderr=subprocess.STDOUT,
+          start_new_session=True)
     return self
 
   def kill(self) -> None:
@@ -101,7 +105,9 @@ class Task:
     return "\n".join(f"--- {self.label}, start {i}:\n{self.output(i)}"
                      for i in range(1, self.starts + 1))
 
-  def wait_for(self, pattern: str, timeout_secs: float,
+  def wait_for(self,
+               pattern: str,
+               timeout_secs: float,
                count: int = 1) -> List[re.Match]:
     """Waits until the latest start's output has `count` matches."""
     deadline = time.monotonic() + timeout_secs
@@ -110,7 +116,8 @@ class Task:
       if len(matches) >= count:
         return matches
       if self.process.poll() is not None or time.monotonic() > deadline:
-        state = ("exited with status " f"{self.process.returncode}"
+        state = ("exited with status "
+                 f"{self.process.returncode}"
                  if self.process.poll() is not None else "timed out")
         raise AssertionError(
             f"{self.label} {state} before printing {pattern!r} {count} "
@@ -136,27 +143,40 @@ class Cluster:
     flags: more `cluster.py` flags, e.g. steps=40.
   """
 
-  def __init__(self, log_dir: pathlib.Path, ps: int = 1, workers: int = 1,
-               evaluator: bool = False, **flags):
+  def __init__(self,
+               log_dir: pathlib.Path,
+               ps: int = 1,
+               workers: int = 1,
+               evaluator: bool = False,
+               **flags):
     self.model_dir = log_dir / "model"
     ports = iter(free_ports(ps + 1 + workers))
-    self.spec = {"chief": [f"localhost:{next(ports)}"],
-                 "ps": [f"localhost:{next(ports)}" for _ in range(ps)]}
+    self.spec = {
+        "chief": [f"localhost:{next(ports)}"],
+        "ps": [f"localhost:{next(ports)}" for _ in range(ps)]
+    }
     if workers:
-      self.spec["worker"] = [f"localhost:{next(ports)}"
-                             for _ in range(workers)]
-    flags = dict(dict(timeout=TASK_TIMEOUT_SECS, towers=2), **flags,
-                 model_dir=self.model_dir)
-    args = [sys.executable, str(CLUSTER), "--task"] + [
-        f"--{k}={v}" for k, v in flags.items()]
-    jobs = [(job, i) for job in ("ps", "chief", "worker")
+      self.spec["worker"] = [f"localhost:{next(ports)}" for _ in range(workers)]
+    flags = dict(
+        dict(timeout=TASK_TIMEOUT_SECS, towers=2),
+        **flags,
+        model_dir=self.model_dir)
+    args = [sys.executable, str(CLUSTER), "--task"
+           ] + [f"--{k}={v}" for k, v in flags.items()]
+    jobs = [(job, i)
+            for job in ("ps", "chief", "worker")
             for i in range(len(self.spec.get(job, [])))]
     jobs += [("evaluator", 0)] if evaluator else []
     self.tasks = {}
     for job, index in jobs:
       label = job if job in ("chief", "evaluator") else f"{job}{index}"
-      env = example_env({"cluster": self.spec,
-                         "task": {"type": job, "index": index}})
+      env = example_env({
+          "cluster": self.spec,
+          "task": {
+              "type": job,
+              "index": index
+          }
+      })
       self.tasks[label] = Task(label, args, env, log_dir)
 
   def __getitem__(self, label: str) -> Task:
@@ -198,7 +218,9 @@ def latest_step(model_dir) -> Optional[int]:
   return None if path is None else checkpoint_step(path)
 
 
-def wait_for_checkpoint(model_dir, min_step: int, timeout_secs: float,
+def wait_for_checkpoint(model_dir,
+                        min_step: int,
+                        timeout_secs: float,
                         cluster: Optional[Cluster] = None) -> int:
   """Waits for a checkpoint at step >= min_step; returns its step."""
   deadline = time.monotonic() + timeout_secs
@@ -217,8 +239,10 @@ def wait_for_checkpoint(model_dir, min_step: int, timeout_secs: float,
 def checkpoint_values(path: str) -> Dict[str, np.ndarray]:
   """Every variable of the checkpoint at `path` (a prefix), read in full."""
   reader = tf.train.load_checkpoint(path)
-  return {name: reader.get_tensor(name)
-          for name in reader.get_variable_to_shape_map()}
+  return {
+      name: reader.get_tensor(name)
+      for name in reader.get_variable_to_shape_map()
+  }
 
 
 STEP_LINE = r"global step\s+\d+\s+loss"
@@ -234,8 +258,8 @@ def sessions(output: str):
 
 def trained_steps(output: str) -> int:
   """Steps a trainer ran, summed over its sessions' final reports."""
-  return sum(int(m.group(1))
-             for m in re.finditer(r"trained (\d+) steps here", output))
+  return sum(
+      int(m.group(1)) for m in re.finditer(r"trained (\d+) steps here", output))
 
 
 def run_launcher(args: List[str], timeout_secs: float) -> str:
@@ -245,8 +269,12 @@ def run_launcher(args: List[str], timeout_secs: float) -> str:
   then SIGKILL; the test fails.
   """
   process = subprocess.Popen(
-      [sys.executable, str(CLUSTER), *args], env=example_env(), cwd=ROOT,
-      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+      [sys.executable, str(CLUSTER), *args],
+      env=example_env(),
+      cwd=ROOT,
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
       start_new_session=True)
   try:
     output, _ = process.communicate(timeout=timeout_secs)
@@ -257,7 +285,8 @@ def run_launcher(args: List[str], timeout_secs: float) -> str:
     except subprocess.TimeoutExpired:
       os.killpg(process.pid, signal.SIGKILL)
       output, _ = process.communicate()
-    raise AssertionError(f"the launcher ran over {timeout_secs} s:\n{output}")
+    raise AssertionError(
+        f"the launcher ran over {timeout_secs} s:\n{output}") from None
   assert process.returncode == 0, (
       f"the launcher exited with {process.returncode}:\n{output}")
   return output

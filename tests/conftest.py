@@ -56,10 +56,11 @@ if _TEST_GPUS and not _PHYSICAL_GPUS:
       "the CPU by soft placement.")
 if _TEST_GPUS:
   tf.config.set_visible_devices(_PHYSICAL_GPUS[:1], "GPU")
-  tf.config.set_logical_device_configuration(
-      _PHYSICAL_GPUS[0], [tf.config.LogicalDeviceConfiguration(
-          memory_limit=int(os.environ.get("REPLICATE_TEST_GPU_MEMORY_MB",
-                                          "1024")))] * _TEST_GPUS)
+  tf.config.set_logical_device_configuration(_PHYSICAL_GPUS[0], [
+      tf.config.LogicalDeviceConfiguration(
+          memory_limit=int(
+              os.environ.get("REPLICATE_TEST_GPU_MEMORY_MB", "1024")))
+  ] * _TEST_GPUS)
   tf.config.experimental.enable_tensor_float_32_execution(False)
 else:
   tf.config.set_visible_devices([], "GPU")
@@ -95,7 +96,8 @@ def pytest_runtest_makereport(item, call):
       call.excinfo.errisinstance(AttributeError) and
       "'getargspec'" in str(call.excinfo.value)):
     report.outcome = "skipped"
-    report.longrepr = (str(item.path), item.location[1] or 0,
-                       "Skipped: tensorflow_estimator calls inspect.getargspec, "
-                       "gone in this Python; the unreplicated canned estimator "
-                       "fails the same way")
+    report.longrepr = (
+        str(item.path), item.location[1] or
+        0, "Skipped: tensorflow_estimator calls inspect.getargspec, "
+        "gone in this Python; the unreplicated canned estimator "
+        "fails the same way")

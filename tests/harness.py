@@ -18,8 +18,8 @@ PREDICT = tf.estimator.ModeKeys.PREDICT
 Reduction = tf.compat.v1.losses.Reduction
 
 # Two ways to get several devices without GPUs (see DESIGN.md).
-GPU_NAMES = "gpu_names"          # GPU device names, soft placement onto CPU
-VIRTUAL_CPUS = "virtual_cpus"    # separate CPU devices of one session
+GPU_NAMES = "gpu_names"  # GPU device names, soft placement onto CPU
+VIRTUAL_CPUS = "virtual_cpus"  # separate CPU devices of one session
 
 
 def devices(kind, n):
@@ -31,8 +31,10 @@ def devices(kind, n):
 def session_config(kind=VIRTUAL_CPUS, soft=None):
   soft = (kind == GPU_NAMES) if soft is None else soft
   config = tf.compat.v1.ConfigProto(
-      device_count={"CPU": 4}, allow_soft_placement=soft,
-      inter_op_parallelism_threads=2, intra_op_parallelism_threads=1)
+      device_count={"CPU": 4},
+      allow_soft_placement=soft,
+      inter_op_parallelism_threads=2,
+      intra_op_parallelism_threads=1)
   # Grappler's rewrites cost more than these tiny graphs take to run.
   config.graph_options.rewrite_options.disable_meta_optimizer = True
   # With REPLICATE_TEST_GPUS (conftest.py), the session keeps the GPU split.
@@ -42,13 +44,17 @@ def session_config(kind=VIRTUAL_CPUS, soft=None):
 def estimator_config(model_dir, seed):
   """RunConfig for the Estimator tests: 4 CPU devices, no periodic saves."""
   return tf.estimator.RunConfig(
-      model_dir=str(model_dir), tf_random_seed=seed,
-      save_checkpoints_steps=1000, save_summary_steps=1000,
+      model_dir=str(model_dir),
+      tf_random_seed=seed,
+      save_checkpoints_steps=1000,
+      save_summary_steps=1000,
       log_step_count_steps=1000,
       session_config=replicate.testing.session_config(
-          4, tf.compat.v1.ConfigProto(allow_soft_placement=True,
-                                      inter_op_parallelism_threads=2,
-                                      intra_op_parallelism_threads=1)))
+          4,
+          tf.compat.v1.ConfigProto(
+              allow_soft_placement=True,
+              inter_op_parallelism_threads=2,
+              intra_op_parallelism_threads=1)))
 
 
 def initial_value(name, shape, dtype):
@@ -70,13 +76,17 @@ def batches(data, batch_size, static=True):
   return tf.compat.v1.data.make_one_shot_iterator(dataset).get_next()
 
 
-def wrap(model_fn, tower_devices, reduction=Reduction.SUM_BY_NONZERO_WEIGHTS,
+def wrap(model_fn,
+         tower_devices,
+         reduction=Reduction.SUM_BY_NONZERO_WEIGHTS,
          placement=replicate.VariablePlacement.SHARED):
   """The model_fn itself (tower_devices None) or replicated over them."""
   if tower_devices is None:
     return model_fn
   return replicate.replicate_model_fn(
-      model_fn, loss_reduction=reduction, devices=tower_devices,
+      model_fn,
+      loss_reduction=reduction,
+      devices=tower_devices,
       variable_placement=placement)
 
 
@@ -85,60 +95,88 @@ def run_training(session, spec, steps):
 
   Returns the losses and every global variable's value afterwards.
   """
-  session.run([tf.compat.v1.global_variables_initializer(),
-               tf.compat.v1.local_variables_initializer()])
+  session.run([
+      tf.compat.v1.global_variables_initializer(),
+      tf.compat.v1.local_variables_initializer()
+  ])
   set_trainable_weights(session)
   losses = [session.run([spec.loss, spec.train_op])[0] for _ in range(steps)]
   values = {v.op.name: session.run(v) for v in tf.compat.v1.global_variables()}
   return np.array(losses), values
 
 
-def train(model_fn, data, batch_size, steps, tower_devices=None,
+def train(model_fn,
+          data,
+          batch_size,
+          steps,
+          tower_devices=None,
           reduction=Reduction.SUM_BY_NONZERO_WEIGHTS,
-          placement=replicate.VariablePlacement.SHARED, kind=VIRTUAL_CPUS,
-          params=None, static=True):
+          placement=replicate.VariablePlacement.SHARED,
+          kind=VIRTUAL_CPUS,
+          params=None,
+          static=True):
   """Trains `steps` steps; returns the losses and the trained variables."""
   with tf.Graph().as_default():
     tf.compat.v1.train.create_global_step()
     features, labels = batches(data, batch_size, static)
-    spec = wrap(model_fn, tower_devices, reduction, placement)(
-        features, labels, TRAIN, params or {})
+    spec = wrap(model_fn, tower_devices, reduction,
+                placement)(features, labels, TRAIN, params or {})
     with tf.compat.v1.Session(config=session_config(kind)) as session:
       return run_training(session, spec, steps)
 
 
-def evaluate(model_fn, data, batch_size, steps, tower_devices=None,
-             reduction=Reduction.SUM_BY_NONZERO_WEIGHTS, kind=VIRTUAL_CPUS,
-             params=None, static=True):
+def evaluate(model_fn,
+             data,
+             batch_size,
+             steps,
+             tower_devices=None,
+             reduction=Reduction.SUM_BY_NONZERO_WEIGHTS,
+             kind=VIRTUAL_CPUS,
+             params=None,
+             static=True):
   """Runs `steps` eval batches; returns the mean loss and metric values."""
   with tf.Graph().as_default():
     tf.compat.v1.train.create_global_step()
     features, labels = batches(data, batch_size, static)
-    spec = wrap(model_fn, tower_devices, reduction)(
-        features, labels, EVAL, params or {})
+    spec = wrap(model_fn, tower_devices, reduction)(features, labels, EVAL,
+                                                    params or {})
     updates = [op for _, op in spec.eval_metric_ops.values()]
     with tf.compat.v1.Session(config=session_config(kind)) as session:
-      session.run([tf.compat.v1.global_variables_initializer(),
-                   tf.compat.v1.local_variables_initializer()])
+      session.run([
+          tf.compat.v1.global_variables_initializer(),
+          tf.compat.v1.local_variables_initializer()
+      ])
       set_trainable_weights(session)
       losses = [session.run([spec.loss, updates])[0] for _ in range(steps)]
-      metrics = session.run({k: v for k, (v, _) in spec.eval_metric_ops.items()})
+      metrics = session.run({
+          k: v for k, (v, _) in spec.eval_metric_ops.items()
+      })
   return np.array(losses), metrics
 
 
-def predict(model_fn, data, batch_size, steps, tower_devices=None,
-            kind=VIRTUAL_CPUS, params=None, static=True):
+def predict(model_fn,
+            data,
+            batch_size,
+            steps,
+            tower_devices=None,
+            kind=VIRTUAL_CPUS,
+            params=None,
+            static=True):
   """Runs `steps` predict batches; returns predictions and export outputs."""
   with tf.Graph().as_default():
     tf.compat.v1.train.create_global_step()
     features = batches(data, batch_size, static)
     spec = wrap(model_fn, tower_devices)(features, None, PREDICT, params or {})
-    outputs = {k: getattr(o, "outputs", None) or
-               {n: t for n, t in (("scores", getattr(o, "scores", None)),
-                                  ("classes", getattr(o, "classes", None)),
-                                  ("value", getattr(o, "value", None)))
-                if t is not None}
-               for k, o in (spec.export_outputs or {}).items()}
+    outputs = {
+        k:
+            getattr(o, "outputs", None) or {
+                n: t
+                for n, t in (("scores", getattr(o, "scores", None)),
+                             ("classes", getattr(o, "classes", None)),
+                             ("value", getattr(o, "value", None)))
+                if t is not None
+            } for k, o in (spec.export_outputs or {}).items()
+    }
     with tf.compat.v1.Session(config=session_config(kind)) as session:
       session.run(tf.compat.v1.global_variables_initializer())
       set_trainable_weights(session)

@@ -43,17 +43,27 @@ def classifier_model_fn(features, labels, mode, params):
   logits = _hidden(features["x"], params.get("layers", "v1"))
   probabilities = tf.nn.softmax(logits)
   classes = tf.argmax(logits, axis=1)
-  predictions = {"probabilities": probabilities, "classes": classes,
-                 "logits": logits}
+  predictions = {
+      "probabilities": probabilities,
+      "classes": classes,
+      "logits": logits
+  }
   if mode == tf.estimator.ModeKeys.PREDICT:
     score = tf.reduce_max(probabilities, axis=1)
-    class_names = tf.tile(tf.constant([[b"a", b"b", b"c"]]),
-                          [tf.shape(logits)[0], 1])
-    return tf.estimator.EstimatorSpec(mode, predictions=predictions, export_outputs={
-        "serving_default": tf.estimator.export.PredictOutput(predictions),
-        "classify": tf.estimator.export.ClassificationOutput(
-            scores=probabilities, classes=class_names),
-        "regress": tf.estimator.export.RegressionOutput(value=score)})
+    class_names = tf.tile(
+        tf.constant([[b"a", b"b", b"c"]]), [tf.shape(logits)[0], 1])
+    return tf.estimator.EstimatorSpec(
+        mode,
+        predictions=predictions,
+        export_outputs={
+            "serving_default":
+                tf.estimator.export.PredictOutput(predictions),
+            "classify":
+                tf.estimator.export.ClassificationOutput(
+                    scores=probabilities, classes=class_names),
+            "regress":
+                tf.estimator.export.RegressionOutput(value=score)
+        })
   reduction = params.get("reduction",
                          tf.compat.v1.losses.Reduction.SUM_BY_NONZERO_WEIGHTS)
   loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(
@@ -64,17 +74,21 @@ def classifier_model_fn(features, labels, mode, params):
     keras_mean = tf.keras.metrics.Mean(name="keras_mean")
     keras_mean.update_state(probabilities[:, 0])
     metrics = {
-        "accuracy": tf.compat.v1.metrics.accuracy(labels, classes),
-        "mean_top_probability": tf.compat.v1.metrics.mean(
-            tf.reduce_max(probabilities, axis=1)),
-        "auc": tf.compat.v1.metrics.auc(
-            tf.one_hot(labels, NUM_CLASSES), probabilities),
-        "keras_accuracy": keras_accuracy,
-        "keras_mean": keras_mean,
+        "accuracy":
+            tf.compat.v1.metrics.accuracy(labels, classes),
+        "mean_top_probability":
+            tf.compat.v1.metrics.mean(tf.reduce_max(probabilities, axis=1)),
+        "auc":
+            tf.compat.v1.metrics.auc(
+                tf.one_hot(labels, NUM_CLASSES), probabilities),
+        "keras_accuracy":
+            keras_accuracy,
+        "keras_mean":
+            keras_mean,
     }
-    return tf.estimator.EstimatorSpec(mode, loss=loss, eval_metric_ops=metrics,
-                                      predictions=predictions)
+    return tf.estimator.EstimatorSpec(
+        mode, loss=loss, eval_metric_ops=metrics, predictions=predictions)
   optimizer = replicate.TowerOptimizer(_optimizer(params))
   train_op = optimizer.minimize(loss, tf.compat.v1.train.get_global_step())
-  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op,
-                                    predictions=predictions)
+  return tf.estimator.EstimatorSpec(
+      mode, loss=loss, train_op=train_op, predictions=predictions)

@@ -34,9 +34,9 @@ def _model_fn(features, labels, mode):
   # the lookup, which runs where the variable lives.
   table = tf.compat.v1.get_variable(
       "embedding", [models.NUM_FEATURES, models.NUM_CLASSES], use_resource=True)
-  logits = tf.compat.v1.layers.dense(features["x"], models.NUM_CLASSES,
-                                     name="logits") + tf.gather(
-                                         table, tf.argmax(features["x"], 1))
+  logits = tf.compat.v1.layers.dense(
+      features["x"], models.NUM_CLASSES, name="logits") + tf.gather(
+          table, tf.argmax(features["x"], 1))
   loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
   optimizer = replicate.TowerOptimizer(
       tf.compat.v1.train.GradientDescentOptimizer(0.5))
@@ -46,8 +46,8 @@ def _model_fn(features, labels, mode):
 
 def _session_config():
   # Without soft placement: every op must be placed where it asks to be.
-  return tf.compat.v1.ConfigProto(device_count={"CPU": 4},
-                                  allow_soft_placement=False)
+  return tf.compat.v1.ConfigProto(
+      device_count={"CPU": 4}, allow_soft_placement=False)
 
 
 def _train(num_towers, batch, static):
@@ -60,12 +60,18 @@ def _train(num_towers, batch, static):
     tf.compat.v1.train.create_global_step()
     features, labels = harness.batches(models.data(), batch, static)
     spec = model_fn(features, labels, TRAIN)
-    placed = sorted({op.device for op in tf.compat.v1.get_default_graph()
-                     .get_operations() if "CPU:" in op.device})
+    placed = sorted({
+        op.device
+        for op in tf.compat.v1.get_default_graph().get_operations()
+        if "CPU:" in op.device
+    })
     with tf.compat.v1.Session(config=_session_config()) as session:
       losses, values = harness.run_training(session, spec, STEPS)
-  weights = {k: v.tolist() for k, v in values.items()
-             if k.startswith(("logits", "embedding"))}
+  weights = {
+      k: v.tolist()
+      for k, v in values.items()
+      if k.startswith(("logits", "embedding"))
+  }
   return {"losses": losses.tolist(), "weights": weights, "devices": placed}
 
 
@@ -75,8 +81,9 @@ def _error(devices, config):
     tf.compat.v1.train.create_global_step()
     features, labels = harness.batches(models.data(), 8)
     try:
-      replicate.replicate_model_fn(_model_fn, devices=devices)(
-          features, labels, TRAIN, config=config)
+      replicate.replicate_model_fn(
+          _model_fn, devices=devices)(
+              features, labels, TRAIN, config=config)
     except ValueError as e:
       return str(e)
   return None
@@ -96,23 +103,31 @@ def main():
   tf.config.set_visible_devices([], "GPU")
   warnings = _Warnings()
   logging.getLogger("absl").addHandler(warnings)
-  result = {"logical_cpus": len(tf.config.list_logical_devices("CPU")),
-            "cases": []}
+  result = {
+      "logical_cpus": len(tf.config.list_logical_devices("CPU")),
+      "cases": []
+  }
   for num_towers, batch, static in CASES:
     del warnings.messages[:]
     replicated = _train(num_towers, batch, static)
-    case = {"num_towers": num_towers, "batch": batch, "static": static,
-            "warnings": list(warnings.messages), "replicated": replicated,
-            "one_device": _train(0, batch, static)}
+    case = {
+        "num_towers": num_towers,
+        "batch": batch,
+        "static": static,
+        "warnings": list(warnings.messages),
+        "replicated": replicated,
+        "one_device": _train(0, batch, static)
+    }
     result["cases"].append(case)
-  two_cpus = tf.estimator.RunConfig(session_config=tf.compat.v1.ConfigProto(
-      device_count={"CPU": 2}))
+  two_cpus = tf.estimator.RunConfig(
+      session_config=tf.compat.v1.ConfigProto(device_count={"CPU": 2}))
   result["errors"] = {
-      "unknown_type": _error(["/device:CPUU:0", "/device:CPU:1"], None),
-      "beyond_device_count": _error(["/device:CPU:0", "/device:CPU:3"],
-                                    two_cpus),
-      "run_config_without_device_count": _error(
-          ["/device:CPU:0", "/device:CPU:1"], tf.estimator.RunConfig()),
+      "unknown_type":
+          _error(["/device:CPUU:0", "/device:CPU:1"], None),
+      "beyond_device_count":
+          _error(["/device:CPU:0", "/device:CPU:3"], two_cpus),
+      "run_config_without_device_count":
+          _error(["/device:CPU:0", "/device:CPU:1"], tf.estimator.RunConfig()),
   }
   print("RESULT " + json.dumps(result))
 

@@ -47,36 +47,46 @@ def _normalised(form, x, training):
   """The hidden layer's output through the form's batch normalization."""
   keras_bn = tf.keras.layers.BatchNormalization
   if form == "keras_sync_layer":
-    return _called(tf.keras.layers.experimental.SyncBatchNormalization(
-        name="bn"), tf.reshape(x, [-1, 16]), training)
+    return _called(
+        tf.keras.layers.experimental.SyncBatchNormalization(name="bn"),
+        tf.reshape(x, [-1, 16]), training)
   if form == "keras_synchronized":
-    return _called(keras_bn(synchronized=True, name="bn"),
-                   tf.reshape(x, [-1, 16]), training)
+    return _called(
+        keras_bn(synchronized=True, name="bn"), tf.reshape(x, [-1, 16]),
+        training)
   if form == "keras_5d":
-    return _called(keras_bn(name="bn"), tf.reshape(x, [-1, 2, 2, 2, 2]),
-                   training)
+    return _called(
+        keras_bn(name="bn"), tf.reshape(x, [-1, 2, 2, 2, 2]), training)
   if form == "keras_sequence":
     return _called(keras_bn(name="bn"), tf.reshape(x, [-1, 4, 4]), training)
   if form == "keras_two_axes":
-    return _called(keras_bn(axis=[2, 3], name="bn"),
-                   tf.reshape(x, [-1, 2, 2, 4]), training)
+    return _called(
+        keras_bn(axis=[2, 3], name="bn"), tf.reshape(x, [-1, 2, 2, 4]),
+        training)
   if form == "keras_no_scale_or_offset":
-    return _called(keras_bn(center=False, scale=False, name="bn"),
-                   tf.reshape(x, [-1, 2, 2, 4]), training)
+    return _called(
+        keras_bn(center=False, scale=False, name="bn"),
+        tf.reshape(x, [-1, 2, 2, 4]), training)
   if form == "keras_always_training":
     return _called(keras_bn(name="bn"), tf.reshape(x, [-1, 2, 2, 4]), True)
   if form == "v1_channels_first":
     return tf.compat.v1.layers.batch_normalization(
         tf.reshape(x, [-1, 4, 2, 2]), axis=1, training=training, name="bn")
   assert form == "keras_sequential", form
-  return _called(tf.keras.Sequential(
-      [tf.keras.layers.Reshape([2, 2, 4]), keras_bn(name="bn"),
-       tf.keras.layers.ReLU()], name="head"), x, training)
+  return _called(
+      tf.keras.Sequential([
+          tf.keras.layers.Reshape([2, 2, 4]),
+          keras_bn(name="bn"),
+          tf.keras.layers.ReLU()
+      ],
+                          name="head"), x, training)
 
 
-FORMS = ["keras_sync_layer", "keras_synchronized", "keras_5d",
-         "keras_sequence", "keras_two_axes", "keras_no_scale_or_offset",
-         "keras_always_training", "v1_channels_first", "keras_sequential"]
+FORMS = [
+    "keras_sync_layer", "keras_synchronized", "keras_5d", "keras_sequence",
+    "keras_two_axes", "keras_no_scale_or_offset", "keras_always_training",
+    "v1_channels_first", "keras_sequential"
+]
 # Fused-kernel forms (4-D and 5-D maps) also checked with the towers'
 # moments meeting on the hub.
 FUSED = {"keras_5d", "keras_no_scale_or_offset", "v1_channels_first"}
@@ -85,8 +95,8 @@ FUSED = {"keras_5d", "keras_no_scale_or_offset", "v1_channels_first"}
 def _model_fn(features, labels, mode, params):
   hidden = tf.compat.v1.layers.dense(features["x"], 16, name="hidden")
   x = _normalised(params["form"], hidden, mode == TRAIN)
-  logits = tf.compat.v1.layers.dense(tf.compat.v1.layers.flatten(x), 3,
-                                     name="logits")
+  logits = tf.compat.v1.layers.dense(
+      tf.compat.v1.layers.flatten(x), 3, name="logits")
   if mode == PREDICT:
     return tf.estimator.EstimatorSpec(mode, predictions={"logits": logits})
   loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
@@ -96,10 +106,13 @@ def _model_fn(features, labels, mode, params):
     train_op = optimizer.minimize(loss, tf.compat.v1.train.get_global_step())
   predicted = tf.argmax(logits, 1)
   return tf.estimator.EstimatorSpec(
-      mode, loss=loss, train_op=train_op,
+      mode,
+      loss=loss,
+      train_op=train_op,
       eval_metric_ops={
           "accuracy": tf.compat.v1.metrics.accuracy(labels, predicted),
-          "mean_logit": tf.compat.v1.metrics.mean(logits)})
+          "mean_logit": tf.compat.v1.metrics.mean(logits)
+      })
 
 
 def _input_fn():
@@ -117,8 +130,11 @@ def _moving_statistics_moved(model_dir):
   of keras_5d ended between 1.3e-3 and 1.0e-2 in six runs), so the test is
   whether they moved at all.
   """
-  names = {n.rsplit("/", 1)[-1]: n for n, _ in tf.train.list_variables(
-      model_dir) if n.endswith(("bn/moving_mean", "bn/moving_variance"))}
+  names = {
+      n.rsplit("/", 1)[-1]: n
+      for n, _ in tf.train.list_variables(model_dir)
+      if n.endswith(("bn/moving_mean", "bn/moving_variance"))
+  }
   assert len(names) == 2, tf.train.list_variables(model_dir)
   mean = tf.train.load_variable(model_dir, names["moving_mean"])
   variance = tf.train.load_variable(model_dir, names["moving_variance"])
@@ -128,15 +144,19 @@ def _moving_statistics_moved(model_dir):
 @pytest.mark.parametrize(
     "form,concatenate",
     [(f, True) for f in FORMS] + [(f, False) for f in FORMS if f in FUSED],
-    ids=[f for f in FORMS] + [f + "-through_the_hub" for f in FORMS
-                              if f in FUSED])
+    ids=[f for f in FORMS] +
+    [f + "-through_the_hub" for f in FORMS if f in FUSED])
 def test_batch_norm_layer_is_one_devices(form, concatenate, tmp_path,
                                          monkeypatch):
   # Without concatenation, towers on CPUs meet with their shards' moments
   # on the hub, as towers on GPUs do.
   monkeypatch.setattr(whole_batch, "_CONCATENATE_ON_HOST", concatenate)
   summary = replicate.testing.assert_replicates(
-      _model_fn, _input_fn, towers=(4,), steps=3, params={"form": form},
+      _model_fn,
+      _input_fn,
+      towers=(4,),
+      steps=3,
+      params={"form": form},
       model_dir=str(tmp_path))
   assert summary.towers == [4]
   assert set(summary.metrics) >= {"accuracy", "mean_logit", "loss"}

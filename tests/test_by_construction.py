@@ -38,20 +38,31 @@ def _data(num_examples=24, seed=0, features=5):
   return {"x": x}, y
 
 
-def _assert_trains_as_one_device(model_fn, data, batch, steps, towers,
-                                 static=True, params=None, rtol=1e-5,
+def _assert_trains_as_one_device(model_fn,
+                                 data,
+                                 batch,
+                                 steps,
+                                 towers,
+                                 static=True,
+                                 params=None,
+                                 rtol=1e-5,
                                  atol=1e-6):
   """Losses and every variable after `steps` steps, N towers vs one device."""
-  expected_losses, expected = harness.train(model_fn, data, batch, steps,
-                                            params=params, static=static)
-  losses, actual = harness.train(model_fn, data, batch, steps,
-                                 tower_devices=_towers(towers), params=params,
-                                 static=static)
+  expected_losses, expected = harness.train(
+      model_fn, data, batch, steps, params=params, static=static)
+  losses, actual = harness.train(
+      model_fn,
+      data,
+      batch,
+      steps,
+      tower_devices=_towers(towers),
+      params=params,
+      static=static)
   np.testing.assert_allclose(losses, expected_losses, rtol=rtol, atol=atol)
   assert sorted(actual) == sorted(expected)
   for name in expected:
-    np.testing.assert_allclose(actual[name], expected[name], rtol=rtol,
-                               atol=atol, err_msg=name)
+    np.testing.assert_allclose(
+        actual[name], expected[name], rtol=rtol, atol=atol, err_msg=name)
   return expected_losses, expected
 
 
@@ -62,13 +73,14 @@ def _sgd(rate=0.5):
 def _spec(mode, loss, optimizer=None, **kwargs):
   train_op = None
   if mode == TRAIN:
-    train_op = (optimizer or _sgd()).minimize(
-        loss, tf.compat.v1.train.get_global_step())
-  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op,
-                                    **kwargs)
+    train_op = (optimizer or
+                _sgd()).minimize(loss, tf.compat.v1.train.get_global_step())
+  return tf.estimator.EstimatorSpec(
+      mode, loss=loss, train_op=train_op, **kwargs)
 
 
 # --------------------------------------------- Python state between calls
+
 
 def _images(num_examples=12, seed=1):
   rng = np.random.RandomState(seed)
@@ -84,18 +96,21 @@ def _slim_model_fn(features, labels, mode, params):
   (with biases) outside.
   """
   training = mode == TRAIN
-  with slim.arg_scope([slim.conv2d], activation_fn=tf.nn.relu6,
+  with slim.arg_scope([slim.conv2d],
+                      activation_fn=tf.nn.relu6,
                       weights_regularizer=slim.l2_regularizer(0.05),
                       normalizer_fn=slim.batch_norm,
-                      normalizer_params={"is_training": training,
-                                         "decay": 0.9}):
+                      normalizer_params={
+                          "is_training": training,
+                          "decay": 0.9
+                      }):
     net = slim.conv2d(features["x"], 4, [3, 3], scope="conv1")
     if params["both_inside"]:
       net = slim.conv2d(net, 4, [3, 3], scope="conv2")
   if not params["both_inside"]:
     net = slim.conv2d(net, 4, [3, 3], scope="conv2")
-  logits = slim.conv2d(net, 2, [6, 6], padding="VALID", activation_fn=None,
-                       scope="logits")
+  logits = slim.conv2d(
+      net, 2, [6, 6], padding="VALID", activation_fn=None, scope="logits")
   logits = tf.squeeze(logits, [1, 2])
   loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
   loss += tf.compat.v1.losses.get_regularization_loss()
@@ -108,7 +123,11 @@ def _slim_model_fn(features, labels, mode, params):
 @pytest.mark.parametrize("both_inside", [False, True])
 def test_tf_slim_arg_scopes_around_batch_norm(towers, both_inside):
   _, values = _assert_trains_as_one_device(
-      _slim_model_fn, _images(), 12, 3, towers,
+      _slim_model_fn,
+      _images(),
+      12,
+      3,
+      towers,
       params={"both_inside": both_inside})
   assert np.abs(values["conv1/BatchNorm/moving_mean"]).max() > 1e-3
 
@@ -128,25 +147,27 @@ class _Ranker:
 
 
 def _ranking_model_fn(ranker):
+
   def model_fn(features, labels, mode, params):
     del params
     logits = ranker.compute_logits(features, mode == TRAIN)
     loss = tf.compat.v1.losses.sigmoid_cross_entropy(
         tf.cast(labels[:, None], tf.float32), logits, weights=ranker.mask)
-    update_ops = tf.compat.v1.get_collection(
-        tf.compat.v1.GraphKeys.UPDATE_OPS)
+    update_ops = tf.compat.v1.get_collection(tf.compat.v1.GraphKeys.UPDATE_OPS)
     with tf.control_dependencies(update_ops):
       return _spec(mode, loss)
+
   return model_fn
 
 
 @pytest.mark.parametrize("towers,batch", [(2, 8), (2, 9), (4, 10)])
 def test_a_model_object_keeping_tensors_between_calls(towers, batch):
-  _assert_trains_as_one_device(_ranking_model_fn(_Ranker()), _data(30), batch,
-                               3, towers, static=False)
+  _assert_trains_as_one_device(
+      _ranking_model_fn(_Ranker()), _data(30), batch, 3, towers, static=False)
 
 
 # ------------------------------------------ whole-batch values, any form
+
 
 def _masked_data():
   """6 rows; the mask keeps 3 of tower 0's rows and 1 of tower 1's."""
@@ -157,8 +178,7 @@ def _masked_data():
 
 def _masked_mean_model_fn(features, labels, mode, params):
   del params
-  logits = tf.squeeze(tf.compat.v1.layers.dense(features["x"], 1, name="w"),
-                      1)
+  logits = tf.squeeze(tf.compat.v1.layers.dense(features["x"], 1, name="w"), 1)
   err = tf.square(logits - tf.cast(labels, tf.float32))
   mask = features["mask"]
   loss = tf.reduce_sum(err * mask) / tf.reduce_sum(mask)
@@ -187,8 +207,8 @@ def _losses(features, labels, form):
   if form == "max":
     return first + tf.reduce_max(tf.abs(logits))
   if form == "per_batch":
-    return tf.reduce_sum(tf.square(logits)) / tf.cast(tf.shape(logits)[0],
-                                                      tf.float32)
+    return tf.reduce_sum(tf.square(logits)) / tf.cast(
+        tf.shape(logits)[0], tf.float32)
   raise ValueError(form)
 
 
@@ -206,24 +226,24 @@ FORMS = ["scaled", "identity_scaled", "weighted_sum", "max", "per_batch"]
 @pytest.mark.parametrize("towers", TOWERS)
 @pytest.mark.parametrize("form", FORMS)
 def test_losses_in_any_algebraic_form_train_as_one_device(form, towers):
-  _assert_trains_as_one_device(_loss_form_model_fn, _data(14), 7, 2, towers,
-                               params={"form": form})
+  _assert_trains_as_one_device(
+      _loss_form_model_fn, _data(14), 7, 2, towers, params={"form": form})
 
 
 @pytest.mark.parametrize("form", FORMS)
 def test_losses_in_any_algebraic_form_evaluate_as_one_device(form):
   params = {"form": form}
-  expected = harness.evaluate(_loss_form_model_fn, _data(14), 7, 2,
-                              params=params)
+  expected = harness.evaluate(
+      _loss_form_model_fn, _data(14), 7, 2, params=params)
   for towers in TOWERS:
-    actual = harness.evaluate(_loss_form_model_fn, _data(14), 7, 2,
-                              _towers(towers), params=params)
+    actual = harness.evaluate(
+        _loss_form_model_fn, _data(14), 7, 2, _towers(towers), params=params)
     harness.assert_close_nests(actual, expected, rtol=1e-5, atol=1e-6)
 
 
 def _bleu(labels, classes):
   """A per-batch score computed in Python, as the Transformer's BLEU."""
-  return np.float32(np.mean(labels == classes) ** 2 + 0.01 * len(labels))
+  return np.float32(np.mean(labels == classes)**2 + 0.01 * len(labels))
 
 
 def _py_func_metric_model_fn(features, labels, mode, params):
@@ -232,8 +252,8 @@ def _py_func_metric_model_fn(features, labels, mode, params):
   loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
   score = tf.compat.v1.py_func(_bleu, [labels, tf.argmax(logits, 1)],
                                tf.float32)
-  return _spec(mode, loss, eval_metric_ops={
-      "bleu": tf.compat.v1.metrics.mean(score)})
+  return _spec(
+      mode, loss, eval_metric_ops={"bleu": tf.compat.v1.metrics.mean(score)})
 
 
 def test_a_metric_of_a_py_func_runs_it_on_the_whole_batch():
@@ -246,6 +266,7 @@ def test_a_metric_of_a_py_func_runs_it_on_the_whole_batch():
 
 # ------------------------------------------------------------ regressions
 
+
 def test_an_optimizer_called_in_one_tower_only_is_an_error():
   calls = []
 
@@ -253,21 +274,24 @@ def test_an_optimizer_called_in_one_tower_only_is_an_error():
     del params
     calls.append(1)
     logits = tf.compat.v1.layers.dense(features["x"], 2, name="logits")
-    d = tf.compat.v1.get_variable("d", [], initializer=tf.constant_initializer(
-        2.0))
+    d = tf.compat.v1.get_variable(
+        "d", [], initializer=tf.constant_initializer(2.0))
     loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
     train_op = _sgd().minimize(loss, tf.compat.v1.train.get_global_step())
     if len(calls) == 1:  # "the first call only", a Python counter
       train_op = tf.group(train_op, _sgd(1.0).minimize(tf.square(d) * 0.75))
     return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
 
-  with pytest.raises(ValueError, match=r"Tower 1 made 2 calls that need "
-                     r"every tower but tower 0 made 1.*Python counter"):
+  with pytest.raises(
+      ValueError,
+      match=r"Tower 1 made 2 calls that need "
+      r"every tower but tower 0 made 1.*Python counter"):
     harness.train(model_fn, _data(), 8, 1, tower_devices=_towers(2))
 
 
 @pytest.mark.parametrize("towers", TOWERS)
 def test_a_write_ordered_before_compute_gradients_runs_once(towers):
+
   def model_fn(features, labels, mode, params):
     del params
     logits = tf.compat.v1.layers.dense(features["x"], 2, name="logits")
@@ -278,7 +302,9 @@ def test_a_write_ordered_before_compute_gradients_runs_once(towers):
     with tf.control_dependencies([calls.assign_add(1.0)]):
       grads = optimizer.compute_gradients(loss)
     return tf.estimator.EstimatorSpec(
-        mode, loss=loss, train_op=optimizer.apply_gradients(
+        mode,
+        loss=loss,
+        train_op=optimizer.apply_gradients(
             grads, tf.compat.v1.train.get_global_step()))
 
   _, values = _assert_trains_as_one_device(model_fn, _data(), 8, 3, towers)
@@ -288,11 +314,10 @@ def test_a_write_ordered_before_compute_gradients_runs_once(towers):
 def _fixed_width_sparse_model_fn(features, labels, mode, params):
   del params
   weight = tf.compat.v1.get_variable("weight", [4, 1])
-  scores = tf.squeeze(tf.sparse.sparse_dense_matmul(features["ids"], weight),
-                      1)
+  scores = tf.squeeze(tf.sparse.sparse_dense_matmul(features["ids"], weight), 1)
   loss = tf.compat.v1.losses.mean_squared_error(labels, scores)
-  return _spec(mode, loss, predictions={
-      "dense": tf.sparse.to_dense(features["ids"])})
+  return _spec(
+      mode, loss, predictions={"dense": tf.sparse.to_dense(features["ids"])})
 
 
 def _fixed_width_sparse_step(towers):
@@ -301,13 +326,15 @@ def _fixed_width_sparse_step(towers):
   indices = [[0, 0], [1, 2], [2, 1], [3, 2], [4, 0], [5, 3], [6, 2], [7, 1]]
   with tf.Graph().as_default():
     tf.compat.v1.train.create_global_step()
-    sparse = tf.SparseTensor(tf.constant(indices, tf.int64),
-                             tf.constant(np.arange(1.0, 9.0, dtype=np.float32)),
-                             tf.constant([8, 4], tf.int64))
+    sparse = tf.SparseTensor(
+        tf.constant(indices, tf.int64),
+        tf.constant(np.arange(1.0, 9.0, dtype=np.float32)),
+        tf.constant([8, 4], tf.int64))
     labels = tf.constant(np.linspace(-1, 1, 8, dtype=np.float32))
-    spec = harness.wrap(_fixed_width_sparse_model_fn,
-                        towers and _towers(towers))(
-                            {"ids": sparse}, labels, TRAIN, {})
+    spec = harness.wrap(_fixed_width_sparse_model_fn, towers and
+                        _towers(towers))({
+                            "ids": sparse
+                        }, labels, TRAIN, {})
     with tf.compat.v1.Session(config=harness.session_config()) as session:
       session.run(tf.compat.v1.global_variables_initializer())
       harness.set_trainable_weights(session)
@@ -332,8 +359,9 @@ def _keras_minimize_model_fn(features, labels, mode, params):
 
   def loss_fn():
     logits = dense(hidden(features["x"]))
-    return tf.reduce_mean(tf.keras.losses.sparse_categorical_crossentropy(
-        labels, logits, from_logits=True))
+    return tf.reduce_mean(
+        tf.keras.losses.sparse_categorical_crossentropy(
+            labels, logits, from_logits=True))
 
   loss = loss_fn()
   optimizer = tf.keras.optimizers.legacy.Adam(0.05)
@@ -360,13 +388,15 @@ def test_an_unwrapped_baseline_trains_after_replicated_ones(tmp_path):
         (feature, labels)).repeat().batch(8)
 
   estimators = [
-      (tf.estimator.BaselineClassifier(
-          weight_column="w", optimizer="Ftrl"), y, {"w": np.ones(16, np.float32)}),
-      (tf.estimator.BaselineRegressor(label_dimension=2), np.stack(
-          [y, y], 1).astype(np.float32), {}),
+      (tf.estimator.BaselineClassifier(weight_column="w",
+                                       optimizer="Ftrl"), y, {
+                                           "w": np.ones(16, np.float32)
+                                       }),
+      (tf.estimator.BaselineRegressor(label_dimension=2),
+       np.stack([y, y], 1).astype(np.float32), {}),
       (tf.estimator.BaselineRegressor(
-          loss_reduction=tf.keras.losses.Reduction.SUM),
-       y.astype(np.float32), {}),
+          loss_reduction=tf.keras.losses.Reduction.SUM), y.astype(np.float32),
+       {}),
       (tf.compat.v1.estimator.BaselineClassifier(), y, {}),
   ]
   for index, (canned, labels, extra) in enumerate(estimators):
@@ -376,16 +406,21 @@ def test_an_unwrapped_baseline_trains_after_replicated_ones(tmp_path):
             canned.model_fn, devices=_towers(2 + 2 * (index % 2))),
         model_dir=str(tmp_path / str(index)),
         config=replicate.testing.run_config(4))
-    estimator.train(lambda: tf.compat.v1.data.Dataset.from_tensor_slices(
-        (data, labels)).repeat().batch(8), steps=2)
-    estimator.evaluate(lambda: tf.compat.v1.data.Dataset.from_tensor_slices(
-        (data, labels)).batch(8), steps=1)
-    list(estimator.predict(lambda: tf.compat.v1.data.Dataset.from_tensor_slices(
-        data).batch(8)))
+    estimator.train(
+        lambda data=data, labels=labels: tf.compat.v1.data.Dataset.
+        from_tensor_slices((data, labels)).repeat().batch(8),
+        steps=2)
+    estimator.evaluate(
+        lambda data=data, labels=labels: tf.compat.v1.data.Dataset.
+        from_tensor_slices((data, labels)).batch(8),
+        steps=1)
+    list(
+        estimator.predict(lambda data=data: tf.compat.v1.data.Dataset.
+                          from_tensor_slices(data).batch(8)))
   for optimizer in ("Ftrl", tf.keras.optimizers.legacy.Ftrl(0.1)):
     plain = tf.estimator.BaselineClassifier(
-        optimizer=optimizer, model_dir=str(tmp_path / "plain" / str(id(
-            optimizer))))
+        optimizer=optimizer,
+        model_dir=str(tmp_path / "plain" / str(id(optimizer))))
     plain.train(input_fn(y), steps=2)
     assert plain.get_variable_value("global_step") == 2
 
@@ -400,30 +435,38 @@ def _accumulating_model_fn(features, labels, mode, params):
   every step, added to accumulators; every ACCUMULATE steps, inside a
   tf.cond, the accumulators are applied and zeroed."""
   logits = tf.compat.v1.layers.dense(
-      tf.compat.v1.layers.dense(features["x"], 4, activation=tf.nn.tanh,
-                                name="hidden"), 2, name="logits")
+      tf.compat.v1.layers.dense(
+          features["x"], 4, activation=tf.nn.tanh, name="hidden"),
+      2,
+      name="logits")
   loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
-  optimizer = (tf.compat.v1.train.AdamOptimizer(0.05) if params["adam"]
-               else _sgd())
+  optimizer = (
+      tf.compat.v1.train.AdamOptimizer(0.05) if params["adam"] else _sgd())
   grads_and_vars = optimizer.compute_gradients(loss)
-  accumulators = [tf.compat.v1.get_variable(
-      v.op.name.replace("/", "_") + "_accum", v.shape, trainable=False,
-      initializer=tf.zeros_initializer()) for _, v in grads_and_vars]
+  accumulators = [
+      tf.compat.v1.get_variable(
+          v.op.name.replace("/", "_") + "_accum",
+          v.shape,
+          trainable=False,
+          initializer=tf.zeros_initializer()) for _, v in grads_and_vars
+  ]
   step = tf.compat.v1.train.get_global_step()
-  accumulate = [a.assign_add(g) for a, (g, _) in zip(accumulators,
-                                                      grads_and_vars)]
+  accumulate = [
+      a.assign_add(g) for a, (g, _) in zip(accumulators, grads_and_vars)
+  ]
 
   def apply_and_zero():
     with tf.control_dependencies(accumulate):
-      applied = optimizer.apply_gradients(
-          [(a.read_value() / ACCUMULATE, v)
-           for a, (_, v) in zip(accumulators, grads_and_vars)])
+      applied = optimizer.apply_gradients([
+          (a.read_value() / ACCUMULATE, v)
+          for a, (_, v) in zip(accumulators, grads_and_vars)
+      ])
     with tf.control_dependencies([applied]):
       return tf.group(*[a.assign(tf.zeros_like(a)) for a in accumulators])
 
   with tf.control_dependencies(accumulate):
-    update = tf.cond(tf.equal((step + 1) % ACCUMULATE, 0), apply_and_zero,
-                     tf.no_op)
+    update = tf.cond(
+        tf.equal((step + 1) % ACCUMULATE, 0), apply_and_zero, tf.no_op)
   with tf.control_dependencies([update]):
     train_op = step.assign_add(1)
   return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
@@ -433,7 +476,11 @@ def _accumulating_model_fn(features, labels, mode, params):
 @pytest.mark.parametrize("adam", [False, True])
 def test_gradient_accumulation_in_a_tf_cond(towers, adam):
   _, values = _assert_trains_as_one_device(
-      _accumulating_model_fn, _data(), 8, 2 * ACCUMULATE + 1, towers,
+      _accumulating_model_fn,
+      _data(),
+      8,
+      2 * ACCUMULATE + 1,
+      towers,
       params={"adam": adam})
   assert values["global_step"] == 2 * ACCUMULATE + 1
 
@@ -449,8 +496,8 @@ def _cond_minimize_model_fn(features, labels, mode, params):
     with tf.control_dependencies([_sgd().minimize(loss, step)]):
       return tf.identity(step.read_value())
 
-  train_op = tf.cond(tf.equal(step % 2, 0), minimized,
-                     lambda: step.assign_add(1))
+  train_op = tf.cond(
+      tf.equal(step % 2, 0), minimized, lambda: step.assign_add(1))
   return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
 
 
@@ -461,7 +508,9 @@ def test_minimize_inside_a_tf_cond(towers):
 
 # ----------------------------------------------- towers building different
 
+
 def test_an_extra_layer_in_tower_0_is_an_error():
+
   def model_fn(features, labels, mode, params):
     del params
     x = features["x"]
@@ -471,8 +520,10 @@ def test_an_extra_layer_in_tower_0_is_an_error():
     loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
     return _spec(mode, loss)
 
-  with pytest.raises(ValueError, match=r"Tower 0 creates variable "
-                     r"'extra/kernel' that tower 1, the first built, did not"):
+  with pytest.raises(
+      ValueError,
+      match=r"Tower 0 creates variable "
+      r"'extra/kernel' that tower 1, the first built, did not"):
     harness.train(model_fn, _data(), 8, 1, tower_devices=_towers(2))
 
 
@@ -486,13 +537,16 @@ def test_a_layer_width_drawn_per_call_is_an_error():
     loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
     return _spec(mode, loss)
 
-  with pytest.raises(ValueError, match=r"Tower 0 asks for variable "
-                     r"'hidden/kernel' with shape \(5, 5\), but tower 1.*"
-                     r"created it with shape \(5, 3\)"):
+  with pytest.raises(
+      ValueError,
+      match=r"Tower 0 asks for variable "
+      r"'hidden/kernel' with shape \(5, 5\), but tower 1.*"
+      r"created it with shape \(5, 3\)"):
     harness.train(model_fn, _data(), 8, 1, tower_devices=_towers(2))
 
 
 def test_v1_layers_differing_in_a_later_tower_are_an_error():
+
   def model_fn(features, labels, mode, params):
     del params
     x = features["x"]
@@ -502,13 +556,16 @@ def test_v1_layers_differing_in_a_later_tower_are_an_error():
     loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
     return _spec(mode, loss)
 
-  with pytest.raises(ValueError, match=r"Towers 0 and 1 built different "
-                     r"models: tower 1 computes rows with .* op "
-                     r"'tower_1/extra/"):
+  with pytest.raises(
+      ValueError,
+      match=r"Towers 0 and 1 built different "
+      r"models: tower 1 computes rows with .* op "
+      r"'tower_1/extra/"):
     harness.train(model_fn, _data(), 8, 1, tower_devices=_towers(2))
 
 
 def test_params_that_cannot_be_copied_are_named():
+
   class Unpicklable:
 
     def __deepcopy__(self, memo):
@@ -517,17 +574,25 @@ def test_params_that_cannot_be_copied_are_named():
   def model_fn(features, labels, mode, params):
     del params
     logits = tf.compat.v1.layers.dense(features["x"], 2)
-    return _spec(mode, tf.compat.v1.losses.sparse_softmax_cross_entropy(
-        labels, logits))
+    return _spec(
+        mode, tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits))
 
   with tf.Graph().as_default():
     tf.compat.v1.train.create_global_step()
     x, y = _data(8)
-    with pytest.raises(TypeError, match=r"params .*Unpicklable.* cannot be "
-                       r"deep-copied.*cannot deep-copy a lock"):
-      replicate.replicate_model_fn(model_fn, devices=_towers(2))(
-          {"x": tf.constant(x["x"])}, tf.constant(y), TRAIN,
-          params={"lock": Unpicklable()})
+    with pytest.raises(
+        TypeError,
+        match=r"params .*Unpicklable.* cannot be "
+        r"deep-copied.*cannot deep-copy a lock"):
+      replicate.replicate_model_fn(
+          model_fn, devices=_towers(2))({
+              "x": tf.constant(x["x"])
+          },
+                                        tf.constant(y),
+                                        TRAIN,
+                                        params={
+                                            "lock": Unpicklable()
+                                        })
 
 
 def test_tf_gradients_through_batch_sum_reach_every_variable():
@@ -547,8 +612,7 @@ def test_tf_gradients_through_batch_sum_reach_every_variable():
     return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
 
   for towers in TOWERS:
-    _assert_trains_as_one_device(model_fn, _data(), 7, 3, towers,
-                                 static=False)
+    _assert_trains_as_one_device(model_fn, _data(), 7, 3, towers, static=False)
 
 
 def _summarised_model_fn(features, labels, mode, params):
@@ -556,11 +620,10 @@ def _summarised_model_fn(features, labels, mode, params):
   hidden = tf.compat.v1.layers.dense(features["x"], 4, name="hidden")
   logits = tf.compat.v1.layers.dense(hidden, 2, name="logits")
   tf.compat.v1.summary.histogram("activations", hidden)
-  tf.compat.v1.summary.image("rows", tf.reshape(hidden, [-1, 2, 2, 1]),
-                             max_outputs=5)
+  tf.compat.v1.summary.image(
+      "rows", tf.reshape(hidden, [-1, 2, 2, 1]), max_outputs=5)
   tf.compat.v1.summary.scalar("first", hidden[0, 0])
-  tf.compat.v1.summary.scalar("last", tf.gather(hidden, 0)[-1] +
-                              hidden[-1, 0])
+  tf.compat.v1.summary.scalar("last", tf.gather(hidden, 0)[-1] + hidden[-1, 0])
   loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
   return _spec(mode, loss)
 
@@ -571,8 +634,7 @@ def _summaries(towers):
     features, labels = harness.batches(_data(), 8)
     model_fn = _summarised_model_fn
     if towers > 1:
-      model_fn = replicate.replicate_model_fn(model_fn,
-                                              devices=_towers(towers))
+      model_fn = replicate.replicate_model_fn(model_fn, devices=_towers(towers))
     model_fn(features, labels, TRAIN, {})
     summary = tf.compat.v1.summary.merge_all()
     with tf.compat.v1.Session(config=harness.session_config()) as session:
@@ -590,14 +652,16 @@ def test_summaries_of_rows_and_of_picked_rows_are_the_whole_batchs(towers):
   for tag, value in expected.items():
     if value.HasField("histo"):
       for field in ("num", "sum", "sum_squares", "min", "max"):
-        np.testing.assert_allclose(getattr(actual[tag].histo, field),
-                                   getattr(value.histo, field), rtol=1e-5,
-                                   err_msg=tag)
+        np.testing.assert_allclose(
+            getattr(actual[tag].histo, field),
+            getattr(value.histo, field),
+            rtol=1e-5,
+            err_msg=tag)
     elif value.HasField("image"):
       assert actual[tag].image.encoded_image_string == (
           value.image.encoded_image_string), tag
     else:
-      np.testing.assert_allclose(actual[tag].simple_value, value.simple_value,
-                                 rtol=1e-6, err_msg=tag)
+      np.testing.assert_allclose(
+          actual[tag].simple_value, value.simple_value, rtol=1e-6, err_msg=tag)
   # Five images: more than tower 0's shard holds.
   assert len([t for t in expected if t.startswith("rows/image")]) == 5

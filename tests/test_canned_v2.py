@@ -25,24 +25,37 @@ def _config(model_dir):
 
 
 CANNED = {
-    "dnn_classifier": lambda config: tf.estimator.DNNClassifier(
-        hidden_units=[8], feature_columns=COLUMNS, n_classes=3,
-        optimizer=replicate.TowerOptimizer(Adagrad(0.05)), config=config),
-    "dnn_regressor": lambda config: tf.estimator.DNNRegressor(
-        hidden_units=[8], feature_columns=COLUMNS,
-        optimizer=replicate.TowerOptimizer(Adagrad(0.05)), config=config),
-    "linear_classifier": lambda config: tf.estimator.LinearClassifier(
-        feature_columns=COLUMNS, n_classes=3,
-        optimizer=replicate.TowerOptimizer(
-            tf.keras.optimizers.legacy.Ftrl(0.1)), config=config),
-    "linear_regressor": lambda config: tf.estimator.LinearRegressor(
-        feature_columns=COLUMNS,
-        optimizer=replicate.TowerOptimizer(lambda: Adagrad(0.1)),
-        config=config),
-    "dnn_linear_combined": lambda config: (
-        tf.estimator.DNNLinearCombinedClassifier(
-            linear_feature_columns=COLUMNS, dnn_feature_columns=COLUMNS,
-            dnn_hidden_units=[8], n_classes=3,
+    "dnn_classifier":
+        lambda config: tf.estimator.DNNClassifier(
+            hidden_units=[8],
+            feature_columns=COLUMNS,
+            n_classes=3,
+            optimizer=replicate.TowerOptimizer(Adagrad(0.05)),
+            config=config),
+    "dnn_regressor":
+        lambda config: tf.estimator.DNNRegressor(
+            hidden_units=[8],
+            feature_columns=COLUMNS,
+            optimizer=replicate.TowerOptimizer(Adagrad(0.05)),
+            config=config),
+    "linear_classifier":
+        lambda config: tf.estimator.LinearClassifier(
+            feature_columns=COLUMNS,
+            n_classes=3,
+            optimizer=replicate.TowerOptimizer(
+                tf.keras.optimizers.legacy.Ftrl(0.1)),
+            config=config),
+    "linear_regressor":
+        lambda config: tf.estimator.LinearRegressor(
+            feature_columns=COLUMNS,
+            optimizer=replicate.TowerOptimizer(lambda: Adagrad(0.1)),
+            config=config),
+    "dnn_linear_combined":
+        lambda config: (tf.estimator.DNNLinearCombinedClassifier(
+            linear_feature_columns=COLUMNS,
+            dnn_feature_columns=COLUMNS,
+            dnn_hidden_units=[8],
+            n_classes=3,
             linear_optimizer=replicate.TowerOptimizer(Adagrad(0.1)),
             dnn_optimizer=replicate.TowerOptimizer(lambda: Adagrad(0.05)),
             config=config)),
@@ -58,6 +71,7 @@ def _input_fn(canned, num_examples=48, epochs=None, with_labels=True):
   def input_fn():
     data = (features, labels) if with_labels else features
     return tf.data.Dataset.from_tensor_slices(data).repeat(epochs).batch(16)
+
   return input_fn
 
 
@@ -77,8 +91,8 @@ def _run(canned, num_towers, model_dir):
   estimator = _estimator(canned, num_towers, model_dir)
   estimator.train(_input_fn(canned), steps=6)
   metrics = estimator.evaluate(_input_fn(canned, 40, epochs=1))
-  predictions = list(estimator.predict(
-      _input_fn(canned, 40, epochs=1, with_labels=False)))
+  predictions = list(
+      estimator.predict(_input_fn(canned, 40, epochs=1, with_labels=False)))
   return estimator, metrics, predictions
 
 
@@ -94,21 +108,22 @@ def _prediction_key(canned):
 
 
 # Every canned estimator on 4 towers; two of them on 2 as well.
-@pytest.mark.parametrize(
-    "canned,num_towers",
-    [(c, 4) for c in sorted(CANNED)] +
-    [("dnn_classifier", 2), ("linear_regressor", 2)])
+@pytest.mark.parametrize("canned,num_towers", [(c, 4) for c in sorted(CANNED)] +
+                         [("dnn_classifier", 2), ("linear_regressor", 2)])
 def test_replicated_canned_matches_plain(canned, num_towers, model_dirs):
   plain, expected_metrics, expected_predictions = _run(
       canned, None, model_dirs(canned, "plain"))
-  estimator, metrics, predictions = _run(
-      canned, num_towers, model_dirs(canned, num_towers))
+  estimator, metrics, predictions = _run(canned, num_towers,
+                                         model_dirs(canned, num_towers))
   assert sorted(estimator.get_variable_names()) == sorted(
       plain.get_variable_names())
   for name in plain.get_variable_names():
-    np.testing.assert_allclose(estimator.get_variable_value(name),
-                               plain.get_variable_value(name), rtol=1e-4,
-                               atol=1e-6, err_msg=name)
+    np.testing.assert_allclose(
+        estimator.get_variable_value(name),
+        plain.get_variable_value(name),
+        rtol=1e-4,
+        atol=1e-6,
+        err_msg=name)
   assert metrics["global_step"] == 6  # one increment per step, not per tower
   assert sorted(metrics) == sorted(expected_metrics)
   for key, value in expected_metrics.items():
@@ -116,7 +131,8 @@ def test_replicated_canned_matches_plain(canned, num_towers, model_dirs):
   key = _prediction_key(canned)
   np.testing.assert_allclose([p[key] for p in predictions],
                              [p[key] for p in expected_predictions],
-                             rtol=1e-4, atol=1e-6)
+                             rtol=1e-4,
+                             atol=1e-6)
 
 
 def test_dnn_linear_combined_advances_both_iteration_counters(model_dirs):
@@ -135,20 +151,25 @@ def test_export_serves_the_same_and_checkpoint_restores_into_plain(
   export_dir = estimator.export_saved_model(str(tmp_path), receiver)
   x = models.data(40)[0]["x"][:5]
   loaded = tf.saved_model.load(export_dir)
-  examples = [tf.train.Example(features=tf.train.Features(feature={
-      "x": tf.train.Feature(float_list=tf.train.FloatList(value=row))}))
-              .SerializeToString() for row in x]
+  examples = [
+      tf.train.Example(
+          features=tf.train.Features(feature={
+              "x": tf.train.Feature(float_list=tf.train.FloatList(value=row))
+          })).SerializeToString() for row in x
+  ]
   outputs = loaded.signatures["predict"](examples=tf.constant(examples))
   key = _prediction_key(canned)
   # Other batch sizes: a regressor's prediction (a 5-term dot product) can
   # be near 0, its rounding error (~5 * 2**-24 * sum|x w|) cannot.
-  np.testing.assert_allclose(outputs[key].numpy(),
-                             [p[key] for p in predictions[:5]], rtol=1e-5,
-                             atol=1e-6)
+  np.testing.assert_allclose(
+      outputs[key].numpy(), [p[key] for p in predictions[:5]],
+      rtol=1e-5,
+      atol=1e-6)
   plain = CANNED[canned](_config(estimator.model_dir))
   restored = list(plain.predict(_input_fn(canned, 40, 1, with_labels=False)))
   np.testing.assert_allclose([p[key] for p in restored],
-                             [p[key] for p in predictions], rtol=1e-5,
+                             [p[key] for p in predictions],
+                             rtol=1e-5,
                              atol=1e-6)
 
 
@@ -156,11 +177,16 @@ def test_export_serves_the_same_and_checkpoint_restores_into_plain(
 def test_batch_norm_dnn_trains_as_one_device_with_plain_checkpoint_names(
     tmp_path, num_towers):
   """batch_norm=True: the towers normalise with the whole batch's statistics."""
+
   def canned(model_dir):
     return tf.estimator.DNNClassifier(
-        hidden_units=[8], feature_columns=COLUMNS, n_classes=3,
-        batch_norm=True, optimizer=replicate.TowerOptimizer(Adagrad(0.05)),
+        hidden_units=[8],
+        feature_columns=COLUMNS,
+        n_classes=3,
+        batch_norm=True,
+        optimizer=replicate.TowerOptimizer(Adagrad(0.05)),
         config=_config(model_dir))
+
   plain = canned(tmp_path / "plain")
   plain.train(_input_fn("dnn_classifier"), steps=3)
   replicated = tf.estimator.Estimator(
@@ -172,9 +198,12 @@ def test_batch_norm_dnn_trains_as_one_device_with_plain_checkpoint_names(
   assert sorted(replicated.get_variable_names()) == sorted(
       plain.get_variable_names())
   for name in plain.get_variable_names():
-    np.testing.assert_allclose(replicated.get_variable_value(name),
-                               plain.get_variable_value(name), rtol=1e-5,
-                               atol=1e-6, err_msg=name)
+    np.testing.assert_allclose(
+        replicated.get_variable_value(name),
+        plain.get_variable_value(name),
+        rtol=1e-5,
+        atol=1e-6,
+        err_msg=name)
   moved = plain.get_variable_value("dnn/hiddenlayer_0/batchnorm_0/moving_mean")
   assert np.abs(moved).max() > 0
 
@@ -193,6 +222,9 @@ def test_any_loss_reduction_for_an_averaging_canned_head_is_one_devices(
       config=_config(tmp_path / "replicated"))
   replicated.train(_input_fn("dnn_classifier"), steps=3)
   for name in plain.get_variable_names():
-    np.testing.assert_allclose(replicated.get_variable_value(name),
-                               plain.get_variable_value(name), rtol=1e-5,
-                               atol=1e-6, err_msg=name)
+    np.testing.assert_allclose(
+        replicated.get_variable_value(name),
+        plain.get_variable_value(name),
+        rtol=1e-5,
+        atol=1e-6,
+        err_msg=name)

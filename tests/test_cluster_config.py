@@ -14,13 +14,23 @@ import tensorflow as tf
 import replicate
 from tests import models
 
-_CLUSTER = {"chief": ["localhost:2222"], "worker": ["localhost:2223"],
-            "ps": ["localhost:2224"]}
+_CLUSTER = {
+    "chief": ["localhost:2222"],
+    "worker": ["localhost:2223"],
+    "ps": ["localhost:2224"]
+}
 
 
 def _set_tf_config(monkeypatch, task_type, index=0):
-  monkeypatch.setenv("TF_CONFIG", json.dumps(
-      {"cluster": _CLUSTER, "task": {"type": task_type, "index": index}}))
+  monkeypatch.setenv(
+      "TF_CONFIG",
+      json.dumps({
+          "cluster": _CLUSTER,
+          "task": {
+              "type": task_type,
+              "index": index
+          }
+      }))
 
 
 @pytest.mark.parametrize("text, message", [
@@ -37,16 +47,19 @@ def test_tf_config_not_a_json_object(monkeypatch, text, message):
 
 def test_task_type_not_in_the_cluster(monkeypatch):
   _set_tf_config(monkeypatch, "master")
-  with pytest.raises(ValueError,
-                     match=r"task type 'master' is not a job of its cluster "
-                     r"\(jobs: \['chief', 'ps', 'worker'\]\)"):
+  with pytest.raises(
+      ValueError,
+      match=r"task type 'master' is not a job of its cluster "
+      r"\(jobs: \['chief', 'ps', 'worker'\]\)"):
     replicate.replicate_model_fn(models.classifier_model_fn)
 
 
 def test_task_index_out_of_range(monkeypatch):
   _set_tf_config(monkeypatch, "worker", index=1)
-  with pytest.raises(ValueError, match=r"task index 1 is out of range for "
-                     r"job 'worker', which has 1 task\(s\); set task.index"):
+  with pytest.raises(
+      ValueError,
+      match=r"task index 1 is out of range for "
+      r"job 'worker', which has 1 task\(s\); set task.index"):
     replicate.replicate_model_fn(models.classifier_model_fn)
 
 
@@ -60,24 +73,32 @@ def _call(model_fn, config):
   features, labels = models.data(num_examples=8)
   with tf.Graph().as_default():
     tf.compat.v1.train.create_global_step()
-    return model_fn(features, labels, tf.estimator.ModeKeys.TRAIN,
-                    params={"learning_rate": 0.1}, config=config)
+    return model_fn(
+        features,
+        labels,
+        tf.estimator.ModeKeys.TRAIN,
+        params={"learning_rate": 0.1},
+        config=config)
 
 
-@pytest.mark.parametrize("device", [
-    "/job:worker/task:0/device:CPU:1",   # another job
-    "/job:chief/task:1/device:CPU:1",    # another task of this job
-    "/job:ps/device:CPU:0",
-])
+@pytest.mark.parametrize(
+    "device",
+    [
+        "/job:worker/task:0/device:CPU:1",  # another job
+        "/job:chief/task:1/device:CPU:1",  # another task of this job
+        "/job:ps/device:CPU:0",
+    ])
 def test_devices_of_another_task_are_refused(monkeypatch, device):
   _set_tf_config(monkeypatch, "chief")
   config = tf.estimator.RunConfig()
   model_fn = replicate.replicate_model_fn(
       models.classifier_model_fn,
       devices=["/job:chief/task:0/device:CPU:0", device])
-  with pytest.raises(ValueError, match=r"is on another machine than this "
-                     r"task \(/job:chief/task:0\).*name them without a job "
-                     r"\(e.g. '/device:CPU:"):
+  with pytest.raises(
+      ValueError,
+      match=r"is on another machine than this "
+      r"task \(/job:chief/task:0\).*name them without a job "
+      r"\(e.g. '/device:CPU:"):
     _call(model_fn, config)
 
 

@@ -30,16 +30,22 @@ import digits_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
 pytestmark = pytest.mark.slow
 
 STEPS = 200
-ACCURACY = 0.9      # the digits MLP gets about 0.97 after 200 steps
-WAIT_SECS = 120     # for any one event
-FLAGS = dict(steps=STEPS, batch_size=64, step_delay_ms=50,
-             save_checkpoints_steps=10, log_every=10, throttle_secs=5)
+ACCURACY = 0.9  # the digits MLP gets about 0.97 after 200 steps
+WAIT_SECS = 120  # for any one event
+FLAGS = dict(
+    steps=STEPS,
+    batch_size=64,
+    step_delay_ms=50,
+    save_checkpoints_steps=10,
+    log_every=10,
+    throttle_secs=5)
 
 STEP, SESSION = cluster_harness.STEP_LINE, cluster_harness.SESSION_LINE
 
 
 def _checkpoint_fingerprint(model_dir, step):
-  values = cluster_harness.checkpoint_values(str(model_dir / f"model.ckpt-{step}"))
+  values = cluster_harness.checkpoint_values(
+      str(model_dir / f"model.ckpt-{step}"))
   return cluster_task.variables_fingerprint(values)
 
 
@@ -52,7 +58,9 @@ def _kill_worker(cluster, events):
   chief.resume()
   chief.wait_for(STEP, WAIT_SECS, count=len(chief.wait_for(STEP, 0)) + 1)
   events["worker"] = dict(
-      starts={label: t.starts for label, t in cluster.tasks.items()},
+      starts={
+          label: t.starts for label, t in cluster.tasks.items()
+      },
       chief_sessions=cluster_harness.sessions(chief.output()))
 
 
@@ -67,7 +75,8 @@ def _kill_chief(cluster, events):
   chief.pause()  # While its checkpoint is read: it would soon be deleted.
   (step, fingerprint), = cluster_harness.sessions(chief.output())
   events["chief"] = dict(
-      killed_at=killed_at, resumed=(step, fingerprint),
+      killed_at=killed_at,
+      resumed=(step, fingerprint),
       checkpoint=_checkpoint_fingerprint(cluster.model_dir, step))
   chief.resume()
   worker.resume()
@@ -85,7 +94,8 @@ def _kill_ps(cluster, events):
   chief.pause()
   step, fingerprint = cluster_harness.sessions(chief.output())[1]
   events["ps"] = dict(
-      killed_at=killed_at, recovered=(step, fingerprint),
+      killed_at=killed_at,
+      recovered=(step, fingerprint),
       checkpoint=_checkpoint_fingerprint(cluster.model_dir, step),
       initial=cluster_harness.sessions(chief.output(1))[0])
   chief.resume()
@@ -96,8 +106,8 @@ def _kill_ps(cluster, events):
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
   """Runs the cluster through the three faults; returns it and the events."""
-  cluster = cluster_harness.Cluster(tmp_path_factory.mktemp("faults"),
-                                    evaluator=True, **FLAGS)
+  cluster = cluster_harness.Cluster(
+      tmp_path_factory.mktemp("faults"), evaluator=True, **FLAGS)
   events = {}
   with cluster:
     chief, worker = cluster["chief"], cluster["worker0"]
@@ -120,7 +130,11 @@ def test_worker_killed_and_restarted(run):
   # chief kept its one session.
   assert cluster_harness.trained_steps(worker.output(2)) > 0, cluster.outputs()
   assert events["worker"]["starts"] == {
-      "ps0": 1, "chief": 1, "worker0": 2, "evaluator": 1}
+      "ps0": 1,
+      "chief": 1,
+      "worker0": 2,
+      "evaluator": 1
+  }
   assert len(events["worker"]["chief_sessions"]) == 1, cluster.outputs()
   assert cluster_harness.latest_step(cluster.model_dir) >= STEPS
 
@@ -139,7 +153,8 @@ def test_chief_killed_resumes_from_its_last_checkpoint(run):
   assert indexes
   state = tf.train.get_checkpoint_state(str(cluster.model_dir))
   for path in list(state.all_model_checkpoint_paths) + [
-      str(index)[:-len(".index")] for index in indexes]:
+      str(index)[:-len(".index")] for index in indexes
+  ]:
     assert cluster_harness.checkpoint_values(path)["global_step"] >= 0
 
 
@@ -164,7 +179,8 @@ def test_training_reaches_its_target_and_the_evaluator_its_accuracy(run):
   cluster, _ = run
   evaluations = cluster["evaluator"].wait_for(
       r"evaluated global step (\d+): accuracy ([0-9.]+)", 0)
-  step, accuracy = int(evaluations[-1].group(1)), float(evaluations[-1].group(2))
+  step, accuracy = int(evaluations[-1].group(1)), float(
+      evaluations[-1].group(2))
   assert step >= STEPS, cluster.outputs()
   assert accuracy >= ACCURACY, cluster.outputs()
   assert cluster_harness.latest_step(cluster.model_dir) >= STEPS
@@ -176,13 +192,19 @@ def test_final_checkpoint_restores_into_the_plain_estimator(run):
   chief_probabilities = np.load(cluster.model_dir / "test_probabilities.npy")
   _, (test_x, _) = digits_lib.load_digits()
   estimator = tf.estimator.Estimator(
-      digits_lib.model_fn, model_dir=str(cluster.model_dir),
-      params={"model": "mlp", "learning_rate": 0.01})
-  probabilities = np.array([p["probabilities"] for p in estimator.predict(
-      lambda: digits_lib.eval_input_fn(test_x, None, 64))])
+      digits_lib.model_fn,
+      model_dir=str(cluster.model_dir),
+      params={
+          "model": "mlp",
+          "learning_rate": 0.01
+      })
+  probabilities = np.array([
+      p["probabilities"] for p in estimator.predict(
+          lambda: digits_lib.eval_input_fn(test_x, None, 64))
+  ])
   # Float32 logits of another graph (no towers): rtol 1e-5 on values of
   # order 1, atol for probabilities near 0.
-  np.testing.assert_allclose(probabilities, chief_probabilities,
-                             rtol=1e-5, atol=1e-6)
-  assert os.path.exists(tf.train.latest_checkpoint(str(cluster.model_dir)) +
-                        ".index")
+  np.testing.assert_allclose(
+      probabilities, chief_probabilities, rtol=1e-5, atol=1e-6)
+  assert os.path.exists(
+      tf.train.latest_checkpoint(str(cluster.model_dir)) + ".index")

@@ -1,4 +1,5 @@
-"""Synchronous training on a localhost cluster that examples/cluster.py launches.
+"""Synchronous training on a localhost cluster that examples/cluster.py
+launches.
 
 The launcher starts a ps, the chief and a worker as separate processes
 (each with its own TF_CONFIG, each replicating the model over 2 virtual CPU
@@ -24,8 +25,8 @@ import digits_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
 pytestmark = pytest.mark.slow
 
 STEPS = 12
-BATCH = 32          # per trainer, split over its 2 towers
-TRAINERS = 2        # the chief and one worker
+BATCH = 32  # per trainer, split over its 2 towers
+TRAINERS = 2  # the chief and one worker
 # Plain gradient descent: unlike Adam, its step is proportional to the
 # gradient, so a wrongly scaled gradient (a sum for an average) shows.
 LEARNING_RATE = 0.5
@@ -38,12 +39,13 @@ CHIEF_END_SECS = 60
 def run(tmp_path_factory):
   """The launcher's output and the cluster's model_dir."""
   model_dir = tmp_path_factory.mktemp("sync") / "model"
-  output = cluster_harness.run_launcher(
-      ["--sync", "--noevaluator", f"--steps={STEPS}", f"--batch_size={BATCH}",
-       "--towers=2", "--dropout=0", "--optimizer=sgd",
-       f"--learning_rate={LEARNING_RATE}",
-       "--save_checkpoints_steps=1000", "--log_every=4",
-       f"--model_dir={model_dir}", "--timeout=170"], timeout_secs=200)
+  output = cluster_harness.run_launcher([
+      "--sync", "--noevaluator", f"--steps={STEPS}", f"--batch_size={BATCH}",
+      "--towers=2", "--dropout=0", "--optimizer=sgd",
+      f"--learning_rate={LEARNING_RATE}", "--save_checkpoints_steps=1000",
+      "--log_every=4", f"--model_dir={model_dir}", "--timeout=170"
+  ],
+                                        timeout_secs=200)
   return output, model_dir
 
 
@@ -51,12 +53,16 @@ def test_launcher_prefixes_every_task_and_reaps_it(run):
   output, _ = run
   for label in ("ps0", "chief", "worker0"):
     assert cluster_harness.task_lines(output, label), output
-  statuses = {label: cluster_harness.task_lines(output, label)[-1][1]
-              for label in ("ps0", "chief", "worker0")}
-  assert statuses == {"chief": "exited with status 0",
-                      "worker0": "exited with status 0",
-                      # Training is over: the launcher ends the ps (SIGTERM).
-                      "ps0": "exited with status -15"}, output
+  statuses = {
+      label: cluster_harness.task_lines(output, label)[-1][1]
+      for label in ("ps0", "chief", "worker0")
+  }
+  assert statuses == {
+      "chief": "exited with status 0",
+      "worker0": "exited with status 0",
+      # Training is over: the launcher ends the ps (SIGTERM).
+      "ps0": "exited with status -15"
+  }, output
   assert "cluster finished" in output
   # No server is left listening on the cluster's ports.
   for address in _cluster_addresses(output):
@@ -67,8 +73,7 @@ def test_launcher_prefixes_every_task_and_reaps_it(run):
 
 def _cluster_addresses(output):
   spec = output.split("cluster ", 1)[1].split("; ", 1)[0]
-  return [a for addresses in json.loads(spec).values()
-          for a in addresses]
+  return [a for addresses in json.loads(spec).values() for a in addresses]
 
 
 def test_chief_ends_soon_after_its_last_step(run):
@@ -83,18 +88,21 @@ def test_chief_ends_soon_after_its_last_step(run):
 
 def _union_input_fn(images, labels):
   """Each step, trainer 0's batch and trainer 1's, as one batch."""
-  shards = tuple(digits_lib.train_input_fn(images, labels, BATCH, TRAINERS, i)
-                 for i in range(TRAINERS))
+  shards = tuple(
+      digits_lib.train_input_fn(images, labels, BATCH, TRAINERS, i)
+      for i in range(TRAINERS))
 
   def concat(*batches):
-    return ({"image": tf.concat([f["image"] for f, _ in batches], 0)},
-            tf.concat([l for _, l in batches], 0))
+    return ({
+        "image": tf.concat([f["image"] for f, _ in batches], 0)
+    }, tf.concat([label for _, label in batches], 0))
 
   return tf.data.Dataset.zip(shards).map(concat)
 
 
 def _train_one_device(initial_checkpoint, model_dir):
-  """The unwrapped model_fn on one device, from the cluster's initial weights."""
+  """The unwrapped model_fn on one device, from the cluster's initial
+  weights."""
   model_dir.mkdir()
   for path in initial_checkpoint.parent.glob(initial_checkpoint.name + ".*"):
     shutil.copy(path, model_dir)
@@ -102,16 +110,20 @@ def _train_one_device(initial_checkpoint, model_dir):
       str(model_dir), str(model_dir / initial_checkpoint.name))
   (train_x, train_y), _ = digits_lib.load_digits()
   estimator = tf.estimator.Estimator(
-      digits_lib.model_fn, model_dir=str(model_dir),
+      digits_lib.model_fn,
+      model_dir=str(model_dir),
       config=tf.estimator.RunConfig(tf_random_seed=0),
-      params={"model": "mlp", "optimizer": "sgd",
-              "learning_rate": LEARNING_RATE, "dropout": 0.0})
+      params={
+          "model": "mlp",
+          "optimizer": "sgd",
+          "learning_rate": LEARNING_RATE,
+          "dropout": 0.0
+      })
   estimator.train(lambda: _union_input_fn(train_x, train_y), max_steps=STEPS)
   return cluster_harness.checkpoint_values(estimator.latest_checkpoint())
 
 
-def test_sync_training_equals_one_device_on_the_union_of_batches(
-    run, tmp_path):
+def test_sync_training_equals_one_device_on_the_union_of_batches(run, tmp_path):
   _, model_dir = run
   final = tf.train.latest_checkpoint(str(model_dir))
   assert cluster_harness.checkpoint_step(final) == STEPS
@@ -124,5 +136,5 @@ def test_sync_training_equals_one_device_on_the_union_of_batches(
   # through 12 steps: rtol 1e-5 on weights of order 0.1-1, atol for those
   # near 0.
   for name, value in expected.items():
-    np.testing.assert_allclose(trained[name], value, rtol=1e-5, atol=1e-6,
-                               err_msg=name)
+    np.testing.assert_allclose(
+        trained[name], value, rtol=1e-5, atol=1e-6, err_msg=name)

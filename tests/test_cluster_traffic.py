@@ -41,21 +41,28 @@ def traffic(tmp_path_factory):
   env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=_ROOT)
   env.pop("TF_CONFIG", None)
   # 30 rows: uneven on 4 towers.
-  proc = subprocess.run(
-      [sys.executable, os.path.join(_ROOT, "benchmarks", "traffic.py"),
-       "--towers=" + ",".join(map(str, TOWERS)), "--batch_size=30",
-       "--models=mlp,embedding,lstm,bn,ema,mlp_ref,embedding_ref,"
-       "embedding_sparse_ref,embedding_converted",
-       f"--result_file={out / 'rows.json'}", f"--values_dir={out}"],
-      capture_output=True, text=True, timeout=240, cwd=_ROOT, env=env)
+  proc = subprocess.run([
+      sys.executable,
+      os.path.join(_ROOT, "benchmarks", "traffic.py"),
+      "--towers=" + ",".join(map(str, TOWERS)), "--batch_size=30",
+      "--models=mlp,embedding,lstm,bn,ema,mlp_ref,embedding_ref,"
+      "embedding_sparse_ref,embedding_converted",
+      f"--result_file={out / 'rows.json'}", f"--values_dir={out}"
+  ],
+                        capture_output=True,
+                        text=True,
+                        timeout=240,
+                        cwd=_ROOT,
+                        env=env)
   assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
   rows = json.loads((out / "rows.json").read_text())
   return {(r["model"], r["towers"]): r for r in rows}, out
 
 
-@pytest.mark.parametrize(
-    "model", ["mlp", "embedding", "bn", "lstm", "mlp_ref", "embedding_ref",
-              "embedding_sparse_ref", "embedding_converted"])
+@pytest.mark.parametrize("model", [
+    "mlp", "embedding", "bn", "lstm", "mlp_ref", "embedding_ref",
+    "embedding_sparse_ref", "embedding_converted"
+])
 @pytest.mark.parametrize("towers", TOWERS)
 def test_each_trainer_reads_each_variable_once_and_sends_one_gradient(
     traffic, model, towers):
@@ -72,10 +79,10 @@ def test_each_trainer_reads_each_variable_once_and_sends_one_gradient(
     assert row[f"{direction}_ratio"] <= _MAX_RATIO, row
 
 
-@pytest.mark.parametrize(
-    "model", ["mlp", "embedding", "bn", "lstm", "ema", "mlp_ref",
-              "embedding_ref", "embedding_sparse_ref",
-              "embedding_converted"])
+@pytest.mark.parametrize("model", [
+    "mlp", "embedding", "bn", "lstm", "ema", "mlp_ref", "embedding_ref",
+    "embedding_sparse_ref", "embedding_converted"
+])
 @pytest.mark.parametrize("towers", TOWERS)
 def test_losses_and_variables_are_one_devices(traffic, model, towers):
   _, out = traffic
@@ -85,5 +92,5 @@ def test_losses_and_variables_are_one_devices(traffic, model, towers):
   for name in expected.files:
     # float32 sums over the towers' shares, in another order than one
     # device's; eight steps of Momentum.
-    np.testing.assert_allclose(actual[name], expected[name], rtol=1e-5,
-                               atol=1e-6, err_msg=name)
+    np.testing.assert_allclose(
+        actual[name], expected[name], rtol=1e-5, atol=1e-6, err_msg=name)

@@ -31,9 +31,15 @@ def raw_graph():
   env["PYTHONPATH"] = os.pathsep.join(
       [str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
   done = subprocess.run([sys.executable, "-m", "tests.raw_graph_harness"],
-                        cwd=ROOT, env=env, capture_output=True, text=True,
-                        timeout=300, check=False)
-  lines = [l for l in done.stdout.splitlines() if l.startswith("RESULT ")]
+                        cwd=ROOT,
+                        env=env,
+                        capture_output=True,
+                        text=True,
+                        timeout=300,
+                        check=False)
+  lines = [
+      line for line in done.stdout.splitlines() if line.startswith("RESULT ")
+  ]
   assert done.returncode == 0 and lines, done.stderr[-3000:]
   return json.loads(lines[-1][len("RESULT "):])
 
@@ -48,13 +54,13 @@ def test_towers_train_like_one_device_in_the_callers_session(raw_graph, case):
   towers = result["num_towers"]
   replicated, one_device = result["replicated"], result["one_device"]
   assert replicated["devices"] == [f"/device:CPU:{i}" for i in range(towers)]
-  np.testing.assert_allclose(replicated["losses"], one_device["losses"],
-                             rtol=1e-5, atol=1e-6)
-  assert sorted(replicated["weights"]) == ["embedding", "logits/bias",
-                                           "logits/kernel"]
+  np.testing.assert_allclose(
+      replicated["losses"], one_device["losses"], rtol=1e-5, atol=1e-6)
+  assert sorted(
+      replicated["weights"]) == ["embedding", "logits/bias", "logits/kernel"]
   for name, value in one_device["weights"].items():
-    np.testing.assert_allclose(replicated["weights"][name], value,
-                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        replicated["weights"][name], value, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("case", [0, 1])
@@ -84,8 +90,8 @@ class KnownDevicesTest(absltest.TestCase):
   """Cases decided from the device counts alone (no session needed)."""
 
   def _check(self, devices, counts, config=None):
-    with mock.patch.object(_devices, "_local_device_counts",
-                           return_value=counts):
+    with mock.patch.object(
+        _devices, "_local_device_counts", return_value=counts):
       _devices.check_local_devices(devices, config)
 
   def test_gpu_index_beyond_the_machines_gpus_is_refused_without_config(self):
@@ -108,8 +114,9 @@ class KnownDevicesTest(absltest.TestCase):
 
   def test_malformed_and_repeated_names_are_refused(self):
     with self.assertRaisesRegex(ValueError, "is not a valid device name"):
-      replicate.replicate_model_fn(lambda features, labels, mode: None,
-                                   devices=["/device:CPU"])
+      replicate.replicate_model_fn(
+          lambda features, labels, mode: None, devices=["/device:CPU"])
     with self.assertRaisesRegex(ValueError, "is listed twice"):
-      replicate.replicate_model_fn(lambda features, labels, mode: None,
-                                   devices=["/cpu:1", "/device:CPU:1"])
+      replicate.replicate_model_fn(
+          lambda features, labels, mode: None,
+          devices=["/cpu:1", "/device:CPU:1"])

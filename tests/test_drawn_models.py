@@ -46,12 +46,12 @@ class Case:
   """How one drawn model_fn is written, and the batches it is run on."""
   layers: Tuple[tuple, ...]
   loss: tuple
-  task: str             # "classes" (softmax) or "values" (squared error)
+  task: str  # "classes" (softmax) or "values" (squared error)
   optimizer: str
-  route: str            # how the optimizer is called
+  route: str  # how the optimizer is called
   state: Tuple[str, ...]  # model-state writes
-  control: bool         # the loss waits for the state writes
-  python_state: str     # what the model_fn keeps between its calls
+  control: bool  # the loss waits for the state writes
+  python_state: str  # what the model_fn keeps between its calls
   regularize: bool
   batch: int
   towers: int
@@ -67,42 +67,44 @@ _WEIGHTS = ("none", "mask", "weights")
 
 
 def _layers():
-  dense = st.tuples(st.just("dense"), st.integers(2, 4),
-                    st.sampled_from(_ACTIVATIONS),
-                    st.sampled_from(["v1", "keras"]))
+  dense = st.tuples(
+      st.just("dense"), st.integers(2, 4), st.sampled_from(_ACTIVATIONS),
+      st.sampled_from(["v1", "keras"]))
   other = st.one_of(
       st.tuples(st.just("batch_norm"), st.sampled_from(["v1", "keras"])),
-      st.just(("center",)),       # minus the whole batch's mean row
-      st.just(("batch_max",)),    # divided by the whole batch's max
-      st.just(("row_norm",)),     # a reduction within each row
-      st.just(("first_row",)),    # minus the batch's first row
+      st.just(("center",)),  # minus the whole batch's mean row
+      st.just(("batch_max",)),  # divided by the whole batch's max
+      st.just(("row_norm",)),  # a reduction within each row
+      st.just(("first_row",)),  # minus the batch's first row
       st.just(("concat",)))
-  return st.lists(st.one_of(dense, dense, other), min_size=1,
-                  max_size=3).map(tuple)
+  return st.lists(
+      st.one_of(dense, dense, other), min_size=1, max_size=3).map(tuple)
 
 
 def _leaf():
   return st.one_of(
-      st.just(("mean",)),
-      st.just(("masked_mean",)),
-      st.just(("batch_sum_mean",)),
-      st.tuples(st.just("v1_losses"), st.sampled_from(_REDUCTIONS),
-                st.sampled_from(_WEIGHTS)),
-      st.tuples(st.just("v1_direct"), st.sampled_from(_REDUCTIONS),
-                st.sampled_from(_WEIGHTS)),
-      st.just(("sum_over_size",)),
-      st.just(("sum",)),
-      st.just(("max",)),
-      st.just(("logsumexp",)),
+      st.just(("mean",)), st.just(("masked_mean",)), st.just(
+          ("batch_sum_mean",)),
+      st.tuples(
+          st.just("v1_losses"), st.sampled_from(_REDUCTIONS),
+          st.sampled_from(_WEIGHTS)),
+      st.tuples(
+          st.just("v1_direct"), st.sampled_from(_REDUCTIONS),
+          st.sampled_from(_WEIGHTS)), st.just(("sum_over_size",)),
+      st.just(("sum",)), st.just(("max",)), st.just(("logsumexp",)),
       st.just(("variance",)))
 
 
 def _loss():
   coefficient = st.sampled_from([0.5, 1.0, 2.0])
-  return st.recursive(_leaf(), lambda sub: st.one_of(
-      st.tuples(st.just("scaled"), coefficient, sub),
-      st.tuples(st.just("weighted_sum"), coefficient, sub, coefficient, sub),
-      st.tuples(st.just("ratio"), sub, sub)), max_leaves=3)
+  return st.recursive(
+      _leaf(),
+      lambda sub: st.one_of(
+          st.tuples(st.just("scaled"), coefficient, sub),
+          st.tuples(
+              st.just("weighted_sum"), coefficient, sub, coefficient, sub),
+          st.tuples(st.just("ratio"), sub, sub)),
+      max_leaves=3)
 
 
 @st.composite
@@ -112,12 +114,18 @@ def cases(draw):
       layers=draw(_layers()),
       loss=draw(_loss()),
       task=draw(st.sampled_from(["classes", "values"])),
-      optimizer=draw(st.sampled_from(
-          ["sgd", "momentum", "adam", "adagrad", "rmsprop"])),
-      route=draw(st.sampled_from(
-          ["minimize", "compute_apply", "clipped", "in_cond", "gradients"])),
-      state=tuple(draw(st.lists(st.sampled_from(["count", "moving_mean"]),
-                                unique=True, max_size=2))),
+      optimizer=draw(
+          st.sampled_from(["sgd", "momentum", "adam", "adagrad", "rmsprop"])),
+      route=draw(
+          st.sampled_from(
+              ["minimize", "compute_apply", "clipped", "in_cond",
+               "gradients"])),
+      state=tuple(
+          draw(
+              st.lists(
+                  st.sampled_from(["count", "moving_mean"]),
+                  unique=True,
+                  max_size=2))),
       control=draw(st.booleans()),
       python_state=draw(st.sampled_from(["none", "object", "shared_layer"])),
       regularize=draw(st.booleans()),
@@ -128,6 +136,7 @@ def cases(draw):
 
 
 # The model_fn a case describes.
+
 
 def _data(case: Case):
   rows = case.batch * STEPS
@@ -164,18 +173,23 @@ def _layer(spec, h, training, index, regularizer):
   if kind == "dense":
     _, width, activation, api = spec
     if api == "v1":
-      return tf.compat.v1.layers.dense(h, width, activation=activation,
-                                       kernel_regularizer=regularizer,
-                                       name=name)
-    return tf.keras.layers.Dense(width, activation=activation,
-                                 kernel_regularizer=regularizer,
-                                 name=name)(h)
+      return tf.compat.v1.layers.dense(
+          h,
+          width,
+          activation=activation,
+          kernel_regularizer=regularizer,
+          name=name)
+    return tf.keras.layers.Dense(
+        width, activation=activation, kernel_regularizer=regularizer,
+        name=name)(
+            h)
   if kind == "batch_norm":
     if spec[1] == "v1":
       return tf.compat.v1.layers.batch_normalization(
           h, training=training, momentum=0.5, name=name)
-    return tf.keras.layers.BatchNormalization(momentum=0.5, name=name)(
-        h, training=training)
+    return tf.keras.layers.BatchNormalization(
+        momentum=0.5, name=name)(
+            h, training=training)
   if kind == "center":
     return h - tf.reduce_mean(h, axis=0, keepdims=True)
   if kind == "batch_max":
@@ -189,8 +203,11 @@ def _layer(spec, h, training, index, regularizer):
 
 
 def _weights_of(which, features):
-  return {"none": 1.0, "mask": features["mask"],
-          "weights": features["weights"]}[which]
+  return {
+      "none": 1.0,
+      "mask": features["mask"],
+      "weights": features["weights"]
+  }[which]
 
 
 def _loss_value(spec, errors, features, labels, outputs, case):
@@ -207,18 +224,26 @@ def _loss_value(spec, errors, features, labels, outputs, case):
         replicate.batch_sum(tf.reduce_sum(mask)))
   if kind == "v1_losses":
     return tf.compat.v1.losses.compute_weighted_loss(
-        errors, weights=_weights_of(spec[2], features), reduction=spec[1],
+        errors,
+        weights=_weights_of(spec[2], features),
+        reduction=spec[1],
         loss_collection=None)
   if kind == "v1_direct":
     weights = _weights_of(spec[2], features)
     if case.task == "classes":
       return tf.compat.v1.losses.sparse_softmax_cross_entropy(
-          labels, outputs, weights=weights, reduction=spec[1],
+          labels,
+          outputs,
+          weights=weights,
+          reduction=spec[1],
           loss_collection=None)
     if not isinstance(weights, float):
       weights = weights[:, None]
     return tf.compat.v1.losses.mean_squared_error(
-        labels, outputs, weights=weights, reduction=spec[1],
+        labels,
+        outputs,
+        weights=weights,
+        reduction=spec[1],
         loss_collection=None)
   if kind == "sum_over_size":
     return tf.reduce_sum(errors) / tf.cast(tf.shape(errors)[0], tf.float32)
@@ -248,8 +273,7 @@ def _optimizer(name):
       "momentum": lambda: tf.compat.v1.train.MomentumOptimizer(0.1, 0.9),
       "adam": lambda: tf.compat.v1.train.AdamOptimizer(0.01, epsilon=0.1),
       "adagrad": lambda: tf.compat.v1.train.AdagradOptimizer(0.1),
-      "rmsprop": lambda: tf.compat.v1.train.RMSPropOptimizer(0.01,
-                                                             epsilon=0.1),
+      "rmsprop": lambda: tf.compat.v1.train.RMSPropOptimizer(0.01, epsilon=0.1),
   }[name]()
 
 
@@ -270,8 +294,8 @@ def _train_op(case, loss):
         zip(tf.gradients(loss, variables), variables), step)
   assert case.route == "in_cond"
   # Trains every other step; the step counts every step.
-  update = tf.cond(tf.equal(step % 2, 0), lambda: optimizer.minimize(loss),
-                   tf.no_op)
+  update = tf.cond(
+      tf.equal(step % 2, 0), lambda: optimizer.minimize(loss), tf.no_op)
   with tf.control_dependencies([update]):
     return step.assign_add(1)
 
@@ -284,7 +308,9 @@ def _state_writes(case, features, hidden):
     writes.append(count.assign_add(tf.reduce_sum(features["mask"])))
   if "moving_mean" in case.state:
     mean = tf.compat.v1.get_variable(
-        "hidden_mean", hidden.shape[1:], initializer=tf.zeros_initializer(),
+        "hidden_mean",
+        hidden.shape[1:],
+        initializer=tf.zeros_initializer(),
         trainable=False)
     writes.append(mean.assign(0.5 * mean + 0.5 * tf.reduce_mean(hidden, 0)))
   return writes
@@ -297,8 +323,7 @@ def make_model_fn(case: Case):
 
   def model_fn(features, labels, mode):
     training = mode == TRAIN
-    regularizer = (tf.keras.regularizers.l2(1e-2) if case.regularize
-                   else None)
+    regularizer = (tf.keras.regularizers.l2(1e-2) if case.regularize else None)
     h = features["x"]
     for index, spec in enumerate(case.layers):
       h = _layer(spec, h, training, index, regularizer)
@@ -330,17 +355,18 @@ def make_model_fn(case: Case):
         loss = tf.identity(loss)
     tf.compat.v1.summary.scalar("loss", loss)
     if mode == EVAL:
-      metrics = {"error": tf.compat.v1.metrics.mean(
-          errors, weights=features["mask"]),
-                 "batch_loss": tf.compat.v1.metrics.mean(loss)}
+      metrics = {
+          "error": tf.compat.v1.metrics.mean(errors, weights=features["mask"]),
+          "batch_loss": tf.compat.v1.metrics.mean(loss)
+      }
       if case.task == "classes":
         metrics["accuracy"] = tf.compat.v1.metrics.accuracy(
             labels, tf.argmax(outputs, 1))
       else:
         metrics["mse"] = tf.compat.v1.metrics.mean_squared_error(
             labels, outputs)
-      return tf.estimator.EstimatorSpec(mode, loss=loss,
-                                        eval_metric_ops=metrics)
+      return tf.estimator.EstimatorSpec(
+          mode, loss=loss, eval_metric_ops=metrics)
     update_ops = tf.compat.v1.get_collection(
         tf.compat.v1.GraphKeys.UPDATE_OPS) + writes
     with tf.control_dependencies(update_ops):
@@ -351,6 +377,7 @@ def make_model_fn(case: Case):
 
 
 # Running a case.
+
 
 def _run(case: Case, mode, towers):
   """(per-step fetches, final variables) of `case` on `towers` (1: plain)."""
@@ -365,33 +392,44 @@ def _run(case: Case, mode, towers):
           model_fn, devices=harness.devices(harness.VIRTUAL_CPUS, towers))
     spec = model_fn(features, labels, mode)
     if mode == TRAIN:
-      fetches = {"loss": spec.loss, "train": spec.train_op,
-                 "summary": tf.compat.v1.summary.merge_all()}
+      fetches = {
+          "loss": spec.loss,
+          "train": spec.train_op,
+          "summary": tf.compat.v1.summary.merge_all()
+      }
     elif mode == EVAL:
-      fetches = {"loss": spec.loss,
-                 "updates": [u for _, u in spec.eval_metric_ops.values()]}
+      fetches = {
+          "loss": spec.loss,
+          "updates": [u for _, u in spec.eval_metric_ops.values()]
+      }
     else:
       fetches = {"predictions": spec.predictions}
     with tf.compat.v1.Session(config=harness.session_config()) as session:
-      session.run([tf.compat.v1.global_variables_initializer(),
-                   tf.compat.v1.local_variables_initializer()])
+      session.run([
+          tf.compat.v1.global_variables_initializer(),
+          tf.compat.v1.local_variables_initializer()
+      ])
       harness.set_trainable_weights(session)
       runs = [session.run(fetches) for _ in range(STEPS)]
       if mode == EVAL:
-        runs.append(session.run(
-            {k: v for k, (v, _) in spec.eval_metric_ops.items()}))
-      variables = {v.op.name: session.run(v)
-                   for v in tf.compat.v1.global_variables()}
+        runs.append(
+            session.run({
+                k: v for k, (v, _) in spec.eval_metric_ops.items()
+            }))
+      variables = {
+          v.op.name: session.run(v) for v in tf.compat.v1.global_variables()
+      }
   for run in runs:
     run.pop("train", None)
     run.pop("updates", None)
     if "summary" in run:
       summary = tf.compat.v1.Summary.FromString(run.pop("summary"))
       run["summaries"] = {
-          v.tag: (v.simple_value if v.HasField("simple_value") else
-                  [v.histo.num, v.histo.sum, v.histo.sum_squares,
-                   v.histo.min, v.histo.max])
-          for v in summary.value}
+          v.tag: (v.simple_value if v.HasField("simple_value") else [
+              v.histo.num, v.histo.sum, v.histo.sum_squares, v.histo.min,
+              v.histo.max
+          ]) for v in summary.value
+      }
   return runs, variables
 
 
@@ -414,8 +452,8 @@ def _assert_same(case: Case, mode):
       harness.assert_close_nests(run[key], expected_run[key], **tolerance)
   assert sorted(actual) == sorted(expected)
   for name in expected:
-    np.testing.assert_allclose(actual[name], expected[name], err_msg=name,
-                               **tolerance)
+    np.testing.assert_allclose(
+        actual[name], expected[name], err_msg=name, **tolerance)
 
 
 def _examples(request, test):
@@ -425,30 +463,38 @@ def _examples(request, test):
 
 def _settings(request, test):
   return hypothesis.settings(
-      max_examples=_examples(request, test), deadline=None,
-      suppress_health_check=list(hypothesis.HealthCheck), print_blob=True,
+      max_examples=_examples(request, test),
+      deadline=None,
+      suppress_health_check=list(hypothesis.HealthCheck),
+      print_blob=True,
       database=None)
 
 
 def test_drawn_model_fns_train_as_one_device(request):
+
   @_settings(request, "train")
   @hypothesis.given(case=cases())
   def check(case):
     _assert_same(case, TRAIN)
+
   check()
 
 
 def test_drawn_model_fns_evaluate_as_one_device(request):
+
   @_settings(request, "eval")
   @hypothesis.given(case=cases())
   def check(case):
     _assert_same(case, EVAL)
+
   check()
 
 
 def test_drawn_model_fns_predict_as_one_device(request):
+
   @_settings(request, "predict")
   @hypothesis.given(case=cases())
   def check(case):
     _assert_same(case, PREDICT)
+
   check()

@@ -29,7 +29,7 @@ MODES = (TRAIN, EVAL, PREDICT)
 R = tf.compat.v1.losses.Reduction
 fc = tf.feature_column
 
-NUM_EXAMPLES = 5                      # the largest batch fed: N + 1 for N = 4
+NUM_EXAMPLES = 5  # the largest batch fed: N + 1 for N = 4
 TOWERS = (2, 4)
 # Float sums over shards in another order: a few ulps of float32.
 RTOL, ATOL = 1e-5, 1e-6
@@ -62,12 +62,15 @@ def _inputs(static_size=None):
   features, labels = _data()
   if static_size is not None:
     return (tf.nest.map_structure(lambda a: tf.constant(a[:static_size]),
-                                  features),
-            tf.constant(labels[:static_size]), lambda size: {})
+                                  features), tf.constant(labels[:static_size]),
+            lambda size: {})
   arrays = dict(features, labels=labels)
-  tensors = {key: tf.compat.v1.placeholder_with_default(
-      value, [None] + list(value.shape[1:]), name=key)
-             for key, value in arrays.items()}
+  tensors = {
+      key:
+          tf.compat.v1.placeholder_with_default(
+              value, [None] + list(value.shape[1:]), name=key)
+      for key, value in arrays.items()
+  }
   feed = lambda size: {tensors[k]: v[:size] for k, v in arrays.items()}
   features = {k: v for k, v in tensors.items() if k != "labels"}
   return features, tensors["labels"], feed
@@ -96,12 +99,18 @@ def _canned(name):
         tf.keras.optimizers.legacy.Ftrl(0.1))
   if name.startswith("linear"):
     return estimators.LinearClassifier(
-        feature_columns=linear_columns, n_classes=3, weight_column="w",
+        feature_columns=linear_columns,
+        n_classes=3,
+        weight_column="w",
         optimizer=optimizer())
   return estimators.DNNLinearCombinedClassifier(
-      linear_feature_columns=linear_columns, dnn_feature_columns=dnn_columns,
-      dnn_hidden_units=[3], n_classes=3, weight_column="w",
-      linear_optimizer=optimizer(), dnn_optimizer=optimizer())
+      linear_feature_columns=linear_columns,
+      dnn_feature_columns=dnn_columns,
+      dnn_hidden_units=[3],
+      n_classes=3,
+      weight_column="w",
+      linear_optimizer=optimizer(),
+      dnn_optimizer=optimizer())
 
 
 # A custom model_fn that cannot take zero rows either.
@@ -116,8 +125,9 @@ def _custom_model_fn(features, labels, mode, params):
   training = mode == TRAIN
   # Ids 1..6: from_dense keeps every entry.
   words = tf.strings.to_hash_bucket_fast(features["word"], 6)[:, None] + 1
-  pairs = tf.sparse.reshape(tf.sparse.from_dense(
-      tf.concat([words, words], axis=1)), [tf.shape(words)[0], -1])
+  pairs = tf.sparse.reshape(
+      tf.sparse.from_dense(tf.concat([words, words], axis=1)),
+      [tf.shape(words)[0], -1])
   table = tf.compat.v1.get_variable(
       "table", [7, 2], initializer=tf.compat.v1.zeros_initializer())
   bag = tf.nn.embedding_lookup_sparse(table, pairs, None, combiner="sum")
@@ -125,46 +135,69 @@ def _custom_model_fn(features, labels, mode, params):
   # Only its moving statistics (model state) are compared: its output, each
   # tower's shard normalised by its own statistics, is not one device's.
   tf.compat.v1.layers.batch_normalization(
-      tf.reshape(hidden, [-1, 2, 2, 1]), training=training, fused=True,
+      tf.reshape(hidden, [-1, 2, 2, 1]),
+      training=training,
+      fused=True,
       name="bn")
   logits = tf.compat.v1.layers.dense(hidden, 3, name="logits")
   with tf.control_dependencies(_state_writes(features, words)):
     logits = tf.identity(logits)
-  predictions = {"logits": logits, "classes": tf.argmax(logits, axis=1),
-                 "words": words}
+  predictions = {
+      "logits": logits,
+      "classes": tf.argmax(logits, axis=1),
+      "words": words
+  }
   if mode == PREDICT:
-    return tf.estimator.EstimatorSpec(mode, predictions=predictions,
-                                      export_outputs={
-        "serving_default": tf.estimator.export.ClassificationOutput(
-            scores=tf.nn.softmax(logits)),
-        "regress": tf.estimator.export.RegressionOutput(
-            value=tf.reduce_max(logits, axis=1))})
+    return tf.estimator.EstimatorSpec(
+        mode,
+        predictions=predictions,
+        export_outputs={
+            "serving_default":
+                tf.estimator.export.ClassificationOutput(
+                    scores=tf.nn.softmax(logits)),
+            "regress":
+                tf.estimator.export.RegressionOutput(
+                    value=tf.reduce_max(logits, axis=1))
+        })
   loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(
       labels, logits, weights=features["w"], reduction=params["reduction"])
   if mode == EVAL:
     mean = tf.keras.metrics.Mean(name="keras_mean")
     mean.update_state(logits[:, 0], sample_weight=features["w"])
-    return tf.estimator.EstimatorSpec(mode, loss=loss, eval_metric_ops={
-        "accuracy": tf.compat.v1.metrics.accuracy(
-            labels[:, 0], predictions["classes"], weights=features["w"]),
-        "max_logit": tf.compat.v1.metrics.mean(tf.reduce_max(logits, 1)),
-        "keras_mean": mean})
+    return tf.estimator.EstimatorSpec(
+        mode,
+        loss=loss,
+        eval_metric_ops={
+            "accuracy":
+                tf.compat.v1.metrics.accuracy(
+                    labels[:, 0], predictions["classes"],
+                    weights=features["w"]),
+            "max_logit":
+                tf.compat.v1.metrics.mean(tf.reduce_max(logits, 1)),
+            "keras_mean":
+                mean
+        })
   update_ops = tf.compat.v1.get_collection(tf.compat.v1.GraphKeys.UPDATE_OPS)
   optimizer = replicate.TowerOptimizer(
       tf.compat.v1.train.GradientDescentOptimizer(0.5))
   with tf.control_dependencies(update_ops):
     train_op = optimizer.minimize(loss, tf.compat.v1.train.get_global_step())
-  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op,
-                                    predictions=predictions)
+  return tf.estimator.EstimatorSpec(
+      mode, loss=loss, train_op=train_op, predictions=predictions)
 
 
 def _state_writes(features, words):
   """A SUM row counter, a SUM weight total and SUM per-bucket scatter counts."""
+
   def counter(name, shape=()):
     return tf.compat.v1.get_variable(
-        name, shape, trainable=False, use_resource=True,
+        name,
+        shape,
+        trainable=False,
+        use_resource=True,
         initializer=tf.compat.v1.zeros_initializer(),
         aggregation=tf.VariableAggregation.SUM)
+
   rows = tf.cast(tf.shape(features["x"])[0], tf.float32)
   buckets = counter("bucket_counts", [7])
   return [
@@ -207,52 +240,63 @@ def _run(model, mode, num_towers, sizes, static=False):
     model_fn, reduction, kwargs = _model_fn(model)
     if num_towers > 1:
       model_fn = replicate.replicate_model_fn(
-          model_fn, loss_reduction=reduction,
+          model_fn,
+          loss_reduction=reduction,
           devices=harness.devices(harness.VIRTUAL_CPUS, num_towers))
     spec = model_fn(features, None if mode == PREDICT else labels, mode,
                     **kwargs)
     with tf.compat.v1.Session(config=_session_config()) as session:
-      return {size: _outcome(session, spec, mode, feed(size))
-              for size in sizes}
+      return {size: _outcome(session, spec, mode, feed(size)) for size in sizes}
 
 
 def _initialise(session):
-  session.run([tf.compat.v1.global_variables_initializer(),
-               tf.compat.v1.local_variables_initializer(),
-               tf.compat.v1.tables_initializer()])
+  session.run([
+      tf.compat.v1.global_variables_initializer(),
+      tf.compat.v1.local_variables_initializer(),
+      tf.compat.v1.tables_initializer()
+  ])
   harness.set_trainable_weights(session)
 
 
 def _model_state():
   """Every global variable but the towers' sinks, by name."""
-  return {v.op.name: v for v in tf.compat.v1.global_variables()
-          if "replicate_sink" not in v.op.name}
+  return {
+      v.op.name: v
+      for v in tf.compat.v1.global_variables()
+      if "replicate_sink" not in v.op.name
+  }
 
 
 def _outcome(session, spec, mode, feed):
   """Two train steps or eval batches, or one prediction, from fresh state."""
   _initialise(session)
   if mode == PREDICT:
-    outputs = {key: {name: getattr(output, name) for name in
-                     ("scores", "classes", "value", "outputs")
-                     if getattr(output, name, None) is not None}
-               for key, output in spec.export_outputs.items()}
+    outputs = {
+        key: {
+            name: getattr(output, name)
+            for name in ("scores", "classes", "value", "outputs")
+            if getattr(output, name, None) is not None
+        } for key, output in spec.export_outputs.items()
+    }
     return session.run((spec.predictions, outputs), feed)
   if mode == TRAIN:
-    losses = [session.run((spec.loss, spec.train_op), feed)[0]
-              for _ in range(2)]
+    losses = [
+        session.run((spec.loss, spec.train_op), feed)[0] for _ in range(2)
+    ]
   else:
     updates = [update for _, update in spec.eval_metric_ops.values()]
     losses = [session.run((spec.loss, updates), feed)[0] for _ in range(2)]
-    losses.append(session.run(
-        {key: value for key, (value, _) in spec.eval_metric_ops.items()}))
+    losses.append(
+        session.run({
+            key: value for key, (value, _) in spec.eval_metric_ops.items()
+        }))
   return losses, session.run(_model_state())
 
 
 @functools.lru_cache(maxsize=None)
 def _one_device(model, mode):
-  return _run(model, mode, 1, sorted({b for n in TOWERS
-                                      for b in _batch_sizes(n)}))
+  return _run(model, mode, 1,
+              sorted({b for n in TOWERS for b in _batch_sizes(n)}))
 
 
 def _assert_one_device(model, mode, actual):
@@ -282,7 +326,7 @@ def test_custom_model_fn_matches_one_device(mode, num_towers):
   _assert_one_device("custom", mode, actual)
   if mode != PREDICT:
     for size, (_, state) in actual.items():
-      assert state["rows_seen"] == 2 * size   # two steps, no phantom row
+      assert state["rows_seen"] == 2 * size  # two steps, no phantom row
 
 
 @pytest.mark.parametrize("size", (1, 3))
@@ -300,18 +344,23 @@ def test_phantom_rows_are_left_out_of_sparse_and_ragged_predictions():
   """Outputs EstimatorSpec does not check (dict predictions of any kind)."""
   # pylint: disable=g-import-not-at-top
   from replicate import _context
-  from replicate._merge import specs
   from replicate._batch import row_kinds
   from replicate._meet import rewiring
+  from replicate._merge import specs
   with tf.Graph().as_default() as graph:
     size = tf.compat.v1.placeholder_with_default(tf.constant(0, tf.int64), [])
     replication = _context.Replication(
-        num_towers=3, fractions=[1.0, 0.0, 0.0],
-        sizes=[1, size, 0], graph=graph, valid=[True, size > 0, False])
+        num_towers=3,
+        fractions=[1.0, 0.0, 0.0],
+        sizes=[1, size, 0],
+        graph=graph,
+        valid=[True, size > 0, False])
     rows = lambda first: [[first, 0], [first + 1, 0]]
-    towers = [{"sparse": tf.sparse.from_dense(tf.constant([[i + 1, 0]])),
-               "ragged": tf.ragged.constant(rows(10 * i)),
-               "dense": tf.constant([[i]])} for i in range(3)]
+    towers = [{
+        "sparse": tf.sparse.from_dense(tf.constant([[i + 1, 0]])),
+        "ragged": tf.ragged.constant(rows(10 * i)),
+        "dense": tf.constant([[i]])
+    } for i in range(3)]
     towers[0] = {k: v[:1] for k, v in towers[0].items() if k != "sparse"}
     towers[0]["sparse"] = tf.sparse.from_dense(tf.constant([[1, 0]]))
     # Tower 0's predictions hold rows (as the towers' analysis finds).

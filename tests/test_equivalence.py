@@ -25,16 +25,19 @@ BATCH = 8
 @functools.lru_cache(maxsize=None)
 def _single_device_training(reduction, layers="v1", optimizer="adagrad"):
   params = {"reduction": reduction, "layers": layers, "optimizer": optimizer}
-  return harness.train(models.classifier_model_fn, models.data(), BATCH, STEPS,
-                       params=params)
+  return harness.train(
+      models.classifier_model_fn, models.data(), BATCH, STEPS, params=params)
 
 
 def _cases():
   for n in (1, 2, 4):
     for kind in KINDS:
       for reduction in REDUCTIONS:
-        yield dict(testcase_name=f"{n}_towers_{kind}_{reduction}",
-                   num_towers=n, kind=kind, reduction=reduction)
+        yield dict(
+            testcase_name=f"{n}_towers_{kind}_{reduction}",
+            num_towers=n,
+            kind=kind,
+            reduction=reduction)
 
 
 class TrainingEquivalenceTest(parameterized.TestCase):
@@ -44,9 +47,14 @@ class TrainingEquivalenceTest(parameterized.TestCase):
       self, num_towers, kind, reduction):
     expected_losses, expected_values = _single_device_training(reduction)
     losses, values = harness.train(
-        models.classifier_model_fn, models.data(), BATCH, STEPS,
-        tower_devices=harness.devices(kind, num_towers), reduction=reduction,
-        kind=kind, params={"reduction": reduction})
+        models.classifier_model_fn,
+        models.data(),
+        BATCH,
+        STEPS,
+        tower_devices=harness.devices(kind, num_towers),
+        reduction=reduction,
+        kind=kind,
+        params={"reduction": reduction})
     np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
     self.assertEqual(sorted(values), sorted(expected_values))
     harness.assert_close_nests(values, expected_values)
@@ -68,11 +76,17 @@ class TrainingEquivalenceTest(parameterized.TestCase):
     expected_losses, expected_values = _single_device_training(
         reduction, layers, optimizer)
     losses, values = harness.train(
-        models.classifier_model_fn, models.data(), BATCH, STEPS,
+        models.classifier_model_fn,
+        models.data(),
+        BATCH,
+        STEPS,
         tower_devices=harness.devices(harness.VIRTUAL_CPUS, num_towers),
         placement=placement,
-        params={"reduction": reduction, "layers": layers,
-                "optimizer": optimizer})
+        params={
+            "reduction": reduction,
+            "layers": layers,
+            "optimizer": optimizer
+        })
     np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
     self.assertEqual(sorted(values), sorted(expected_values))
     harness.assert_close_nests(values, expected_values, rtol=1e-4, atol=1e-5)
@@ -80,16 +94,23 @@ class TrainingEquivalenceTest(parameterized.TestCase):
 
 class EvalAndPredictEquivalenceTest(parameterized.TestCase):
 
-  @parameterized.product(num_towers=(1, 2, 4), kind=KINDS,
-                         reduction=(R.SUM, R.SUM_BY_NONZERO_WEIGHTS))
+  @parameterized.product(
+      num_towers=(1, 2, 4),
+      kind=KINDS,
+      reduction=(R.SUM, R.SUM_BY_NONZERO_WEIGHTS))
   def test_eval_metrics_match_one_device(self, num_towers, kind, reduction):
     params = {"reduction": reduction}
     expected_losses, expected = harness.evaluate(
         models.classifier_model_fn, models.data(), BATCH, 5, params=params)
     losses, metrics = harness.evaluate(
-        models.classifier_model_fn, models.data(), BATCH, 5,
-        tower_devices=harness.devices(kind, num_towers), reduction=reduction,
-        kind=kind, params=params)
+        models.classifier_model_fn,
+        models.data(),
+        BATCH,
+        5,
+        tower_devices=harness.devices(kind, num_towers),
+        reduction=reduction,
+        kind=kind,
+        params=params)
     np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
     self.assertEqual(sorted(metrics), sorted(expected))
     harness.assert_close_nests(metrics, expected)
@@ -97,13 +118,17 @@ class EvalAndPredictEquivalenceTest(parameterized.TestCase):
     self.assertTrue(0.0 < metrics["accuracy"] < 1.0, metrics)
 
   @parameterized.product(num_towers=(2, 4), kind=KINDS)
-  def test_predictions_and_export_outputs_match_one_device(self, num_towers,
-                                                           kind):
-    expected = harness.predict(models.classifier_model_fn, models.data()[0],
-                               BATCH, 3)
+  def test_predictions_and_export_outputs_match_one_device(
+      self, num_towers, kind):
+    expected = harness.predict(models.classifier_model_fn,
+                               models.data()[0], BATCH, 3)
     actual = harness.predict(
-        models.classifier_model_fn, models.data()[0], BATCH, 3,
-        tower_devices=harness.devices(kind, num_towers), kind=kind)
+        models.classifier_model_fn,
+        models.data()[0],
+        BATCH,
+        3,
+        tower_devices=harness.devices(kind, num_towers),
+        kind=kind)
     harness.assert_close_nests(actual, expected)
     self.assertEqual(actual[0][0]["classes"].shape, (BATCH,))
     self.assertEqual(actual[0][1]["classify"]["classes"].shape, (BATCH, 3))

@@ -13,6 +13,7 @@ GPUS = ["/device:GPU:0", "/device:GPU:1"]
 
 
 def _linear_model_fn(optimizer_fn=None, metrics_fn=None):
+
   def model_fn(features, labels, mode):
     logits = tf.compat.v1.layers.dense(features["x"], 3, name="logits")
     loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
@@ -21,6 +22,7 @@ def _linear_model_fn(optimizer_fn=None, metrics_fn=None):
           mode, loss=loss, eval_metric_ops=metrics_fn(labels, logits))
     return tf.estimator.EstimatorSpec(
         mode, loss=loss, train_op=optimizer_fn(loss))
+
   return model_fn
 
 
@@ -39,20 +41,21 @@ def _sgd():
 class ArgumentErrorsTest(parameterized.TestCase):
 
   def test_a_reduction_that_is_not_a_string_is_a_type_error(self):
-    with self.assertRaisesRegex(TypeError, r"loss_reduction=2 is of type int, not a "
-                                r"loss reduction; pass one of "
-                                r"tf.compat.v1.losses.Reduction"):
-      replicate.replicate_model_fn(models.classifier_model_fn,
-                                   loss_reduction=2)
+    with self.assertRaisesRegex(
+        TypeError, r"loss_reduction=2 is of type int, not a "
+        r"loss reduction; pass one of "
+        r"tf.compat.v1.losses.Reduction"):
+      replicate.replicate_model_fn(models.classifier_model_fn, loss_reduction=2)
 
   def test_unknown_reduction_is_refused(self):
-    with self.assertRaisesRegex(ValueError, "'mean-ish' is not a loss reduction"):
-      replicate.replicate_model_fn(models.classifier_model_fn,
-                                   loss_reduction="mean-ish")
+    with self.assertRaisesRegex(ValueError,
+                                "'mean-ish' is not a loss reduction"):
+      replicate.replicate_model_fn(
+          models.classifier_model_fn, loss_reduction="mean-ish")
 
   def test_keras_reduction_names_are_accepted(self):
-    replicate.replicate_model_fn(models.classifier_model_fn,
-                                 loss_reduction="sum_over_batch_size")
+    replicate.replicate_model_fn(
+        models.classifier_model_fn, loss_reduction="sum_over_batch_size")
 
   @parameterized.parameters(
       ([], "names no device"),
@@ -77,15 +80,17 @@ class ArgumentErrorsTest(parameterized.TestCase):
       return _linear_model_fn(
           lambda loss: replicate.TowerOptimizer(_sgd()).minimize(loss))(
               features, labels, mode)
+
     _call(model_fn, devices=["/gpu:1", "/job:worker/task:0/device:cpu:0"])
     # Towers are built 1, ..., N-1, then 0.
     self.assertEqual(seen, ["/job:worker/task:0/device:CPU:0", "/device:GPU:1"])
 
   def test_bad_placement_is_refused(self):
-    with self.assertRaisesRegex(ValueError, "'mirrored' is not supported.*"
-                                "'shared', 'round_robin'"):
-      replicate.replicate_model_fn(models.classifier_model_fn,
-                                   variable_placement="mirrored")
+    with self.assertRaisesRegex(
+        ValueError, "'mirrored' is not supported.*"
+        "'shared', 'round_robin'"):
+      replicate.replicate_model_fn(
+          models.classifier_model_fn, variable_placement="mirrored")
 
   def test_tower_optimizer_needs_an_optimizer(self):
     with self.assertRaisesRegex(ValueError, "TowerOptimizer got 0.1"):
@@ -108,33 +113,38 @@ class ModelFnErrorsTest(parameterized.TestCase):
     optimizer.minimize = tf.compat.v1.test.mock.MagicMock(
         side_effect=lambda loss, global_step=None: tf.no_op())
     model_fn = _linear_model_fn(optimizer.minimize)
-    with self.assertRaisesRegex(ValueError, "made no optimizer call the "
-                                "towers could share.*a mock.*Wrap the "
-                                "optimizer in replicate.TowerOptimizer"):
+    with self.assertRaisesRegex(
+        ValueError, "made no optimizer call the "
+        "towers could share.*a mock.*Wrap the "
+        "optimizer in replicate.TowerOptimizer"):
       _call(model_fn)
 
   def test_optimizer_not_wrapped_is_fine_on_one_device(self):
-    spec = _call(_linear_model_fn(lambda loss: _sgd().minimize(loss)),
-                 devices=GPUS[:1])
+    spec = _call(
+        _linear_model_fn(lambda loss: _sgd().minimize(loss)), devices=GPUS[:1])
     self.assertIsNotNone(spec.train_op)
 
   def test_towers_making_different_optimizer_calls(self):
+
     def optimizer_fn(loss):
       train_op = replicate.TowerOptimizer(_sgd()).minimize(loss)
       if replicate.current_tower().index == 0:
         replicate.TowerOptimizer(_sgd()).minimize(loss)
       return train_op
+
     with self.assertRaisesRegex(
         ValueError, r"Tower 0 made call 2 that needs every tower, "
         r"TowerOptimizer.minimize, but tower 1 made only 1.*Python counter"):
       _call(_linear_model_fn(optimizer_fn))
 
   def test_towers_updating_different_variables(self):
+
     def optimizer_fn(loss):
       variables = tf.compat.v1.trainable_variables()
       if replicate.current_tower().index == 1:
         variables = variables[:1]
       return replicate.TowerOptimizer(_sgd()).minimize(loss, var_list=variables)
+
     with self.assertRaisesRegex(
         ValueError, r"different calls.*tower 1 is TowerOptimizer.minimize of "
         r"\['logits/kernel'\] but tower 0's is .* of \['logits/kernel', "
@@ -142,39 +152,52 @@ class ModelFnErrorsTest(parameterized.TestCase):
       _call(_linear_model_fn(optimizer_fn))
 
   def test_towers_returning_different_metrics(self):
+
     def metrics_fn(labels, logits):
-      metrics = {"accuracy": tf.compat.v1.metrics.accuracy(
-          labels, tf.argmax(logits, 1))}
+      metrics = {
+          "accuracy":
+              tf.compat.v1.metrics.accuracy(labels, tf.argmax(logits, 1))
+      }
       if replicate.current_tower().index == 1:
         metrics["mean"] = tf.compat.v1.metrics.mean(logits)
       return metrics
-    with self.assertRaisesRegex(ValueError, r"Tower 1 returned eval_metric_ops "
-                                r"\['accuracy', 'mean'\] but tower 0 returned"):
+
+    with self.assertRaisesRegex(
+        ValueError, r"Tower 1 returned eval_metric_ops "
+        r"\['accuracy', 'mean'\] but tower 0 returned"):
       _call(_linear_model_fn(metrics_fn=metrics_fn), mode=EVAL)
 
   def test_tower_creating_a_variable_tower_zero_did_not(self):
+
     def model_fn(features, labels, mode):
       logits = tf.keras.layers.Dense(3)(features["x"])
       if replicate.current_tower().index == 1:
         logits += tf.Variable(0.0, name="extra")
       loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
       opt = replicate.TowerOptimizer(_sgd())
-      return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=opt.minimize(loss))
-    with self.assertRaisesRegex(ValueError, r"Towers 0 and 1 built different "
-                                r"models: tower 1 computes rows with AddV2 op "
-                                r"'tower_1/add', which tower 0 has no "):
+      return tf.estimator.EstimatorSpec(
+          mode, loss=loss, train_op=opt.minimize(loss))
+
+    with self.assertRaisesRegex(
+        ValueError, r"Towers 0 and 1 built different "
+        r"models: tower 1 computes rows with AddV2 op "
+        r"'tower_1/add', which tower 0 has no "):
       _call(model_fn)
 
   def test_nested_replication_is_refused(self):
     inner = replicate.replicate_model_fn(
-        _linear_model_fn(lambda l: replicate.TowerOptimizer(_sgd()).minimize(l)),
+        _linear_model_fn(
+            lambda loss: replicate.TowerOptimizer(_sgd()).minimize(loss)),
         devices=GPUS)
-    with self.assertRaisesRegex(ValueError, "inside another replicated model_fn"):
+    with self.assertRaisesRegex(ValueError,
+                                "inside another replicated model_fn"):
       _call(inner)
 
   def test_labels_given_to_a_model_fn_without_labels(self):
+
     def model_fn(features, mode):
       del features, mode
+
     with self.assertRaisesRegex(ValueError, "takes no `labels` argument"):
       _call(model_fn)
 
@@ -186,25 +209,32 @@ class InputErrorsTest(parameterized.TestCase):
         lambda loss: replicate.TowerOptimizer(_sgd()).minimize(loss))
     with tf.Graph().as_default():
       tf.compat.v1.train.create_global_step()
-      replicate.replicate_model_fn(model_fn, devices=GPUS)(
-          features, labels, TRAIN)
+      replicate.replicate_model_fn(
+          model_fn, devices=GPUS)(features, labels, TRAIN)
 
   def test_scalar_feature_is_refused(self):
-    with self.assertRaisesRegex(ValueError, r"`features\['scale'\]` is a "
-                                "scalar and has no batch dimension"):
-      self._split({"x": np.zeros((4, 5), np.float32), "scale": 2.0},
-                  np.zeros(4, np.int64))
+    with self.assertRaisesRegex(
+        ValueError, r"`features\['scale'\]` is a "
+        "scalar and has no batch dimension"):
+      self._split({
+          "x": np.zeros((4, 5), np.float32),
+          "scale": 2.0
+      }, np.zeros(4, np.int64))
 
   def test_different_batch_sizes_are_refused(self):
-    with self.assertRaisesRegex(ValueError, r"different batch sizes "
-                                r"\(`features\['x'\]`: 4, `labels`: 6\)"):
+    with self.assertRaisesRegex(
+        ValueError, r"different batch sizes "
+        r"\(`features\['x'\]`: 4, `labels`: 6\)"):
       self._split({"x": np.zeros((4, 5), np.float32)}, np.zeros(6, np.int64))
 
   def test_non_tensor_feature_is_refused(self):
-    with self.assertRaisesRegex(ValueError, r"`features\['f'\]` of type "
-                                "object cannot be split"):
-      self._split({"x": np.zeros((4, 5), np.float32), "f": object()},
-                  np.zeros(4, np.int64))
+    with self.assertRaisesRegex(
+        ValueError, r"`features\['f'\]` of type "
+        "object cannot be split"):
+      self._split({
+          "x": np.zeros((4, 5), np.float32),
+          "f": object()
+      }, np.zeros(4, np.int64))
 
 
 class MissingDevicesTest(parameterized.TestCase):
@@ -216,9 +246,13 @@ class MissingDevicesTest(parameterized.TestCase):
     with tf.Graph().as_default():
       tf.compat.v1.train.create_global_step()
       features, labels = models.data(8)
-      return replicate.replicate_model_fn(model_fn, devices=devices)(
-          {"x": tf.constant(features["x"])}, tf.constant(labels), TRAIN,
-          config=config)
+      return replicate.replicate_model_fn(
+          model_fn, devices=devices)({
+              "x": tf.constant(features["x"])
+          },
+                                     tf.constant(labels),
+                                     TRAIN,
+                                     config=config)
 
   def test_unknown_device_type_lists_the_local_devices(self):
     with self.assertRaisesRegex(
@@ -240,8 +274,8 @@ class MissingDevicesTest(parameterized.TestCase):
       self._build(["/cpu:7"])
 
   def test_session_config_cpus_count(self):
-    config = tf.estimator.RunConfig(session_config=tf.compat.v1.ConfigProto(
-        device_count={"CPU": 8}))
+    config = tf.estimator.RunConfig(
+        session_config=tf.compat.v1.ConfigProto(device_count={"CPU": 8}))
     spec = self._build(["/device:CPU:0", "/device:CPU:7"], config=config)
     self.assertIsNotNone(spec.train_op)
     with self.assertRaisesRegex(ValueError, "has 8 CPU device"):
@@ -257,12 +291,13 @@ class MissingDevicesTest(parameterized.TestCase):
     with self.assertLogs("absl", "WARNING") as logs:
       spec = self._build(GPUS)
     self.assertIsNotNone(spec.train_op)
-    warnings = [r.getMessage() for r in logs.records
-                if r.levelname == "WARNING"]
+    warnings = [
+        r.getMessage() for r in logs.records if r.levelname == "WARNING"
+    ]
     self.assertLen(warnings, 1)
-    self.assertIn("this machine has no GPU; devices ['/device:GPU:0', "
-                  "'/device:GPU:1'] run where soft placement puts them",
-                  warnings[0])
+    self.assertIn(
+        "this machine has no GPU; devices ['/device:GPU:0', "
+        "'/device:GPU:1'] run where soft placement puts them", warnings[0])
 
 
 class RuntimeInputErrorsTest(parameterized.TestCase):
@@ -274,12 +309,16 @@ class RuntimeInputErrorsTest(parameterized.TestCase):
     with tf.Graph().as_default() as graph:
       tf.compat.v1.train.create_global_step()
       features, labels = features(), labels()
-      spec = replicate.replicate_model_fn(model_fn, devices=GPUS)(
-          features, labels, TRAIN)
-      checks = {op.name.split("/")[1] for op in graph.get_operations()
-                if op.name.startswith("split_inputs/check_")}
-      with tf.compat.v1.Session(config=tf.compat.v1.ConfigProto(
-          allow_soft_placement=True)) as session:
+      spec = replicate.replicate_model_fn(
+          model_fn, devices=GPUS)(features, labels, TRAIN)
+      checks = {
+          op.name.split("/")[1]
+          for op in graph.get_operations()
+          if op.name.startswith("split_inputs/check_")
+      }
+      with tf.compat.v1.Session(
+          config=tf.compat.v1.ConfigProto(
+              allow_soft_placement=True)) as session:
         session.run(tf.compat.v1.global_variables_initializer())
         return checks, session.run(spec.loss, feed)
 
@@ -312,9 +351,11 @@ class RuntimeInputErrorsTest(parameterized.TestCase):
         r"`features\[\\?'scale\\?'\]` is a scalar and has no batch "
         "dimension to split across towers; give every feature and label a "
         "leading batch dimension"):
-      self._run(lambda: {"x": self._dynamic(x, [None, 5])(),
-                         "scale": self._dynamic(2.0, None)()},
-                lambda: tf.constant(np.zeros(4, np.int64)))
+      self._run(
+          lambda: {
+              "x": self._dynamic(x, [None, 5])(),
+              "scale": self._dynamic(2.0, None)()
+          }, lambda: tf.constant(np.zeros(4, np.int64)))
 
   def test_checks_only_where_static_shapes_cannot_tell(self):
     x = np.zeros((4, 5), np.float32)

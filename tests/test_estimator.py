@@ -13,10 +13,12 @@ import replicate
 from tests import harness
 from tests import models
 
-TOWERS = {"plain": None,
-          "cpu2": [f"/device:CPU:{i}" for i in range(2)],
-          "cpu4": [f"/device:CPU:{i}" for i in range(4)],
-          "gpu4": [f"/device:GPU:{i}" for i in range(4)]}
+TOWERS = {
+    "plain": None,
+    "cpu2": [f"/device:CPU:{i}" for i in range(2)],
+    "cpu4": [f"/device:CPU:{i}" for i in range(4)],
+    "gpu4": [f"/device:GPU:{i}" for i in range(4)]
+}
 STEPS = 12
 BATCH = 16
 
@@ -28,11 +30,13 @@ def _config(model_dir):
 def model_fn(features, labels, mode, params):
   """A Keras layer and an unnamed v1 layer (whose names collide)."""
   hidden = tf.keras.layers.Dense(
-      16, activation="relu",
+      16,
+      activation="relu",
       kernel_initializer=tf.keras.initializers.GlorotUniform(seed=1))(
           features["x"])
   logits = tf.compat.v1.layers.dense(
-      hidden, models.NUM_CLASSES,
+      hidden,
+      models.NUM_CLASSES,
       kernel_initializer=tf.compat.v1.glorot_uniform_initializer(seed=2))
   classes = tf.argmax(logits, 1)
   predictions = {"classes": classes, "logits": logits}
@@ -40,14 +44,23 @@ def model_fn(features, labels, mode, params):
     return tf.estimator.EstimatorSpec(mode, predictions=predictions)
   loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
   if mode == tf.estimator.ModeKeys.EVAL:
-    return tf.estimator.EstimatorSpec(mode, loss=loss, eval_metric_ops={
-        "accuracy": tf.compat.v1.metrics.accuracy(labels, classes),
-        "auc": tf.compat.v1.metrics.auc(
-            tf.one_hot(labels, models.NUM_CLASSES), tf.nn.softmax(logits))})
+    return tf.estimator.EstimatorSpec(
+        mode,
+        loss=loss,
+        eval_metric_ops={
+            "accuracy":
+                tf.compat.v1.metrics.accuracy(labels, classes),
+            "auc":
+                tf.compat.v1.metrics.auc(
+                    tf.one_hot(labels, models.NUM_CLASSES),
+                    tf.nn.softmax(logits))
+        })
   optimizer = replicate.TowerOptimizer(
       tf.compat.v1.train.AdamOptimizer(params["learning_rate"]))
-  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=optimizer.minimize(
-      loss, tf.compat.v1.train.get_global_step()))
+  return tf.estimator.EstimatorSpec(
+      mode,
+      loss=loss,
+      train_op=optimizer.minimize(loss, tf.compat.v1.train.get_global_step()))
 
 
 def _input_fn(num_examples=96, batch_size=BATCH, epochs=None):
@@ -56,14 +69,15 @@ def _input_fn(num_examples=96, batch_size=BATCH, epochs=None):
   def input_fn():
     dataset = tf.data.Dataset.from_tensor_slices((features, labels))
     return dataset.repeat(epochs).batch(batch_size)
+
   return input_fn
 
 
 def _estimator(name, model_dir):
   fn = model_fn if TOWERS[name] is None else replicate.replicate_model_fn(
       model_fn, devices=TOWERS[name])
-  return tf.estimator.Estimator(fn, config=_config(model_dir),
-                                params={"learning_rate": 0.05})
+  return tf.estimator.Estimator(
+      fn, config=_config(model_dir), params={"learning_rate": 0.05})
 
 
 @pytest.fixture(scope="module")
@@ -76,8 +90,10 @@ def trained(tmp_path_factory):
     # 50 examples in batches of 16: the last batch has 2 (fewer than towers).
     metrics = estimator.evaluate(_input_fn(50, epochs=1))
     predictions = list(estimator.predict(_input_fn(50, epochs=1)))
-    variables = {v: estimator.get_variable_value(v)
-                 for v in estimator.get_variable_names()}
+    variables = {
+        v: estimator.get_variable_value(v)
+        for v in estimator.get_variable_names()
+    }
     results[name] = (estimator, metrics, predictions, variables)
   return results
 
@@ -89,8 +105,8 @@ def test_trained_variables_match_plain(trained, name):
   assert sorted(actual) == sorted(expected)
   assert actual["global_step"] == STEPS
   for variable, value in expected.items():
-    np.testing.assert_allclose(actual[variable], value, rtol=1e-4, atol=1e-6,
-                               err_msg=variable)
+    np.testing.assert_allclose(
+        actual[variable], value, rtol=1e-4, atol=1e-6, err_msg=variable)
 
 
 @pytest.mark.parametrize("name", ["cpu2", "cpu4", "gpu4"])
@@ -104,22 +120,24 @@ def test_metrics_and_predictions_match_plain(trained, name):
   assert len(predictions) == len(expected_predictions) == 50
   for got, want in zip(predictions, expected_predictions):
     assert got["classes"] == want["classes"]
-    np.testing.assert_allclose(got["logits"], want["logits"], rtol=1e-4,
-                               atol=1e-5)
+    np.testing.assert_allclose(
+        got["logits"], want["logits"], rtol=1e-4, atol=1e-5)
 
 
 def test_checkpoint_from_four_towers_restores_into_plain(trained, tmp_path):
   four, _, four_predictions, _ = trained["cpu4"]
-  plain = tf.estimator.Estimator(model_fn, model_dir=four.model_dir,
-                                 config=_config(four.model_dir),
-                                 params={"learning_rate": 0.05})
+  plain = tf.estimator.Estimator(
+      model_fn,
+      model_dir=four.model_dir,
+      config=_config(four.model_dir),
+      params={"learning_rate": 0.05})
   predictions = list(plain.predict(_input_fn(50, epochs=1)))
   # Same weights, other batch sizes: a logit's rounding error is bounded by
   # the terms of its 16- and 5-term dot products (~20 * 2**-24 * 5), not by
   # the logit itself, which can be near 0.
   for got, want in zip(predictions, four_predictions):
-    np.testing.assert_allclose(got["logits"], want["logits"], rtol=1e-5,
-                               atol=1e-5)
+    np.testing.assert_allclose(
+        got["logits"], want["logits"], rtol=1e-5, atol=1e-5)
   # And training resumes from it, slots included.
   plain.train(_input_fn(), steps=2)
   assert plain.get_variable_value("global_step") == STEPS + 2
@@ -130,5 +148,5 @@ def test_checkpoint_from_plain_restores_into_four_towers(trained):
   four = _estimator("cpu4", plain.model_dir)
   predictions = list(four.predict(_input_fn(50, epochs=1)))
   for got, want in zip(predictions, plain_predictions):
-    np.testing.assert_allclose(got["logits"], want["logits"], rtol=1e-5,
-                               atol=1e-5)  # as above
+    np.testing.assert_allclose(
+        got["logits"], want["logits"], rtol=1e-5, atol=1e-5)  # as above

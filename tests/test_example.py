@@ -20,10 +20,15 @@ def _run_example(tmp_path, *flags, example=_EXAMPLE):
   env["PYTHONPATH"] = os.pathsep.join(
       [str(_ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
   env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-  return subprocess.run(
-      [sys.executable, str(example), f"--model_dir={tmp_path / 'model'}",
-       *flags],
-      cwd=_ROOT, env=env, capture_output=True, text=True, timeout=300)
+  return subprocess.run([
+      sys.executable,
+      str(example), f"--model_dir={tmp_path / 'model'}", *flags
+  ],
+                        cwd=_ROOT,
+                        env=env,
+                        capture_output=True,
+                        text=True,
+                        timeout=300)
 
 
 def _number(pattern, text):
@@ -33,23 +38,24 @@ def _number(pattern, text):
 
 
 def test_digits_example_trains_on_two_towers(tmp_path):
-  result = _run_example(tmp_path, "--steps=60", "--towers=2",
-                        "--log_every=20")
+  result = _run_example(tmp_path, "--steps=60", "--towers=2", "--log_every=20")
   output = result.stdout + result.stderr
   assert result.returncode == 0, output
   assert "2 towers" in result.stdout, output
   assert re.search(r"step\s+60\s+loss", result.stdout), output
   accuracy = _number(r"test accuracy: ([0-9.]+)", result.stdout)
-  examples_per_sec = _number(r"training examples/sec: ([0-9.]+)",
-                             result.stdout)
+  examples_per_sec = _number(r"training examples/sec: ([0-9.]+)", result.stdout)
   assert accuracy > 0.5, output
   assert examples_per_sec > 0, output
 
 
 def test_canned_example_trains_a_replicated_canned_estimator(tmp_path):
-  result = _run_example(tmp_path, "--steps=20", "--towers=2",
-                        "--log_every=10",
-                        example=_ROOT / "examples" / "canned.py")
+  result = _run_example(
+      tmp_path,
+      "--steps=20",
+      "--towers=2",
+      "--log_every=10",
+      example=_ROOT / "examples" / "canned.py")
   output = result.stdout + result.stderr
   assert result.returncode == 0, output
   assert "DNNLinearCombinedClassifier on 2 towers" in result.stdout, output

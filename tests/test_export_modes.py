@@ -43,8 +43,11 @@ def _serving_receiver():
 def _export_all(estimator, directory):
   receiver = _supervised_receiver()
   return estimator.experimental_export_all_saved_models(
-      str(directory), {ModeKeys.TRAIN: receiver, ModeKeys.EVAL: receiver,
-                       ModeKeys.PREDICT: _serving_receiver})
+      str(directory), {
+          ModeKeys.TRAIN: receiver,
+          ModeKeys.EVAL: receiver,
+          ModeKeys.PREDICT: _serving_receiver
+      })
 
 
 def _input_fn():
@@ -59,28 +62,41 @@ def loaded(tmp_path_factory):
   config = harness.estimator_config(root / "model", seed=1)
   params = {"optimizer": "adam"}
   replicated = tf.estimator.Estimator(
-      replicate.replicate_model_fn(models.classifier_model_fn,
-                                   devices=harness.devices("virtual_cpus", 4)),
-      config=config, params=params)
+      replicate.replicate_model_fn(
+          models.classifier_model_fn,
+          devices=harness.devices("virtual_cpus", 4)),
+      config=config,
+      params=params)
   replicated.train(_input_fn, steps=3)
   # The plain model_fn on the same checkpoint.
-  plain = tf.estimator.Estimator(models.classifier_model_fn, config=config,
-                                 params=params)
-  directories = {"replicated": _export_all(replicated, root / "replicated"),
-                 "plain": _export_all(plain, root / "plain")}
+  plain = tf.estimator.Estimator(
+      models.classifier_model_fn, config=config, params=params)
+  directories = {
+      "replicated": _export_all(replicated, root / "replicated"),
+      "plain": _export_all(plain, root / "plain")
+  }
   features, labels = models.data(ROWS, seed=5)
   np.savez(root / "rows.npz", x=features["x"], label=labels)
   env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
   env["PYTHONPATH"] = os.pathsep.join(
       [str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-  done = subprocess.run(
-      [sys.executable, "-m", "tests.export_loader",
-       json.dumps({k: v.decode() if isinstance(v, bytes) else str(v)
-                   for k, v in directories.items()}),
-       str(root / "rows.npz")],
-      cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
-      check=False)
-  lines = [l for l in done.stdout.splitlines() if l.startswith("RESULT ")]
+  done = subprocess.run([
+      sys.executable, "-m", "tests.export_loader",
+      json.dumps({
+          k: v.decode() if isinstance(v, bytes) else str(v)
+          for k, v in directories.items()
+      }),
+      str(root / "rows.npz")
+  ],
+                        cwd=ROOT,
+                        env=env,
+                        capture_output=True,
+                        text=True,
+                        timeout=300,
+                        check=False)
+  lines = [
+      line for line in done.stdout.splitlines() if line.startswith("RESULT ")
+  ]
   assert done.returncode == 0 and lines, done.stderr[-3000:]
   return json.loads(lines[-1][len("RESULT "):])
 
@@ -113,8 +129,8 @@ def test_signature_outputs_equal_the_plain_exports(loaded, mode):
       continue
     actual = replicated["outputs"][key]
     assert actual["shape"] == expected["shape"], key
-    np.testing.assert_allclose(actual["value"], expected["value"], rtol=1e-5,
-                               atol=1e-6, err_msg=key)
+    np.testing.assert_allclose(
+        actual["value"], expected["value"], rtol=1e-5, atol=1e-6, err_msg=key)
 
 
 def test_eval_update_ops_output_the_metric_value(loaded):
@@ -123,5 +139,5 @@ def test_eval_update_ops_output_the_metric_value(loaded):
   classes = loaded["replicated/serve"]["outputs"]["classes"]["value"]
   labels = models.data(ROWS, seed=5)[1]
   assert update["shape"] == []
-  np.testing.assert_allclose(update["value"], np.mean(classes == labels),
-                             rtol=1e-6)
+  np.testing.assert_allclose(
+      update["value"], np.mean(classes == labels), rtol=1e-6)

@@ -1,4 +1,5 @@
-"""The gradient pipeline: clipping, sparse rows, gradient transforms, loss scaling.
+"""The gradient pipeline: clipping, sparse rows, gradient transforms, loss
+scaling.
 
 Each case trains a few steps on one device and on 2 and 4 towers from the
 same weights and data, and compares every variable (weights, optimizer
@@ -28,7 +29,7 @@ V1LSO = tf.compat.v1.mixed_precision.MixedPrecisionLossScaleOptimizer
 KerasAdagrad = tf.keras.optimizers.legacy.Adagrad
 NUM_IDS = 10
 BATCH = 8
-OVERFLOW = 1e36   # finite, but times a loss scale of 2**15 it is not
+OVERFLOW = 1e36  # finite, but times a loss scale of 2**15 it is not
 
 
 def _data(num_batches=3, overflow_batch=None):
@@ -52,7 +53,8 @@ def _data(num_batches=3, overflow_batch=None):
 
 
 def _train(model_fn, data, devices=None, **kwargs):
-  """Trains one step per batch; returns the losses and, per step, the variables."""
+  """Trains one step per batch; returns the losses and, per step, the
+  variables."""
   steps = len(data[1]) // BATCH
   with tf.Graph().as_default():
     tf.compat.v1.train.create_global_step()
@@ -78,13 +80,19 @@ def _assert_same_steps(actual, expected, rtol=1e-5, atol=1e-6):
   for step, (a, e) in enumerate(zip(actual, expected)):
     assert sorted(a) == sorted(e)
     for name in e:
-      np.testing.assert_allclose(a[name], e[name], rtol=rtol, atol=atol,
-                                 err_msg=f"{name} after step {step + 1}")
+      np.testing.assert_allclose(
+          a[name],
+          e[name],
+          rtol=rtol,
+          atol=atol,
+          err_msg=f"{name} after step {step + 1}")
 
 
 def _max_change(before, after):
-  return max(np.abs(after[n] - before[n]).max() for n in before
-             if np.asarray(before[n]).dtype.kind == "f")
+  return max(
+      np.abs(after[n] - before[n]).max()
+      for n in before
+      if np.asarray(before[n]).dtype.kind == "f")
 
 
 def _look_up(embeddings, ids, unique_rows):
@@ -94,13 +102,14 @@ def _look_up(embeddings, ids, unique_rows):
   sparse_ids = tf.SparseTensor(
       tf.where(tf.ones_like(ids, dtype=tf.bool)), tf.reshape(ids, [-1]),
       tf.shape(ids, out_type=tf.int64))
-  return tf.nn.embedding_lookup_sparse(embeddings, sparse_ids, None,
-                                       combiner="sum")
+  return tf.nn.embedding_lookup_sparse(
+      embeddings, sparse_ids, None, combiner="sum")
 
 
 # A custom model_fn: an embedding lookup and a dense layer; a Keras
 # optimizer applies through get_updates, as the v2 canned heads do.
 def _custom_model_fn(make_optimizer, keras=False, unique_rows=False):
+
   def model_fn(features, labels, mode, params):
     del params
     embeddings = tf.compat.v1.get_variable("embeddings", [NUM_IDS, 3])
@@ -110,12 +119,12 @@ def _custom_model_fn(make_optimizer, keras=False, unique_rows=False):
     loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
     optimizer = make_optimizer()
     if keras:
-      train_op = optimizer.get_updates(
-          loss, tf.compat.v1.trainable_variables())[0]
+      train_op = optimizer.get_updates(loss,
+                                       tf.compat.v1.trainable_variables())[0]
     else:
-      train_op = optimizer.minimize(loss,
-                                    tf.compat.v1.train.get_global_step())
+      train_op = optimizer.minimize(loss, tf.compat.v1.train.get_global_step())
     return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
   return model_fn
 
 
@@ -130,27 +139,35 @@ COLUMNS = [
 
 def _canned_train(optimizer_fn, data, num_towers=None):
   canned = tf.estimator.DNNClassifier(
-      hidden_units=[4], feature_columns=COLUMNS, n_classes=3,
-      optimizer=optimizer_fn(), config=tf.estimator.RunConfig())
+      hidden_units=[4],
+      feature_columns=COLUMNS,
+      n_classes=3,
+      optimizer=optimizer_fn(),
+      config=tf.estimator.RunConfig())
   devices = None if num_towers is None else _towers(num_towers)
   return _train(canned.model_fn, data, devices, config=canned.config)
 
 
 # Keras' own clipping, and a gradient_transform, with a Keras optimizer.
 KERAS_CLIPS = {
-    "none": lambda: replicate.TowerOptimizer(KerasAdagrad(0.1)),
-    "clipnorm": lambda: replicate.TowerOptimizer(
-        KerasAdagrad(0.1, clipnorm=0.02)),
-    "clipvalue": lambda: replicate.TowerOptimizer(
-        KerasAdagrad(0.1, clipvalue=0.002)),
-    "global_clipnorm": lambda: replicate.TowerOptimizer(
-        KerasAdagrad(0.1, global_clipnorm=0.02)),
-    "gradient_transform": lambda: replicate.TowerOptimizer(
-        KerasAdagrad(0.1),
-        gradient_transform=replicate.TowerOptimizer.clip_by_global_norm(0.02)),
+    "none":
+        lambda: replicate.TowerOptimizer(KerasAdagrad(0.1)),
+    "clipnorm":
+        lambda: replicate.TowerOptimizer(KerasAdagrad(0.1, clipnorm=0.02)),
+    "clipvalue":
+        lambda: replicate.TowerOptimizer(KerasAdagrad(0.1, clipvalue=0.002)),
+    "global_clipnorm":
+        lambda: replicate.TowerOptimizer(
+            KerasAdagrad(0.1, global_clipnorm=0.02)),
+    "gradient_transform":
+        lambda: replicate.TowerOptimizer(
+            KerasAdagrad(0.1),
+            gradient_transform=replicate.TowerOptimizer.clip_by_global_norm(0.02
+                                                                           )),
 }
 EMBEDDING_ACCUMULATOR = {
-    False: "Adagrad/embeddings/accumulator",
+    False:
+        "Adagrad/embeddings/accumulator",
     True: ("training/Adagrad/dnn/input_from_feature_columns/input_layer/"
            "ids_embedding/embedding_weights/accumulator"),
 }
@@ -165,10 +182,13 @@ def _keras_clip_run(clip, canned, num_towers):
   return _train(model_fn, _data(), devices, params={})
 
 
-@pytest.mark.parametrize("clip,canned,num_towers", [
-    ("clipnorm", True, 2), ("gradient_transform", True, 2),
-    ("clipnorm", False, 4), ("clipvalue", False, 2), ("clipvalue", False, 4),
-    ("global_clipnorm", False, 4), ("gradient_transform", False, 4)])
+@pytest.mark.parametrize("clip,canned,num_towers",
+                         [("clipnorm", True, 2),
+                          ("gradient_transform", True, 2),
+                          ("clipnorm", False, 4), ("clipvalue", False, 2),
+                          ("clipvalue", False, 4),
+                          ("global_clipnorm", False, 4),
+                          ("gradient_transform", False, 4)])
 def test_keras_clipping_equals_one_device(clip, canned, num_towers):
   losses, values = _keras_clip_run(clip, canned, num_towers)
   expected_losses, expected = _keras_clip_run(clip, canned, None)
@@ -192,15 +212,18 @@ V1_OPTIMIZERS = {
 def _halve_embedding_gradients(grads_and_vars):
   """A per-variable transform on a sparse gradient (README's example)."""
   return [(tf.IndexedSlices(g.values * 0.5, g.indices, g.dense_shape)
-           if v.op.name == "embeddings" else g, v)
-          for g, v in grads_and_vars]
+           if v.op.name == "embeddings" else g, v) for g, v in grads_and_vars]
 
 
 TRANSFORMS = {
-    "none": None,
-    "global_norm": replicate.TowerOptimizer.clip_by_global_norm(0.05),
-    "list": [_halve_embedding_gradients,
-             replicate.TowerOptimizer.clip_by_global_norm(0.05)],
+    "none":
+        None,
+    "global_norm":
+        replicate.TowerOptimizer.clip_by_global_norm(0.05),
+    "list": [
+        _halve_embedding_gradients,
+        replicate.TowerOptimizer.clip_by_global_norm(0.05)
+    ],
 }
 
 
@@ -212,15 +235,15 @@ def _custom_run(optimizer, transform, num_towers):
   return _train(_custom_model_fn(make), _data(), devices, params={})
 
 
-@pytest.mark.parametrize("optimizer,transform,num_towers", [
-    ("adagrad", "global_norm", 2), ("adagrad", "global_norm", 4),
-    ("adam", "list", 4), ("momentum", "list", 2)])
-def test_gradient_transform_equals_one_device(optimizer, transform,
-                                              num_towers):
+@pytest.mark.parametrize("optimizer,transform,num_towers",
+                         [("adagrad", "global_norm", 2),
+                          ("adagrad", "global_norm", 4), ("adam", "list", 4),
+                          ("momentum", "list", 2)])
+def test_gradient_transform_equals_one_device(optimizer, transform, num_towers):
   losses, values = _custom_run(optimizer, transform, num_towers)
   expected_losses, expected = _custom_run(optimizer, transform, None)
   _, unclipped = _custom_run(optimizer, "none", None)
-  assert _max_change(unclipped[-1], expected[-1]) > 0.01   # the clip binds
+  assert _max_change(unclipped[-1], expected[-1]) > 0.01  # the clip binds
   np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
   _assert_same_steps(values, expected)
 
@@ -238,10 +261,12 @@ def _clip_in_model_fn():
       tf.compat.v1.train.GradientDescentOptimizer(0.1))
 
   class Clipping:
+
     def minimize(self, loss, global_step):
       grads, variables = zip(*optimizer.compute_gradients(loss))
       clipped, _ = tf.clip_by_global_norm(grads, 0.05)
       return optimizer.apply_gradients(zip(clipped, variables), global_step)
+
   return Clipping()
 
 
@@ -277,8 +302,10 @@ def _summarised_norms(num_towers):
       session.run(tf.compat.v1.global_variables_initializer())
       harness.set_trainable_weights(session)
       serialized, _ = session.run([summaries, spec.train_op])
-  norms = [tf.compat.v1.Summary.FromString(s).value[0].simple_value
-           for s in serialized]
+  norms = [
+      tf.compat.v1.Summary.FromString(s).value[0].simple_value
+      for s in serialized
+  ]
   return [s.op.name for s in summaries], norms
 
 
@@ -290,18 +317,22 @@ def test_summary_of_a_gradient_transform_is_kept_once():
 
 
 def test_gradient_transform_must_be_functions():
-  with pytest.raises(ValueError, match="got gradient_transform=3; pass a "
-                     "function from a list of"):
-    replicate.TowerOptimizer(tf.compat.v1.train.AdagradOptimizer(0.1),
-                             gradient_transform=3)
-  with pytest.raises(ValueError, match="got gradient_transform=.*; pass a "
-                     "function"):
+  with pytest.raises(
+      ValueError,
+      match="got gradient_transform=3; pass a "
+      "function from a list of"):
+    replicate.TowerOptimizer(
+        tf.compat.v1.train.AdagradOptimizer(0.1), gradient_transform=3)
+  with pytest.raises(
+      ValueError, match="got gradient_transform=.*; pass a "
+      "function"):
     replicate.TowerOptimizer(KerasAdagrad(0.1), gradient_transform=[len, 3])
 
 
 def test_clip_norm_must_be_positive():
-  with pytest.raises(ValueError, match="got clip_norm=0; pass the largest "
-                     "global norm"):
+  with pytest.raises(
+      ValueError, match="got clip_norm=0; pass the largest "
+      "global norm"):
     replicate.TowerOptimizer.clip_by_global_norm(0)
 
 
@@ -309,21 +340,25 @@ def test_gradient_transform_returning_none_is_an_error():
   make = lambda: replicate.TowerOptimizer(
       tf.compat.v1.train.AdagradOptimizer(0.1),
       gradient_transform=lambda grads_and_vars: None)
-  with pytest.raises(ValueError, match="returned None; it must return the "
-                     "list of"):
+  with pytest.raises(
+      ValueError, match="returned None; it must return the "
+      "list of"):
     _train(_custom_model_fn(make), _data(1), _towers(2), params={})
 
 
 # Loss scaling: a step where one tower overflows is skipped, as on one device.
 LOSS_SCALING = {
-    "v1_dynamic": lambda: V1LSO(tf.compat.v1.train.AdagradOptimizer(0.3),
-                                "dynamic"),
-    "keras_dynamic": lambda: LSO(KerasAdagrad(0.3)),
-    "keras_fixed": lambda: LSO(KerasAdagrad(0.3), dynamic=False,
-                               initial_scale=1024.0),
+    "v1_dynamic":
+        lambda: V1LSO(tf.compat.v1.train.AdagradOptimizer(0.3), "dynamic"),
+    "keras_dynamic":
+        lambda: LSO(KerasAdagrad(0.3)),
+    "keras_fixed":
+        lambda: LSO(KerasAdagrad(0.3), dynamic=False, initial_scale=1024.0),
 }
-LOSS_SCALE_VARIABLE = {"v1_dynamic": "current_loss_scale",
-                       "keras_dynamic": "current_loss_scale"}
+LOSS_SCALE_VARIABLE = {
+    "v1_dynamic": "current_loss_scale",
+    "keras_dynamic": "current_loss_scale"
+}
 
 
 @functools.lru_cache(maxsize=None)
@@ -341,10 +376,10 @@ def _loss_scaling_run(scaling, canned, num_towers):
   return _train(_custom_model_fn(make, keras), data, devices, params={})
 
 
-@pytest.mark.parametrize("scaling,canned,num_towers", [
-    ("v1_dynamic", False, 2), ("v1_dynamic", False, 4),
-    ("keras_dynamic", False, 4), ("keras_dynamic", True, 2),
-    ("keras_fixed", True, 2)])
+@pytest.mark.parametrize("scaling,canned,num_towers",
+                         [("v1_dynamic", False, 2), ("v1_dynamic", False, 4),
+                          ("keras_dynamic", False, 4),
+                          ("keras_dynamic", True, 2), ("keras_fixed", True, 2)])
 def test_loss_scaling_equals_one_device(scaling, canned, num_towers):
   losses, values = _loss_scaling_run(scaling, canned, num_towers)
   expected_losses, expected = _loss_scaling_run(scaling, canned, None)
@@ -353,9 +388,11 @@ def test_loss_scaling_equals_one_device(scaling, canned, num_towers):
     scale = LOSS_SCALE_VARIABLE[scaling]
     for run in (expected, values):
       assert run[1][scale] == run[0][scale] / 2 == 2.0**14
-      assert _max_change(
-          {n: v for n, v in run[0].items() if n != scale},
-          {n: v for n, v in run[1].items() if n != scale}) == 0
+      assert _max_change({
+          n: v for n, v in run[0].items() if n != scale
+      }, {
+          n: v for n, v in run[1].items() if n != scale
+      }) == 0
       assert _max_change(run[1], run[2]) > 0.01
     losses, expected_losses = losses[[0, 2]], expected_losses[[0, 2]]
   np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)

@@ -26,8 +26,7 @@ def _model_fn(features, labels, mode, params):
   h = tf.compat.v1.layers.conv2d(h, 4, 1, name="conv")
   h = tf.compat.v1.layers.batch_normalization(
       h, training=True, fused=params["fused"], name="bn")
-  logits = tf.compat.v1.layers.dense(tf.reshape(h, [-1, 16]), 3,
-                                     name="logits")
+  logits = tf.compat.v1.layers.dense(tf.reshape(h, [-1, 16]), 3, name="logits")
   loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
   with tf.control_dependencies(
       tf.compat.v1.get_collection(tf.compat.v1.GraphKeys.UPDATE_OPS)):
@@ -44,13 +43,16 @@ def _built(devices, fused, lazy):
     rng = np.random.RandomState(0)
     features = {"x": tf.constant(rng.randn(8, 12).astype(np.float32))}
     labels = tf.constant(rng.randint(0, 3, 8))
-    model_fn = (_model_fn if devices is None else
-                replicate.replicate_model_fn(_model_fn, devices=devices))
-    spec = model_fn(features, labels, tf.estimator.ModeKeys.TRAIN,
-                    {"fused": fused, "lazy": lazy})
+    model_fn = (
+        _model_fn if devices is None else replicate.replicate_model_fn(
+            _model_fn, devices=devices))
+    spec = model_fn(features, labels, tf.estimator.ModeKeys.TRAIN, {
+        "fused": fused,
+        "lazy": lazy
+    })
     with tf.compat.v1.Session(
-        config=tf.compat.v1.ConfigProto(device_count={"CPU": 2},
-                                        allow_soft_placement=True)) as session:
+        config=tf.compat.v1.ConfigProto(
+            device_count={"CPU": 2}, allow_soft_placement=True)) as session:
       session.run(tf.compat.v1.global_variables_initializer())
       loss = session.run([spec.loss, spec.train_op])[0]
   return weakref.ref(graph), loss
@@ -58,17 +60,18 @@ def _built(devices, fused, lazy):
 
 @pytest.mark.parametrize("lazy", [True, False])
 @pytest.mark.parametrize("fused", [True, False])
-@pytest.mark.parametrize("devices", [
-    None,
-    # Virtual CPUs: the fused layer runs on the concatenated batch.
-    ["/device:CPU:0", "/device:CPU:1"],
-    # GPU names (soft placement on a machine without them): the towers'
-    # moments meet, with written-out gradients.
-    ["/device:GPU:0", "/device:GPU:1"],
-])
+@pytest.mark.parametrize(
+    "devices",
+    [
+        None,
+        # Virtual CPUs: the fused layer runs on the concatenated batch.
+        ["/device:CPU:0", "/device:CPU:1"],
+        # GPU names (soft placement on a machine without them): the towers'
+        # moments meet, with written-out gradients.
+        ["/device:GPU:0", "/device:GPU:1"],
+    ])
 def test_a_dropped_graph_is_freed(devices, fused, lazy):
   graph, loss = _built(devices, fused, lazy)
   gc.collect()
   assert graph() is None
   assert np.isfinite(loss)
-

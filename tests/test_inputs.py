@@ -26,8 +26,10 @@ def _sparse_data(num_examples=32, seed=1):
   words = tf.compat.v1.SparseTensorValue(
       np.array(indices, np.int64), np.array(ids, np.int64), [num_examples, 3])
   dense = rng.randn(num_examples, 2).astype(np.float32)
-  labels = {"class": rng.randint(2, size=num_examples).astype(np.int64),
-            "target": rng.randn(num_examples, 1).astype(np.float32)}
+  labels = {
+      "class": rng.randint(2, size=num_examples).astype(np.int64),
+      "target": rng.randn(num_examples, 1).astype(np.float32)
+  }
   return {"words": words, "dense": dense}, labels
 
 
@@ -35,8 +37,10 @@ def _sparse_batches(batch_size):
   """A fixed batch built from constants (SparseTensor does not batch simply)."""
   features, labels = _sparse_data(batch_size)
   words = tf.SparseTensor.from_value(features["words"])
-  return ({"words": words, "dense": tf.constant(features["dense"])},
-          tf.nest.map_structure(tf.constant, labels))
+  return ({
+      "words": words,
+      "dense": tf.constant(features["dense"])
+  }, tf.nest.map_structure(tf.constant, labels))
 
 
 def sparse_model_fn(features, labels, mode, params):
@@ -44,8 +48,8 @@ def sparse_model_fn(features, labels, mode, params):
   embeddings = tf.compat.v1.get_variable(
       "embeddings", [VOCABULARY, 4],
       initializer=tf.compat.v1.random_normal_initializer(seed=3))
-  bag = tf.nn.embedding_lookup_sparse(embeddings, features["words"], None,
-                                      combiner="mean")
+  bag = tf.nn.embedding_lookup_sparse(
+      embeddings, features["words"], None, combiner="mean")
   hidden = tf.concat([bag, features["dense"]], axis=1)
   logits = tf.compat.v1.layers.dense(hidden, 2, name="classifier")
   regression = tf.compat.v1.layers.dense(hidden, 1, name="regressor")
@@ -53,17 +57,21 @@ def sparse_model_fn(features, labels, mode, params):
   del unused
   class_loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(
       labels["class"], logits)
-  target_loss = tf.compat.v1.losses.mean_squared_error(
-      labels["target"], regression)
+  target_loss = tf.compat.v1.losses.mean_squared_error(labels["target"],
+                                                       regression)
   loss = class_loss + target_loss
   step = tf.compat.v1.train.get_global_step()
   first = replicate.TowerOptimizer(tf.compat.v1.train.AdagradOptimizer(0.5))
   second = replicate.TowerOptimizer(
       lambda: tf.compat.v1.train.GradientDescentOptimizer(0.2))
-  classifier_vars = [v for v in tf.compat.v1.trainable_variables()
-                     if not v.op.name.startswith("regressor")]
-  regressor_vars = [v for v in tf.compat.v1.trainable_variables()
-                    if v.op.name.startswith("regressor")]
+  classifier_vars = [
+      v for v in tf.compat.v1.trainable_variables()
+      if not v.op.name.startswith("regressor")
+  ]
+  regressor_vars = [
+      v for v in tf.compat.v1.trainable_variables()
+      if v.op.name.startswith("regressor")
+  ]
   train_op = tf.group(
       first.minimize(class_loss, step, var_list=classifier_vars),
       second.minimize(target_loss, var_list=regressor_vars))
@@ -74,8 +82,9 @@ def _train_sparse(tower_devices, steps=3, batch_size=8):
   with tf.Graph().as_default() as graph:
     tf.compat.v1.train.create_global_step()
     features, labels = _sparse_batches(batch_size)
-    spec = harness.wrap(sparse_model_fn, tower_devices)(
-        features, labels, tf.estimator.ModeKeys.TRAIN, {})
+    spec = harness.wrap(sparse_model_fn,
+                        tower_devices)(features, labels,
+                                       tf.estimator.ModeKeys.TRAIN, {})
     with tf.compat.v1.Session(config=harness.session_config()) as session:
       losses, values = harness.run_training(session, spec, steps)
   return graph, losses, values
@@ -93,11 +102,14 @@ class SparseDictAndOptimizersTest(parameterized.TestCase):
     harness.assert_close_nests(values, expected)
     self.assertEqual(values["global_step"], 3)  # incremented once per step
     # The unused variable got no gradient and kept its initial value.
-    np.testing.assert_array_equal(values["unused"],
-                                  harness.initial_value("unused", (3,), tf.float32))
+    np.testing.assert_array_equal(
+        values["unused"], harness.initial_value("unused", (3,), tf.float32))
     # The embedding gradients stayed sparse, never densified.
-    applies = {op.type for op in graph.get_operations()
-               if op.type.startswith("Resource") and "Apply" in op.type}
+    applies = {
+        op.type
+        for op in graph.get_operations()
+        if op.type.startswith("Resource") and "Apply" in op.type
+    }
     self.assertIn("ResourceSparseApplyAdagrad", applies)
 
 
@@ -110,8 +122,9 @@ def _unsupervised_model_fn(features, labels, mode):
   optimizer = replicate.TowerOptimizer(
       tf.compat.v1.train.GradientDescentOptimizer(0.5))
   return tf.estimator.EstimatorSpec(
-      mode, loss=loss, train_op=optimizer.minimize(
-          loss, tf.compat.v1.train.get_global_step()))
+      mode,
+      loss=loss,
+      train_op=optimizer.minimize(loss, tf.compat.v1.train.get_global_step()))
 
 
 class LabelsNoneTest(parameterized.TestCase):
@@ -123,49 +136,66 @@ class LabelsNoneTest(parameterized.TestCase):
     def run(tower_devices):
       with tf.Graph().as_default():
         tf.compat.v1.train.create_global_step()
-        spec = harness.wrap(_unsupervised_model_fn, tower_devices)(
-            {"x": tf.constant(x)}, None, tf.estimator.ModeKeys.TRAIN)
+        spec = harness.wrap(_unsupervised_model_fn, tower_devices)({
+            "x": tf.constant(x)
+        }, None, tf.estimator.ModeKeys.TRAIN)
         with tf.compat.v1.Session(config=harness.session_config()) as session:
           session.run(tf.compat.v1.global_variables_initializer())
           harness.set_trainable_weights(session)
           return [session.run([spec.loss, spec.train_op])[0] for _ in range(3)]
+
     expected = run(None)
     self.assertGreater(expected[0] - expected[-1], 1e-3)  # it trains
     np.testing.assert_allclose(
-        run(harness.devices(harness.VIRTUAL_CPUS, num_towers)), expected,
+        run(harness.devices(harness.VIRTUAL_CPUS, num_towers)),
+        expected,
         rtol=1e-5)
 
 
 class UnusedBranchTest(parameterized.TestCase):
 
   def test_variable_only_in_branch_not_taken_is_skipped(self):
+
     def model_fn(features, labels, mode, params):
       del params
       logits = tf.compat.v1.layers.dense(features["x"], 3, name="logits")
       extra = tf.compat.v1.get_variable("extra", [3])
-      logits = tf.cond(tf.constant(False), lambda: logits + extra,
-                       lambda: logits)
+      logits = tf.cond(
+          tf.constant(False), lambda: logits + extra, lambda: logits)
       loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
       opt = replicate.TowerOptimizer(
           tf.compat.v1.train.GradientDescentOptimizer(0.1))
-      return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=opt.minimize(
-          loss, tf.compat.v1.train.get_global_step()))
+      return tf.estimator.EstimatorSpec(
+          mode,
+          loss=loss,
+          train_op=opt.minimize(loss, tf.compat.v1.train.get_global_step()))
+
     rng = np.random.RandomState(0)
-    data = ({"x": rng.randn(16, 5).astype(np.float32)},
-            rng.randint(3, size=16).astype(np.int64))
+    data = ({
+        "x": rng.randn(16, 5).astype(np.float32)
+    }, rng.randint(3, size=16).astype(np.int64))
     expected = harness.train(model_fn, data, 8, 3)
-    actual = harness.train(model_fn, data, 8, 3, tower_devices=harness.devices(
-        harness.VIRTUAL_CPUS, 2))
+    actual = harness.train(
+        model_fn,
+        data,
+        8,
+        3,
+        tower_devices=harness.devices(harness.VIRTUAL_CPUS, 2))
     harness.assert_close_nests(actual, expected)
 
 
 def _ragged_examples(num_examples, seed=2):
   """Word ids per example (ragged rank 1), character ids per word (rank 2)."""
   rng = np.random.RandomState(seed)
-  tokens = [list(rng.randint(VOCABULARY, size=rng.randint(1, 5)))
-            for _ in range(num_examples)]
-  chars = [[list(rng.randint(VOCABULARY, size=rng.randint(1, 4)))
-            for _ in range(rng.randint(0, 3))] for _ in range(num_examples)]
+  tokens = [
+      list(rng.randint(VOCABULARY, size=rng.randint(1, 5)))
+      for _ in range(num_examples)
+  ]
+  chars = [[
+      list(rng.randint(VOCABULARY, size=rng.randint(1, 4)))
+      for _ in range(rng.randint(0, 3))
+  ]
+           for _ in range(num_examples)]
   labels = rng.randint(2, size=num_examples).astype(np.int64)
   return tokens, chars, labels
 
@@ -173,9 +203,11 @@ def _ragged_examples(num_examples, seed=2):
 def _ragged_batch(batch_size, static):
   """One batch: tf.ragged.constant (static), or Dataset.ragged_batch."""
   tokens, chars, labels = _ragged_examples(batch_size)
-  features = {"tokens": tf.ragged.constant(tokens, tf.int64),
-              "chars": tf.ragged.constant(chars, tf.int64, ragged_rank=2),
-              "row": tf.range(batch_size, dtype=tf.int64)}
+  features = {
+      "tokens": tf.ragged.constant(tokens, tf.int64),
+      "chars": tf.ragged.constant(chars, tf.int64, ragged_rank=2),
+      "row": tf.range(batch_size, dtype=tf.int64)
+  }
   if static:
     return features, tf.constant(labels)
   dataset = tf.data.Dataset.from_tensor_slices((features, labels))
@@ -198,23 +230,36 @@ def ragged_model_fn(features, labels, mode):
   temperature = tf.exp(log_temperature)
   logits = tf.compat.v1.layers.dense(
       tf.concat([bag, spelled], axis=1), 2, name="logits") / temperature
-  predictions = {"row": features["row"], "logits": logits,
-                 "temperature": temperature}
+  predictions = {
+      "row": features["row"],
+      "logits": logits,
+      "temperature": temperature
+  }
   if mode == tf.estimator.ModeKeys.PREDICT:
-    return tf.estimator.EstimatorSpec(mode, predictions=predictions,
-                                      export_outputs={
-        "serving_default": tf.estimator.export.PredictOutput(predictions)})
+    return tf.estimator.EstimatorSpec(
+        mode,
+        predictions=predictions,
+        export_outputs={
+            "serving_default": tf.estimator.export.PredictOutput(predictions)
+        })
   loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
   if mode == tf.estimator.ModeKeys.EVAL:
     return tf.estimator.EstimatorSpec(
-        mode, loss=loss, predictions=predictions, eval_metric_ops={
-            "accuracy": tf.compat.v1.metrics.accuracy(
-                labels, tf.argmax(logits, 1)),
-            "mean_logit": tf.compat.v1.metrics.mean(logits)})
+        mode,
+        loss=loss,
+        predictions=predictions,
+        eval_metric_ops={
+            "accuracy":
+                tf.compat.v1.metrics.accuracy(labels, tf.argmax(logits, 1)),
+            "mean_logit":
+                tf.compat.v1.metrics.mean(logits)
+        })
   optimizer = replicate.TowerOptimizer(tf.compat.v1.train.AdagradOptimizer(0.5))
   return tf.estimator.EstimatorSpec(
-      mode, loss=loss, predictions=predictions, train_op=optimizer.minimize(
-          loss, tf.compat.v1.train.get_global_step()))
+      mode,
+      loss=loss,
+      predictions=predictions,
+      train_op=optimizer.minimize(loss, tf.compat.v1.train.get_global_step()))
 
 
 def _run_ragged(tower_devices, batch_size, static, steps=2):
@@ -234,14 +279,18 @@ def _run_ragged(tower_devices, batch_size, static, steps=2):
           results[mode] = harness.run_training(session, spec, steps)
           results["train_predictions"] = session.run(spec.predictions)
           continue
-        session.run([tf.compat.v1.global_variables_initializer(),
-                     tf.compat.v1.local_variables_initializer()])
+        session.run([
+            tf.compat.v1.global_variables_initializer(),
+            tf.compat.v1.local_variables_initializer()
+        ])
         harness.set_trainable_weights(session)
         if mode == tf.estimator.ModeKeys.EVAL:
           updates = [op for _, op in spec.eval_metric_ops.values()]
-          results[mode] = session.run((spec.loss, spec.predictions, updates))[:2]
-          results["metrics"] = session.run(
-              {k: v for k, (v, _) in spec.eval_metric_ops.items()})
+          results[mode] = session.run(
+              (spec.loss, spec.predictions, updates))[:2]
+          results["metrics"] = session.run({
+              k: v for k, (v, _) in spec.eval_metric_ops.items()
+          })
         else:
           results[mode] = session.run(
               (spec.predictions,
@@ -254,8 +303,8 @@ class RaggedFeaturesTest(parameterized.TestCase):
   @parameterized.parameters((2, 8, True), (4, 7, False))
   def test_match_one_device(self, num_towers, batch_size, static):
     expected = _run_ragged(None, batch_size, static)
-    actual = _run_ragged(harness.devices(harness.VIRTUAL_CPUS, num_towers),
-                         batch_size, static)
+    actual = _run_ragged(
+        harness.devices(harness.VIRTUAL_CPUS, num_towers), batch_size, static)
     self.assertEqual(sorted(actual), sorted(expected))
     harness.assert_close_nests(actual, expected, rtol=1e-5, atol=1e-6)
     losses, values = actual[tf.estimator.ModeKeys.TRAIN]
@@ -271,20 +320,26 @@ class RaggedFeaturesTest(parameterized.TestCase):
 class ScalarPredictionsTest(parameterized.TestCase):
 
   def _spec(self, mode, scalar_fn):
+
     def model_fn(features, labels, mode):
       logits = tf.compat.v1.layers.dense(features["x"], 2, name="logits")
       predictions = {"logits": logits, "scalar": scalar_fn(logits)}
       loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
       opt = replicate.TowerOptimizer(
           tf.compat.v1.train.GradientDescentOptimizer(0.1))
-      train_op = opt.minimize(loss) if mode == tf.estimator.ModeKeys.TRAIN else None
+      train_op = opt.minimize(
+          loss) if mode == tf.estimator.ModeKeys.TRAIN else None
       return tf.estimator.EstimatorSpec(
-          mode, predictions=predictions, train_op=train_op,
+          mode,
+          predictions=predictions,
+          train_op=train_op,
           loss=None if mode == tf.estimator.ModeKeys.PREDICT else loss)
+
     x = np.random.RandomState(3).randn(6, 5).astype(np.float32)
     labels = tf.constant([0, 1, 1, 0, 1, 0], tf.int64)
-    return harness.wrap(model_fn, harness.devices(harness.VIRTUAL_CPUS, 4))(
-        {"x": tf.constant(x)}, labels, mode)
+    return harness.wrap(model_fn, harness.devices(harness.VIRTUAL_CPUS, 4))({
+        "x": tf.constant(x)
+    }, labels, mode)
 
   @parameterized.parameters(tf.estimator.ModeKeys.TRAIN,
                             tf.estimator.ModeKeys.EVAL,
@@ -305,8 +360,8 @@ class ScalarPredictionsTest(parameterized.TestCase):
       spec = self._spec(mode, tf.reduce_mean)
       with tf.compat.v1.Session(config=harness.session_config()) as session:
         session.run(tf.compat.v1.global_variables_initializer())
-        logits, scalar = session.run([spec.predictions["logits"],
-                                      spec.predictions["scalar"]])
+        logits, scalar = session.run(
+            [spec.predictions["logits"], spec.predictions["scalar"]])
     np.testing.assert_allclose(scalar, logits.mean(), rtol=1e-6)
 
   @parameterized.parameters(tf.estimator.ModeKeys.TRAIN,
@@ -318,10 +373,10 @@ class ScalarPredictionsTest(parameterized.TestCase):
       spec = self._spec(mode, lambda t: t[0, 0] + 10.0 * t[-1, 1])
       with tf.compat.v1.Session(config=harness.session_config()) as session:
         session.run(tf.compat.v1.global_variables_initializer())
-        logits, scalar = session.run([spec.predictions["logits"],
-                                      spec.predictions["scalar"]])
-    np.testing.assert_allclose(scalar, logits[0, 0] + 10.0 * logits[-1, 1],
-                               rtol=1e-6)
+        logits, scalar = session.run(
+            [spec.predictions["logits"], spec.predictions["scalar"]])
+    np.testing.assert_allclose(
+        scalar, logits[0, 0] + 10.0 * logits[-1, 1], rtol=1e-6)
 
 
 def mean_loss_model_fn(features, labels, mode):
@@ -332,8 +387,9 @@ def mean_loss_model_fn(features, labels, mode):
   optimizer = replicate.TowerOptimizer(
       tf.compat.v1.train.GradientDescentOptimizer(0.5))
   return tf.estimator.EstimatorSpec(
-      mode, loss=loss, train_op=optimizer.minimize(
-          loss, tf.compat.v1.train.get_global_step()),
+      mode,
+      loss=loss,
+      train_op=optimizer.minimize(loss, tf.compat.v1.train.get_global_step()),
       training_hooks=[tf.compat.v1.train.NanTensorHook(loss)])
 
 
@@ -349,8 +405,10 @@ def _run_mean_loss(tower_devices, batch_size, static):
     else:
       features = {"x": tf.compat.v1.placeholder_with_default(x, [None, 5])}
       labels = tf.compat.v1.placeholder_with_default(labels, [None])
-    spec = harness.wrap(mean_loss_model_fn, tower_devices, reduction=(
-        tf.compat.v1.losses.Reduction.MEAN))(
+    spec = harness.wrap(
+        mean_loss_model_fn,
+        tower_devices,
+        reduction=(tf.compat.v1.losses.Reduction.MEAN))(
             features, labels, tf.estimator.ModeKeys.TRAIN)
     with tf.compat.v1.Session(config=harness.session_config()) as session:
       losses, values = harness.run_training(session, spec, 1)
@@ -385,32 +443,40 @@ if __name__ == "__main__":
   from absl.testing import absltest
   absltest.main()
 
-
 # Python lists as an input_fn returns them (tensorflow_estimator's canned
 # tests do): feature columns and heads convert them, so they are values.
-_LIST_FEATURES = {"age": [[10.], [20.], [-5.], [7.], [3.]],
-                  "language": [["en"], ["fr"], ["de"], ["en"], ["xx"]]}
+_LIST_FEATURES = {
+    "age": [[10.], [20.], [-5.], [7.], [3.]],
+    "language": [["en"], ["fr"], ["de"], ["en"], ["xx"]]
+}
 _LIST_LABELS = [[1], [0], [1], [1], [0]]
 
 
 def _list_columns():
   language = tf.feature_column.categorical_column_with_vocabulary_list(
       "language", ["en", "fr", "de"])
-  return [tf.feature_column.numeric_column("age"),
-          tf.feature_column.indicator_column(language)]
+  return [
+      tf.feature_column.numeric_column("age"),
+      tf.feature_column.indicator_column(language)
+  ]
 
 
 def _canned_model_fn(kind):
   if kind == "linear_regressor_v2":
     return tf.estimator.LinearRegressor(
-        _list_columns(), optimizer=replicate.TowerOptimizer(
+        _list_columns(),
+        optimizer=replicate.TowerOptimizer(
             lambda: tf.keras.optimizers.legacy.Ftrl(0.1))).model_fn
   if kind == "dnn_classifier_v2":
     return tf.estimator.DNNClassifier(
-        [3], _list_columns(), optimizer=replicate.TowerOptimizer(
+        [3],
+        _list_columns(),
+        optimizer=replicate.TowerOptimizer(
             lambda: tf.keras.optimizers.legacy.Adagrad(0.1))).model_fn
   return tf.compat.v1.estimator.DNNClassifier(
-      [3], _list_columns(), optimizer=replicate.TowerOptimizer(
+      [3],
+      _list_columns(),
+      optimizer=replicate.TowerOptimizer(
           lambda: tf.compat.v1.train.AdagradOptimizer(0.1))).model_fn
 
 
@@ -423,24 +489,30 @@ def _run_lists(model_fn, mode, num_towers, rows):
     if num_towers > 1:
       model_fn = replicate.replicate_model_fn(
           model_fn, devices=harness.devices(harness.VIRTUAL_CPUS, num_towers))
-    spec = model_fn(features=features, labels=labels, mode=mode,
-                    config=tf.estimator.RunConfig())
+    spec = model_fn(
+        features=features,
+        labels=labels,
+        mode=mode,
+        config=tf.estimator.RunConfig())
     # Soft placement, as the Estimator's default RunConfig has it (canned
     # DNN summaries need it with several towers: issue 19 item 6).
-    with tf.compat.v1.Session(
-        config=harness.session_config(soft=True)) as session:
-      session.run(tf.compat.v1.tables_initializer())   # the vocabulary
+    with tf.compat.v1.Session(config=harness.session_config(
+        soft=True)) as session:
+      session.run(tf.compat.v1.tables_initializer())  # the vocabulary
       if mode == harness.TRAIN:
         return harness.run_training(session, spec, steps=2)
-      session.run([tf.compat.v1.global_variables_initializer(),
-                   tf.compat.v1.local_variables_initializer()])
+      session.run([
+          tf.compat.v1.global_variables_initializer(),
+          tf.compat.v1.local_variables_initializer()
+      ])
       harness.set_trainable_weights(session)
       if mode == harness.PREDICT:
         return session.run(spec.predictions)
       updates = [op for _, op in spec.eval_metric_ops.values()]
       loss, _ = session.run([spec.loss, updates])
-      return loss, session.run(
-          {k: v for k, (v, _) in spec.eval_metric_ops.items()})
+      return loss, session.run({
+          k: v for k, (v, _) in spec.eval_metric_ops.items()
+      })
 
 
 class PythonListInputsTest(parameterized.TestCase):
@@ -467,8 +539,10 @@ class PythonListInputsTest(parameterized.TestCase):
   def test_a_list_that_is_a_value_is_one_tensor(self, num_towers):
     with tf.Graph().as_default():
       shards = replicate._prepare.split.split_batch(  # pylint: disable=protected-access
-          {"age": [[10.], [20.], [30.]], "pair": ([1, 2], [3, 4], [5, 6])},
-          (np.float32(1.), np.float32(2.), np.float32(3.)), num_towers)
+          {
+              "age": [[10.], [20.], [30.]],
+              "pair": ([1, 2], [3, 4], [5, 6])
+          }, (np.float32(1.), np.float32(2.), np.float32(3.)), num_towers)
       # A shard's size is known when it runs (shards.sizes), not in its
       # static shape: code reading it computes the run's value.
       self.assertEqual(shards.features[0]["age"].shape.as_list(), [None, 1])
@@ -483,7 +557,10 @@ class PythonListInputsTest(parameterized.TestCase):
           ValueError, r"`features\['scale'\]` is a scalar and has no batch "
           r"dimension to split across towers \(its value: 2.0\)"):
         replicate._prepare.split.split_batch(  # pylint: disable=protected-access
-            {"x": [[1.], [2.]], "scale": 2.0}, [1, 2], 2)
+            {
+                "x": [[1.], [2.]],
+                "scale": 2.0
+            }, [1, 2], 2)
 
   def test_ragged_list_is_refused_naming_it(self):
     with tf.Graph().as_default():

@@ -20,7 +20,6 @@ from tests import harness
 
 ROWS = 10
 
-
 # Keras optimizers, and a tf.compat.v1 one (Keras compiles it in a
 # TFOptimizer, which tracks it as a child).
 _OPTIMIZERS = {
@@ -37,14 +36,19 @@ def _keras_model(wrapped: bool, optimizer: str = "sgd"):
       # No bias before batch norm: its gradient is zero but for rounding,
       # which Adam's normalised steps would magnify.
       tf.keras.layers.Conv2D(
-          4, 2, use_bias=False, name="conv",
+          4,
+          2,
+          use_bias=False,
+          name="conv",
           kernel_initializer=tf.keras.initializers.GlorotUniform(seed=1)),
       tf.keras.layers.BatchNormalization(name="bn"),
       tf.keras.layers.ReLU(),
       tf.keras.layers.Flatten(),
       tf.keras.layers.Dense(
-          3, name="logits",
-          kernel_initializer=tf.keras.initializers.GlorotUniform(seed=2))])
+          3,
+          name="logits",
+          kernel_initializer=tf.keras.initializers.GlorotUniform(seed=2))
+  ])
   built = _OPTIMIZERS[optimizer]()
   model.compile(
       optimizer=replicate.TowerOptimizer(built) if wrapped else built,
@@ -64,16 +68,18 @@ def _input_fn():
   rng = np.random.RandomState(3)
   x = (2.0 * rng.randn(3 * ROWS, 32) + 1.0).astype(np.float32)
   y = rng.randint(0, 3, 3 * ROWS).astype(np.int32)
-  return tf.data.Dataset.from_tensor_slices(({"maps_input": x}, y)).batch(
-      ROWS)
+  return tf.data.Dataset.from_tensor_slices(({"maps_input": x}, y)).batch(ROWS)
 
 
-@pytest.mark.parametrize("wrapped", [True, False],
-                         ids=["tower_optimizer", "keras_optimizer"])
+@pytest.mark.parametrize(
+    "wrapped", [True, False], ids=["tower_optimizer", "keras_optimizer"])
 def test_model_to_estimator_with_batch_norm_is_one_devices(wrapped, tmp_path):
   estimator = _estimator(tmp_path, wrapped)
   summary = replicate.testing.assert_replicates(
-      estimator, _input_fn, towers=(4,), steps=3,
+      estimator,
+      _input_fn,
+      towers=(4,),
+      steps=3,
       model_dir=str(tmp_path / "runs"))
   assert summary.predictions == 3 * ROWS
   assert "accuracy" in summary.metrics
@@ -117,12 +123,16 @@ def _train_twice(tmp_path, first, second, optimizer):
       model_fn = replicate.replicate_model_fn(
           model_fn, devices=harness.devices(harness.VIRTUAL_CPUS, 2))
     tf.estimator.Estimator(
-        model_fn, config=replicate.testing.run_config(
+        model_fn,
+        config=replicate.testing.run_config(
             2, model_dir=model_dir, tf_random_seed=0)).train(
                 _input_fn, steps=2)
   reader = tf.train.load_checkpoint(model_dir)
-  return {name: reader.get_tensor(name) for name in _checkpoint_keys(model_dir)
-          if name != "_CHECKPOINTABLE_OBJECT_GRAPH"}
+  return {
+      name: reader.get_tensor(name)
+      for name in _checkpoint_keys(model_dir)
+      if name != "_CHECKPOINTABLE_OBJECT_GRAPH"
+  }
 
 
 @pytest.fixture(scope="module")
@@ -141,12 +151,14 @@ def plain_twice(tmp_path_factory):
 
 # Every order with one optimizer; the others (their keys are checked above)
 # resume a replicated run.
-@pytest.mark.parametrize("first,second,optimizer", [
-    ("plain", "replicated", "sgd"), ("replicated", "replicated", "sgd"),
-    ("replicated", "plain", "sgd"), ("replicated", "replicated", "adam"),
-    ("replicated", "replicated", "v1_adam")])
-def test_training_resumes_from_either_runs_checkpoint(
-    first, second, optimizer, plain_twice, tmp_path):
+@pytest.mark.parametrize("first,second,optimizer",
+                         [("plain", "replicated", "sgd"),
+                          ("replicated", "replicated", "sgd"),
+                          ("replicated", "plain", "sgd"),
+                          ("replicated", "replicated", "adam"),
+                          ("replicated", "replicated", "v1_adam")])
+def test_training_resumes_from_either_runs_checkpoint(first, second, optimizer,
+                                                      plain_twice, tmp_path):
   expected = plain_twice(optimizer)
   actual = _train_twice(tmp_path, first, second, optimizer)
   assert sorted(actual) == sorted(expected)
@@ -154,13 +166,13 @@ def test_training_resumes_from_either_runs_checkpoint(
   for name, value in expected.items():
     # Four small steps; the towers sum in another order (float32 roundings
     # far below the tolerance).
-    np.testing.assert_allclose(actual[name], value, rtol=1e-5, atol=1e-6,
-                               err_msg=name)
+    np.testing.assert_allclose(
+        actual[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
 
 
 def _eager_step(layer, optimizer):
   with tf.GradientTape() as tape:
-    loss = tf.reduce_sum(layer(tf.ones([4, 3])) ** 2)
+    loss = tf.reduce_sum(layer(tf.ones([4, 3]))**2)
   gradients = tape.gradient(loss, layer.trainable_variables)
   optimizer.apply_gradients(zip(gradients, layer.trainable_variables))
 
@@ -168,15 +180,16 @@ def _eager_step(layer, optimizer):
 def _eager_layer_and_optimizer(wrapped, kind):
   layer = tf.keras.layers.Dense(2, kernel_initializer="ones")
   layer.build([None, 3])
-  optimizer = (tf.keras.optimizers.legacy.Adam(0.1) if kind == "keras" else
-               tf.compat.v1.train.AdamOptimizer(0.1))
-  return layer, (replicate.TowerOptimizer(optimizer) if wrapped else
-                 optimizer)
+  optimizer = (
+      tf.keras.optimizers.legacy.Adam(0.1)
+      if kind == "keras" else tf.compat.v1.train.AdamOptimizer(0.1))
+  return layer, (replicate.TowerOptimizer(optimizer) if wrapped else optimizer)
 
 
 @pytest.mark.parametrize("kind", ["keras", "v1"])
-@pytest.mark.parametrize("save_wrapped,restore_wrapped",
-                         [(True, False), (False, True), (True, True)])
+@pytest.mark.parametrize("save_wrapped,restore_wrapped", [(True, False),
+                                                          (False, True),
+                                                          (True, True)])
 def test_object_checkpoints_restore_either_way(save_wrapped, restore_wrapped,
                                                kind, tmp_path):
   # tf.train.Checkpoint, restored before the optimizer has created its
@@ -185,16 +198,16 @@ def test_object_checkpoints_restore_either_way(save_wrapped, restore_wrapped,
   layer, optimizer = _eager_layer_and_optimizer(save_wrapped, kind)
   for _ in range(2):
     _eager_step(layer, optimizer)
-  path = tf.train.Checkpoint(model=layer, optimizer=optimizer).save(
-      str(tmp_path / "ckpt"))
+  path = tf.train.Checkpoint(
+      model=layer, optimizer=optimizer).save(str(tmp_path / "ckpt"))
   restored, restored_optimizer = _eager_layer_and_optimizer(
       restore_wrapped, kind)
-  status = tf.train.Checkpoint(model=restored,
-                               optimizer=restored_optimizer).restore(path)
+  status = tf.train.Checkpoint(
+      model=restored, optimizer=restored_optimizer).restore(path)
   _eager_step(restored, restored_optimizer)
   status.assert_consumed()
   _eager_step(layer, optimizer)
   if kind == "keras":
     assert restored_optimizer.iterations.numpy() == 3
-  np.testing.assert_allclose(restored.kernel.numpy(), layer.kernel.numpy(),
-                             rtol=1e-6)
+  np.testing.assert_allclose(
+      restored.kernel.numpy(), layer.kernel.numpy(), rtol=1e-6)

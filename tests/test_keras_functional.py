@@ -7,8 +7,8 @@ tf.cond that no step runs; the model_fn then calls the model on the
 features with `training=True` (TRAIN) or False (EVAL, PREDICT). Those
 never-run writes are not refused (issue 20 item 5), nor is any write in a
 tf.cond that nothing fetches; writes inside a tf.cond the step runs (through
-the train_op or a hook's tensors) still are. N towers against the unwrapped model_fn
-on one device, same data and initial weights: every step's loss, every
+the train_op or a hook's tensors) still are. N towers against the unwrapped
+model_fn on one device, same data and initial weights: every step's loss, every
 trained variable and the moving statistics; eval losses and metrics;
 predictions.
 
@@ -30,10 +30,12 @@ TRAIN, EVAL, PREDICT = harness.TRAIN, harness.EVAL, harness.PREDICT
 STEPS = 3
 # (towers, batch, static): an uneven split, a dynamic batch, an even one.
 SHAPES = [(2, 7, True), (4, 10, False), (4, 8, True)]
-SHAPE_IDS = [f"{n}towers-batch{b}-{'static' if s else 'dynamic'}"
-             for n, b, s in SHAPES]
-STYLES = ["functional", "sequential_with_input_shape", "sequential",
-          "subclassed"]
+SHAPE_IDS = [
+    f"{n}towers-batch{b}-{'static' if s else 'dynamic'}" for n, b, s in SHAPES
+]
+STYLES = [
+    "functional", "sequential_with_input_shape", "sequential", "subclassed"
+]
 
 
 def _data(batch, steps=STEPS):
@@ -46,12 +48,15 @@ def _data(batch, steps=STEPS):
 def _layers():
   # No bias before batch norm: its gradient is zero up to rounding, and
   # Adam's step for a zero gradient (m / sqrt(v) of roundings) is noise.
-  return [tf.keras.layers.Dense(4, use_bias=False, name="dense"),
-          tf.keras.layers.BatchNormalization(
-              name="bn", momentum=0.5,
-              moving_mean_initializer=tf.keras.initializers.Constant(0.2),
-              moving_variance_initializer=tf.keras.initializers.Constant(2.)),
-          tf.keras.layers.Dense(1, name="out")]
+  return [
+      tf.keras.layers.Dense(4, use_bias=False, name="dense"),
+      tf.keras.layers.BatchNormalization(
+          name="bn",
+          momentum=0.5,
+          moving_mean_initializer=tf.keras.initializers.Constant(0.2),
+          moving_variance_initializer=tf.keras.initializers.Constant(2.)),
+      tf.keras.layers.Dense(1, name="out")
+  ]
 
 
 class _Subclassed(tf.keras.Model):
@@ -102,9 +107,12 @@ def _model_fn(features, labels, mode, params):
     if mode == PREDICT:
       return tf.estimator.EstimatorSpec(mode, predictions={"y": predictions})
     return tf.estimator.EstimatorSpec(
-        mode, loss=tf.compat.v1.losses.mean_squared_error(labels, predictions),
-        eval_metric_ops={"mae": tf.compat.v1.metrics.mean_absolute_error(
-            labels, predictions)})
+        mode,
+        loss=tf.compat.v1.losses.mean_squared_error(labels, predictions),
+        eval_metric_ops={
+            "mae": tf.compat.v1.metrics.mean_absolute_error(
+                labels, predictions)
+        })
   step = tf.compat.v1.train.get_global_step()
   with tf.GradientTape() as tape:
     predictions = model(x, training=True)
@@ -119,8 +127,8 @@ def _model_fn(features, labels, mode, params):
     if params.get("optimizer") == "keras":
       optimizer = replicate.TowerOptimizer(
           tf.keras.optimizers.legacy.Adam(0.05))
-      train_op = optimizer.minimize(loss, tf.compat.v1.trainable_variables(),
-                                    tape=tape)
+      train_op = optimizer.minimize(
+          loss, tf.compat.v1.trainable_variables(), tape=tape)
       with tf.control_dependencies([train_op]):
         train_op = step.assign_add(1)
     else:
@@ -162,16 +170,16 @@ def _assert_close(actual, expected):
 
 @pytest.mark.parametrize("towers,batch,static", SHAPES, ids=SHAPE_IDS)
 @pytest.mark.parametrize("style", STYLES)
-def test_keras_model_with_batch_norm_trains_as_one_device(style, towers,
-                                                          batch, static):
+def test_keras_model_with_batch_norm_trains_as_one_device(
+    style, towers, batch, static):
   params = {"style": style}
   expected_losses, expected = _one_device(params, batch, static)
   losses, actual = _train(params, batch, towers, static)
   _assert_close(losses, expected_losses)
   assert sorted(actual) == sorted(expected)
   for name in expected:
-    np.testing.assert_allclose(actual[name], expected[name], rtol=1e-5,
-                               atol=1e-6, err_msg=name)
+    np.testing.assert_allclose(
+        actual[name], expected[name], rtol=1e-5, atol=1e-6, err_msg=name)
   # The moving statistics moved: the updates ran, once per step.
   moving_mean = [n for n in expected if n.endswith("bn/moving_mean")]
   assert len(moving_mean) == 1
@@ -185,8 +193,8 @@ def test_functional_model_with_a_keras_optimizer(towers):
   losses, actual = _train(params, 7, towers, static=False)
   _assert_close(losses, expected_losses)
   for name in expected:
-    np.testing.assert_allclose(actual[name], expected[name], rtol=1e-5,
-                               atol=1e-6, err_msg=name)
+    np.testing.assert_allclose(
+        actual[name], expected[name], rtol=1e-5, atol=1e-6, err_msg=name)
 
 
 def _conv_model_fn(features, labels, mode, params):
@@ -209,57 +217,74 @@ def _conv_model_fn(features, labels, mode, params):
 @pytest.mark.parametrize("towers", [2, 4])
 def test_functional_model_with_fused_batch_norm(towers):
   rng = np.random.RandomState(3)
-  data = ({"x": rng.randn(21, 4, 4, 1).astype(np.float32)},
-          rng.randn(21, 1).astype(np.float32))
-  expected_losses, expected = harness.train(_conv_model_fn, data, 7, STEPS,
-                                            static=False)
-  losses, actual = harness.train(_conv_model_fn, data, 7, STEPS,
-                                 _towers(towers), static=False)
+  data = ({
+      "x": rng.randn(21, 4, 4, 1).astype(np.float32)
+  }, rng.randn(21, 1).astype(np.float32))
+  expected_losses, expected = harness.train(
+      _conv_model_fn, data, 7, STEPS, static=False)
+  losses, actual = harness.train(
+      _conv_model_fn, data, 7, STEPS, _towers(towers), static=False)
   _assert_close(losses, expected_losses)
   for name in expected:
-    np.testing.assert_allclose(actual[name], expected[name], rtol=1e-5,
-                               atol=1e-6, err_msg=name)
+    np.testing.assert_allclose(
+        actual[name], expected[name], rtol=1e-5, atol=1e-6, err_msg=name)
   assert np.all(np.abs(expected["bn/moving_mean"]) > 1e-3)
 
 
 @pytest.mark.parametrize("towers", [2, 4])
 def test_unsynchronised_functional_model_is_the_layers_own(towers):
   """sync_batch_norm=False: each tower's statistics, as the bare layers'."""
-  losses, actual = _train({"style": "functional"}, 10, towers,
+  losses, actual = _train({"style": "functional"},
+                          10,
+                          towers,
                           sync_batch_norm=False)
-  expected_losses, expected = _train({"style": "layers"}, 10, towers,
+  expected_losses, expected = _train({"style": "layers"},
+                                     10,
+                                     towers,
                                      sync_batch_norm=False)
   _assert_close(losses, expected_losses)
   for name in expected:
-    np.testing.assert_allclose(actual[name], expected[name], rtol=1e-5,
-                               atol=1e-6, err_msg=name)
+    np.testing.assert_allclose(
+        actual[name], expected[name], rtol=1e-5, atol=1e-6, err_msg=name)
   one_device_losses, _ = _one_device({"style": "layers"}, 10, True)
   # The shards' statistics, not the batch's: the first loss already differs.
   assert abs(losses[0] - one_device_losses[0]) > 1e-3
 
 
 @pytest.mark.parametrize("towers,batch,static", SHAPES, ids=SHAPE_IDS)
-def test_functional_model_evaluates_and_predicts_as_one_device(towers, batch,
-                                                               static):
+def test_functional_model_evaluates_and_predicts_as_one_device(
+    towers, batch, static):
   params = {"style": "functional"}
   data = _data(batch)
   expected_losses, expected_metrics = harness.evaluate(
       _model_fn, data, batch, STEPS, params=params, static=static)
   losses, metrics = harness.evaluate(
-      _model_fn, data, batch, STEPS, _towers(towers), params=params,
+      _model_fn,
+      data,
+      batch,
+      STEPS,
+      _towers(towers),
+      params=params,
       static=static)
   _assert_close(losses, expected_losses)
   _assert_close(metrics["mae"], expected_metrics["mae"])
-  expected = harness.predict(_model_fn, data[0], batch, STEPS, params=params,
-                             static=static)
-  actual = harness.predict(_model_fn, data[0], batch, STEPS, _towers(towers),
-                           params=params, static=static)
+  expected = harness.predict(
+      _model_fn, data[0], batch, STEPS, params=params, static=static)
+  actual = harness.predict(
+      _model_fn,
+      data[0],
+      batch,
+      STEPS,
+      _towers(towers),
+      params=params,
+      static=static)
   harness.assert_close_nests(actual, expected, rtol=1e-5, atol=1e-6)
 
 
 def test_a_tensor_training_in_a_functional_model_is_one_devices():
   """The functional model called with a tensor `training` on the features:
   batch norm's statistics and updates in tf.conds, one device's."""
+
   def model_fn(features, labels, mode, params):
     del params  # unused
     model = _model("functional")
@@ -271,25 +296,29 @@ def test_a_tensor_training_in_a_functional_model_is_one_devices():
           tf.compat.v1.train.AdamOptimizer(0.05)).minimize(
               loss, tf.compat.v1.train.get_global_step())
     return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
   expected_losses, expected = harness.train(model_fn, _data(8), 8, STEPS)
-  losses, actual = harness.train(model_fn, _data(8), 8, STEPS,
-                                 tower_devices=_towers(2))
+  losses, actual = harness.train(
+      model_fn, _data(8), 8, STEPS, tower_devices=_towers(2))
   _assert_close(losses, expected_losses)
   for name in expected:
-    np.testing.assert_allclose(actual[name], expected[name], rtol=1e-5,
-                               atol=1e-6, err_msg=name)
+    np.testing.assert_allclose(
+        actual[name], expected[name], rtol=1e-5, atol=1e-6, err_msg=name)
 
 
 def _counter_in_a_cond_model_fn(features, labels, mode, params):
   """A linear model; a counter written in a tf.cond, fetched as `params` say."""
   counter = tf.compat.v1.get_variable(
-      "counter", [], tf.float32, trainable=False,
+      "counter", [],
+      tf.float32,
+      trainable=False,
       initializer=tf.compat.v1.zeros_initializer(),
       aggregation=tf.VariableAggregation.SUM)
   x = features["x"]
-  count = tf.cond(tf.reduce_sum(x) > -1e9,
-                  lambda: counter.assign_add(tf.reduce_sum(tf.ones_like(x))),
-                  lambda: tf.identity(counter))
+  count = tf.cond(
+      tf.reduce_sum(x) > -1e9,
+      lambda: counter.assign_add(tf.reduce_sum(tf.ones_like(x))),
+      lambda: tf.identity(counter))
   predictions = tf.compat.v1.layers.dense(x, 1, name="linear")
   loss = tf.compat.v1.losses.mean_squared_error(labels, predictions)
   train_op = replicate.TowerOptimizer(
@@ -298,8 +327,8 @@ def _counter_in_a_cond_model_fn(features, labels, mode, params):
   hooks = []
   if params["fetch"] == "hook":
     hooks = [tf.compat.v1.train.LoggingTensorHook({"count": count}, 1)]
-  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op,
-                                    training_hooks=hooks)
+  return tf.estimator.EstimatorSpec(
+      mode, loss=loss, train_op=train_op, training_hooks=hooks)
 
 
 @pytest.mark.parametrize("towers", [2, 4])
@@ -307,12 +336,17 @@ def test_a_write_in_a_tf_cond_no_fetch_reaches_is_left_alone(towers):
   params = {"fetch": None}
   expected_losses, expected = harness.train(
       _counter_in_a_cond_model_fn, _data(7), 7, STEPS, params=params)
-  losses, actual = harness.train(_counter_in_a_cond_model_fn, _data(7), 7,
-                                 STEPS, _towers(towers), params=params)
+  losses, actual = harness.train(
+      _counter_in_a_cond_model_fn,
+      _data(7),
+      7,
+      STEPS,
+      _towers(towers),
+      params=params)
   _assert_close(losses, expected_losses)
   for name in expected:
-    np.testing.assert_allclose(actual[name], expected[name], rtol=1e-5,
-                               atol=1e-6, err_msg=name)
+    np.testing.assert_allclose(
+        actual[name], expected[name], rtol=1e-5, atol=1e-6, err_msg=name)
   assert expected["counter"] == 0  # on one device too, nothing ran it
 
 
@@ -321,14 +355,18 @@ def _counts_fetched_by_the_hook(tower_devices):
   with tf.Graph().as_default():
     tf.compat.v1.train.create_global_step()
     features, labels = harness.batches(_data(7), 7)
-    spec = harness.wrap(_counter_in_a_cond_model_fn, tower_devices)(
-        features, labels, harness.TRAIN, {"fetch": "hook"})
+    spec = harness.wrap(_counter_in_a_cond_model_fn,
+                        tower_devices)(features, labels, harness.TRAIN, {
+                            "fetch": "hook"
+                        })
     hook, = spec.training_hooks
     hook.begin()
     with tf.compat.v1.Session(config=harness.session_config()) as session:
       session.run(tf.compat.v1.global_variables_initializer())
-      counts = [session.run([spec.train_op, hook.before_run(None).fetches])[1]
-                for _ in range(STEPS)]
+      counts = [
+          session.run([spec.train_op,
+                       hook.before_run(None).fetches])[1] for _ in range(STEPS)
+      ]
   return [c["count"] for c in counts]
 
 

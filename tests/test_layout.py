@@ -14,9 +14,11 @@ _PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "replicate"
 
 # The order a step is built in; a module imports only its own stage's
 # modules, earlier stages' and the shared ones.
-_ORDER = ["_tf", "_graph", "_context", "_prepare", "_towers", "_batch",
-          "_batch_norm", "_meet", "_merge", "_core", "testing", "__init__",
-          "__main__", "pytest_plugin"]
+_ORDER = [
+    "_tf", "_graph", "_context", "_prepare", "_towers", "_batch", "_batch_norm",
+    "_meet", "_merge", "_core", "testing", "__init__", "__main__",
+    "pytest_plugin"
+]
 # Names of namedtuples' public API that start with an underscore.
 _NAMEDTUPLE_API = {"_fields", "_replace", "_asdict", "_make"}
 _PRIVATE_MODULES = ("tensorflow.python", "tensorflow.core", "keras.src",
@@ -69,8 +71,11 @@ def test_imports_point_to_earlier_stages_only():
 
 def test_no_import_cycles():
   modules = _modules()
-  graph = {m: _imports(t, set(modules)) - {"replicate", m}
-           for m, t in modules.items() if m != "replicate"}
+  graph = {
+      m: _imports(t, set(modules)) - {"replicate", m}
+      for m, t in modules.items()
+      if m != "replicate"
+  }
   state: Dict[str, int] = {}
 
   def visit(module: str, path: List[str]):
@@ -91,16 +96,18 @@ def _private_accesses(tree: ast.Module) -> List[str]:
   found = []
   for node in ast.walk(tree):
     if isinstance(node, (ast.Import, ast.ImportFrom)):
-      names = [node.module or ""] if isinstance(node, ast.ImportFrom) else [
-          a.name for a in node.names]
-      found += [f"line {node.lineno}: import {n}" for n in names
-                if n.startswith(_PRIVATE_MODULES)]
+      names = [node.module or ""] if isinstance(
+          node, ast.ImportFrom) else [a.name for a in node.names]
+      found += [
+          f"line {node.lineno}: import {n}" for n in names
+          if n.startswith(_PRIVATE_MODULES)
+      ]
     elif isinstance(node, ast.Attribute):
       attr = node.attr
       if (attr.startswith("_") and not attr.endswith("__") and
-          attr not in _NAMEDTUPLE_API and not (
-              isinstance(node.value, ast.Name) and
-              node.value.id in ("self", "cls"))):
+          attr not in _NAMEDTUPLE_API and
+          not (isinstance(node.value, ast.Name) and
+               node.value.id in ("self", "cls"))):
         found.append(f"line {node.lineno}: {ast.unparse(node)}")
     elif isinstance(node, ast.Call) and isinstance(
         node.func, ast.Name) and node.func.id in ("setattr", "delattr"):
@@ -110,30 +117,32 @@ def _private_accesses(tree: ast.Module) -> List[str]:
         root = target
         while isinstance(root, ast.Attribute):
           root = root.value
-        if (isinstance(target, ast.Attribute) and isinstance(root, ast.Name)
-            and (root.id in ("tf", "keras") or root.id.lstrip("_")[:1].isupper())):
+        if (isinstance(target, ast.Attribute) and isinstance(root, ast.Name) and
+            (root.id in ("tf", "keras") or root.id.lstrip("_")[:1].isupper())):
           found.append(f"line {node.lineno}: {ast.unparse(target)} = ...")
   return found
 
 
 def test_tensorflow_internals_only_in_tf_module():
-  offending = {module: found for module, tree in _modules().items()
-               if module != "replicate._tf"
-               and (found := _private_accesses(tree))}
+  offending = {
+      module: found
+      for module, tree in _modules().items()
+      if module != "replicate._tf" and (found := _private_accesses(tree))
+  }
   assert not offending
 
 
 def test_the_fence_sees_what_it_fences():
-  tree = ast.parse(
-      "from tensorflow.python.ops import array_ops\n"
-      "op._update_input(0, x)\n"
-      "setattr(tf.nn, 'relu', f)\n"
-      "tf.GradientTape.gradient = g\n"
-      "spec._replace(loss=1)\n"
-      "self._own = 1\n")
+  tree = ast.parse("from tensorflow.python.ops import array_ops\n"
+                   "op._update_input(0, x)\n"
+                   "setattr(tf.nn, 'relu', f)\n"
+                   "tf.GradientTape.gradient = g\n"
+                   "spec._replace(loss=1)\n"
+                   "self._own = 1\n")
   found = _private_accesses(tree)
   assert sorted(f.split(":")[0] for f in found) == [
-      "line 1", "line 2", "line 3", "line 4"]
+      "line 1", "line 2", "line 3", "line 4"
+  ]
 
 
 def test_every_module_says_what_it_holds():

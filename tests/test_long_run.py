@@ -17,10 +17,10 @@ import tensorflow as tf
 
 import replicate
 from replicate import _core
-from replicate._towers import lookups
 from replicate._batch_norm import per_tower
 from replicate._meet import own_gradients
 from replicate._meet import routing
+from replicate._towers import lookups
 from tests import harness
 from tests import test_estimator
 
@@ -28,7 +28,7 @@ pytestmark = pytest.mark.slow
 
 # Train steps, checkpoints and evaluations (e.g. 30 to watch memory longer).
 ROUNDS = int(os.environ.get("REPLICATE_LONG_RUN_ROUNDS", "10"))
-WARM_UP = 3          # rounds before memory is compared
+WARM_UP = 3  # rounds before memory is compared
 # Allowed RSS growth from round WARM_UP to the last. Measured here: about
 # 0.3 MB a round (7 MB from round 5 to 30: allocator pools settling); with
 # each round's graphs kept alive, about 5 MB a round (73 MB over 15 rounds;
@@ -57,27 +57,30 @@ class _Recorder:
 
 
 def _estimator(model_fn, model_dir):
-  config = harness.estimator_config(model_dir, seed=42).replace(
-      save_checkpoints_steps=1)
-  return tf.estimator.Estimator(model_fn, config=config,
-                                params={"learning_rate": 0.05})
+  config = harness.estimator_config(
+      model_dir, seed=42).replace(save_checkpoints_steps=1)
+  return tf.estimator.Estimator(
+      model_fn, config=config, params={"learning_rate": 0.05})
 
 
 def _variables(estimator):
-  return {v: estimator.get_variable_value(v)
-          for v in estimator.get_variable_names()}
+  return {
+      v: estimator.get_variable_value(v) for v in estimator.get_variable_names()
+  }
 
 
 def _run_cycles(model_fn, model_dir):
   """train_and_evaluate, one evaluation per step; final metrics, variables."""
   estimator = _estimator(model_fn, model_dir)
-  train_spec = tf.estimator.TrainSpec(test_estimator._input_fn(),  # pylint: disable=protected-access
-                                      max_steps=ROUNDS)
+  train_spec = tf.estimator.TrainSpec(
+      test_estimator._input_fn(),  # pylint: disable=protected-access
+      max_steps=ROUNDS)
   eval_spec = tf.estimator.EvalSpec(
       test_estimator._input_fn(50, epochs=1),  # pylint: disable=protected-access
-      steps=None, start_delay_secs=0, throttle_secs=0)
-  metrics, _ = tf.estimator.train_and_evaluate(estimator, train_spec,
-                                               eval_spec)
+      steps=None,
+      start_delay_secs=0,
+      throttle_secs=0)
+  metrics, _ = tf.estimator.train_and_evaluate(estimator, train_spec, eval_spec)
   return metrics, _variables(estimator)
 
 
@@ -95,8 +98,9 @@ def _run_plain(model_dir):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-  recorder = _Recorder(replicate.replicate_model_fn(
-      test_estimator.model_fn, devices=["/device:CPU:0", "/device:CPU:1"]))
+  recorder = _Recorder(
+      replicate.replicate_model_fn(
+          test_estimator.model_fn, devices=["/device:CPU:0", "/device:CPU:1"]))
   replicated = _run_cycles(recorder, tmp_path_factory.mktemp("replicated"))
   plain = _run_plain(tmp_path_factory.mktemp("plain"))
   gc.collect()
@@ -115,9 +119,13 @@ def test_no_graph_or_library_state_is_left_behind(runs):
   alive = [ref for ref in recorder.graphs if ref() is not None]
   assert not alive, f"{len(alive)} of {len(recorder.graphs)} graphs alive"
   # Every patch the towers' build installs is undone after it.
-  for patches in (_core._UNFOLDED_SHAPES, _core._TOWER_ROOTS,  # pylint: disable=protected-access
-                  routing._PATCHES, own_gradients._PATCHES,  # pylint: disable=protected-access
-                  lookups._PATCHES, per_tower._PATCHES):  # pylint: disable=protected-access
+  for patches in (
+      _core._UNFOLDED_SHAPES,
+      _core._TOWER_ROOTS,  # pylint: disable=protected-access
+      routing._PATCHES,
+      own_gradients._PATCHES,  # pylint: disable=protected-access
+      lookups._PATCHES,
+      per_tower._PATCHES):  # pylint: disable=protected-access
     assert not patches.installed
 
 
@@ -136,7 +144,7 @@ def test_final_weights_and_metrics_are_the_plain_estimators(runs):
   # Float32 sums of 2 towers in another order, through 30 Adam steps (as
   # test_estimator's 12): rtol 1e-4 on values of order 1, atol near 0.
   for name, value in plain_variables.items():
-    np.testing.assert_allclose(variables[name], value, rtol=1e-4, atol=1e-6,
-                               err_msg=name)
+    np.testing.assert_allclose(
+        variables[name], value, rtol=1e-4, atol=1e-6, err_msg=name)
   for key, value in plain_metrics.items():
     np.testing.assert_allclose(metrics[key], value, rtol=1e-4, err_msg=key)

@@ -39,13 +39,17 @@ def _input_fn(classes=False):
   # A static batch: shapes fold into constants (the dynamic eval set below
   # checks the other way).
   return lambda: tf.data.Dataset.from_tensor_slices(
-      (features, labels)).repeat().batch(BATCH, drop_remainder=True)
+      (features, labels)).repeat().batch(
+          BATCH, drop_remainder=True)
 
 
 def _config(model_dir, num_towers):
   return tf.estimator.RunConfig(
-      model_dir=str(model_dir), tf_random_seed=11, save_summary_steps=1,
-      save_checkpoints_steps=1000, log_step_count_steps=1000,
+      model_dir=str(model_dir),
+      tf_random_seed=11,
+      save_summary_steps=1,
+      save_checkpoints_steps=1000,
+      log_step_count_steps=1000,
       session_config=replicate.testing.session_config(max(num_towers, 1)))
 
 
@@ -64,35 +68,42 @@ def _custom_model_fn(features, labels, mode):
 
 CASES = {
     "v2_linear_regressor": (lambda config: tf.estimator.LinearRegressor(
-        COLUMNS, optimizer=replicate.TowerOptimizer(SGD(0.05)),
-        config=config), False),
+        COLUMNS, optimizer=replicate.TowerOptimizer(SGD(0.05)), config=config),
+                            False),
     "v2_dnn_classifier": (lambda config: tf.estimator.DNNClassifier(
-        [4], COLUMNS, optimizer=replicate.TowerOptimizer(SGD(0.05)),
+        [4],
+        COLUMNS,
+        optimizer=replicate.TowerOptimizer(SGD(0.05)),
         config=config), True),
     "v2_baseline_sum": (lambda config: tf.estimator.BaselineClassifier(
         optimizer=replicate.TowerOptimizer(SGD(0.05)),
-        loss_reduction=tf.keras.losses.Reduction.SUM, config=config), True),
-    "v1_linear_regressor": (lambda config: (
-        tf.compat.v1.estimator.LinearRegressor(
-            COLUMNS, optimizer=replicate.TowerOptimizer(
+        loss_reduction=tf.keras.losses.Reduction.SUM,
+        config=config), True),
+    "v1_linear_regressor":
+        (lambda config: (tf.compat.v1.estimator.LinearRegressor(
+            COLUMNS,
+            optimizer=replicate.TowerOptimizer(
                 tf.compat.v1.train.GradientDescentOptimizer(0.05)),
             config=config)), False),
-    "custom": (lambda config: tf.estimator.Estimator(
-        _custom_model_fn, config=config), False),
+    "custom":
+        (lambda config: tf.estimator.Estimator(_custom_model_fn, config=config),
+         False),
 }
-
 
 # Summaries of other tensors than per-batch scalars stay tower 0's: the
 # custom model_fn's, and the DNN's activation summaries (tf.nn.zero_fraction
 # of tower 0's activations).
-TOWER_0_TAGS = frozenset(["largest_x",
-                          "dnn/hiddenlayer_0/fraction_of_zero_values",
-                          "dnn/logits/fraction_of_zero_values"])
+TOWER_0_TAGS = frozenset([
+    "largest_x", "dnn/hiddenlayer_0/fraction_of_zero_values",
+    "dnn/logits/fraction_of_zero_values"
+])
 
 # The linear models' summaries of their variables read them in a race with
 # the step's update, on one device too: not comparable step by step.
-RACING_TAGS = frozenset(["bias", "fraction_of_zero_weights", "linear/bias",
-                         "linear/fraction_of_zero_weights"])
+RACING_TAGS = frozenset([
+    "bias", "fraction_of_zero_weights", "linear/bias",
+    "linear/fraction_of_zero_weights"
+])
 
 
 def _scalars(model_dir):
@@ -103,8 +114,9 @@ def _scalars(model_dir):
       for value in event.summary.value:
         if value.HasField("simple_value"):
           values.setdefault(value.tag, {})[event.step] = value.simple_value
-  return {tag: [steps[s] for s in sorted(steps)]
-          for tag, steps in values.items()}
+  return {
+      tag: [steps[s] for s in sorted(steps)] for tag, steps in values.items()
+  }
 
 
 def _eval_input_fn(classes):
@@ -112,8 +124,7 @@ def _eval_input_fn(classes):
   features, labels = _data()
   if classes:
     labels = (labels > 1.5).astype(np.int64)
-  return lambda: tf.data.Dataset.from_tensor_slices(
-      (features, labels)).batch(3)
+  return lambda: tf.data.Dataset.from_tensor_slices((features, labels)).batch(3)
 
 
 def _train(case, num_towers, model_dir, with_eval=False):
@@ -135,8 +146,10 @@ def _train(case, num_towers, model_dir, with_eval=False):
 
 @pytest.fixture(scope="module")
 def one_device(tmp_path_factory):
-  return {case: _train(case, 0, tmp_path_factory.mktemp(case), True)
-          for case in CASES}
+  return {
+      case: _train(case, 0, tmp_path_factory.mktemp(case), True)
+      for case in CASES
+  }
 
 
 @pytest.fixture(scope="module")
@@ -146,17 +159,17 @@ def replicated(tmp_path_factory):
 
   def run(case, num_towers):
     if (case, num_towers) not in runs:
-      runs[case, num_towers] = _train(
-          case, num_towers, tmp_path_factory.mktemp(case), True)
+      runs[case, num_towers] = _train(case, num_towers,
+                                      tmp_path_factory.mktemp(case), True)
     return runs[case, num_towers]
+
   return run
 
 
 # Every case on 4 towers (phantom rows in evaluation); on 2 as well the
 # custom model_fn, the v1 head and the summing v2 head.
 @pytest.mark.parametrize(
-    "case,num_towers",
-    [(c, 4) for c in sorted(CASES)] +
+    "case,num_towers", [(c, 4) for c in sorted(CASES)] +
     [(c, 2) for c in ("custom", "v1_linear_regressor", "v2_baseline_sum")])
 def test_loss_summaries_are_one_devices(one_device, replicated, case,
                                         num_towers):
@@ -166,16 +179,16 @@ def test_loss_summaries_are_one_devices(one_device, replicated, case,
   # and other metrics) is one device's too.
   assert set(actual_eval) == set(expected_eval)
   for key in expected_eval:
-    np.testing.assert_allclose(actual_eval[key], expected_eval[key],
-                               rtol=1e-5, atol=1e-6, err_msg=key)
+    np.testing.assert_allclose(
+        actual_eval[key], expected_eval[key], rtol=1e-5, atol=1e-6, err_msg=key)
   loss_tags = {t for t in expected if t.startswith(("loss", "average_loss"))}
   assert loss_tags, expected
   assert set(actual) == set(expected)
   for tag in expected:
     if tag in TOWER_0_TAGS or tag in RACING_TAGS:
       continue
-    np.testing.assert_allclose(actual[tag], expected[tag], rtol=1e-5,
-                               atol=1e-6, err_msg=tag)
+    np.testing.assert_allclose(
+        actual[tag], expected[tag], rtol=1e-5, atol=1e-6, err_msg=tag)
 
 
 @pytest.mark.parametrize("num_towers", [2, 4])

@@ -12,8 +12,12 @@ _ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 def test_self_check_prints_the_machine_and_ends_ok():
   env = dict(os.environ, PYTHONPATH=str(_ROOT), TF_CPP_MIN_LOG_LEVEL="2")
-  result = subprocess.run([sys.executable, "-m", "replicate"], cwd=_ROOT,
-                          env=env, capture_output=True, text=True, timeout=300)
+  result = subprocess.run([sys.executable, "-m", "replicate"],
+                          cwd=_ROOT,
+                          env=env,
+                          capture_output=True,
+                          text=True,
+                          timeout=300)
   output = result.stdout + result.stderr
   assert result.returncode == 0, output
   lines = result.stdout.splitlines()

@@ -39,8 +39,12 @@ def _batches(static):
 
 
 def _local(name, initial, collections=(LOCAL,), **kwargs):
-  return tf.compat.v1.Variable(initial, trainable=False, name=name,
-                               collections=list(collections), **kwargs)
+  return tf.compat.v1.Variable(
+      initial,
+      trainable=False,
+      name=name,
+      collections=list(collections),
+      **kwargs)
 
 
 def _streaming_max(score, labels):
@@ -128,10 +132,12 @@ def _max_of_means(score, labels):
       largest, tf.maximum(largest, tf.reduce_mean(score)))
 
 
-METRICS = {f.__name__.lstrip("_"): f for f in (
-    _streaming_max, _ref_max, _get_local_min, _global_max, _local_mean,
-    _class_max, _accuracy, _keras_mean, _undeclared_sum, _last_max,
-    _max_of_means)}
+METRICS = {
+    f.__name__.lstrip("_"): f
+    for f in (_streaming_max, _ref_max, _get_local_min, _global_max,
+              _local_mean, _class_max, _accuracy, _keras_mean, _undeclared_sum,
+              _last_max, _max_of_means)
+}
 HAND_MADE = ("streaming_max", "ref_max", "get_local_min", "global_max",
              "local_mean", "class_max")
 # Only LOCAL_VARIABLES, no METRIC_VARIABLES at all.
@@ -143,8 +149,12 @@ def metric_model_fn(features, labels, mode, params):
   score = tf.squeeze(tf.compat.v1.layers.dense(features, 1, name="score"), 1)
   loss = tf.compat.v1.losses.mean_squared_error(
       tf.cast(labels, tf.float32), score)
-  return tf.estimator.EstimatorSpec(mode, loss=loss, eval_metric_ops={
-      name: METRICS[name](score, labels) for name in params["metrics"]})
+  return tf.estimator.EstimatorSpec(
+      mode,
+      loss=loss,
+      eval_metric_ops={
+          name: METRICS[name](score, labels) for name in params["metrics"]
+      })
 
 
 def evaluate(metrics, static, num_towers=None):
@@ -156,12 +166,16 @@ def evaluate(metrics, static, num_towers=None):
   with tf.Graph().as_default():
     tf.compat.v1.train.create_global_step()
     features, labels = _batches(static)
-    spec = harness.wrap(metric_model_fn, devices)(
-        features, labels, harness.EVAL, {"metrics": metrics})
+    spec = harness.wrap(metric_model_fn, devices)(features, labels,
+                                                  harness.EVAL, {
+                                                      "metrics": metrics
+                                                  })
     updates = [op for _, op in spec.eval_metric_ops.values()]
     with tf.compat.v1.Session(config=harness.session_config()) as session:
-      session.run([tf.compat.v1.global_variables_initializer(),
-                   tf.compat.v1.local_variables_initializer()])
+      session.run([
+          tf.compat.v1.global_variables_initializer(),
+          tf.compat.v1.local_variables_initializer()
+      ])
       harness.set_trainable_weights(session)
       for _ in range(STEPS):
         updated = session.run(updates)
@@ -179,7 +193,8 @@ class HandMadeMetricsTest(parameterized.TestCase):
        metrics, num_towers, static)
       for name, metrics in (("hand_made", HAND_MADE),
                             ("local_only", LOCAL_ONLY), ("mixed", MIXED))
-      for num_towers in (2, 4) for static in (True, False))
+      for num_towers in (2, 4)
+      for static in (True, False))
   def test_one_devices_values(self, metrics, num_towers, static):
     expected = one_device(metrics, static)
     actual = evaluate(metrics, static, num_towers)

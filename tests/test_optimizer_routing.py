@@ -43,8 +43,8 @@ def _train(model_fn, num_towers, config=None):
     spec = fn(features, labels, TRAIN, **kwargs)
     # Soft placement: the canned DNN's zero_fraction summary needs it on
     # towers (issue 19 item 6, not an optimizer matter).
-    with tf.compat.v1.Session(
-        config=harness.session_config(soft=True)) as session:
+    with tf.compat.v1.Session(config=harness.session_config(
+        soft=True)) as session:
       return harness.run_training(session, spec, STEPS)
 
 
@@ -57,8 +57,8 @@ def _assert_one_device(actual, expected):
     # entries, so a small entry's rounding error is theirs: on a GPU one
     # entry of 4.6e-3 beside 12.0 came 2.7e-6 off.
     atol = 1e-6 * max(1.0, float(np.max(np.abs(value))))
-    np.testing.assert_allclose(values[name], value, rtol=1e-5, atol=atol,
-                               err_msg=name)
+    np.testing.assert_allclose(
+        values[name], value, rtol=1e-5, atol=atol, err_msg=name)
   assert values["global_step"] == STEPS
 
 
@@ -92,8 +92,8 @@ class _OnlyGetUpdates(tf.keras.optimizers.legacy.Optimizer):
 
   def get_updates(self, loss, params):
     _OnlyGetUpdates.losses.append(loss)
-    seen = tf.compat.v1.get_variable("seen_loss", [], trainable=False,
-                                     initializer=tf.zeros_initializer())
+    seen = tf.compat.v1.get_variable(
+        "seen_loss", [], trainable=False, initializer=tf.zeros_initializer())
     with tf.control_dependencies([seen.assign(loss)]):
       return [self.iterations.assign_add(1).op]
 
@@ -103,12 +103,13 @@ class _OnlyGetUpdates(tf.keras.optimizers.legacy.Optimizer):
 
 def _model_fn(make_optimizer, call):
   """A small MLP; `call` is how the optimizer is used."""
+
   def model_fn(features, labels, mode):
     global_step = tf.compat.v1.train.get_global_step()
     tape = tf.GradientTape() if call == "keras_minimize" else None
     with tape or tf.name_scope("forward"):
-      hidden = tf.compat.v1.layers.dense(features["x"], 4, tf.nn.relu,
-                                         name="hidden")
+      hidden = tf.compat.v1.layers.dense(
+          features["x"], 4, tf.nn.relu, name="hidden")
       logits = tf.compat.v1.layers.dense(hidden, 3, name="logits")
       loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
     optimizer = make_optimizer()
@@ -116,12 +117,13 @@ def _model_fn(make_optimizer, call):
     if call == "v1_minimize":
       train_op = optimizer.minimize(loss, global_step)
     else:
-      optimizer.iterations = global_step   # as the v2 canned heads do
+      optimizer.iterations = global_step  # as the v2 canned heads do
       if call == "get_updates":
         train_op = optimizer.get_updates(loss, variables)[0]
       else:
         train_op = optimizer.minimize(loss, variables, tape=tape)
     return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
   return model_fn
 
 
@@ -134,8 +136,8 @@ OPTIMIZERS = {
 
 def _counted_run(call, wrapped, num_towers):
   cls, make = OPTIMIZERS[call]
-  make_optimizer = ((lambda: replicate.TowerOptimizer(make())) if wrapped
-                    else make)
+  make_optimizer = ((lambda: replicate.TowerOptimizer(make()))
+                    if wrapped else make)
   cls.losses = []
   result = _train(_model_fn(make_optimizer, call), num_towers)
   return len(cls.losses), result
@@ -145,7 +147,7 @@ def _counted_run(call, wrapped, num_towers):
 def test_own_method_called_once_outside_and_on_one_tower(call):
   calls, expected = _counted_run(call, False, None)
   assert calls == 1
-  calls, outside = _counted_run(call, True, None)   # not replicated at all
+  calls, outside = _counted_run(call, True, None)  # not replicated at all
   assert calls == 1
   _assert_one_device(outside, expected)
   calls, one_tower = _counted_run(call, True, 1)
@@ -196,8 +198,8 @@ def _mock_v1_optimizer():
 
   def minimize(loss, global_step=None, var_list=None):
     del var_list
-    seen = tf.compat.v1.get_variable("seen_loss", [], trainable=False,
-                                     initializer=tf.zeros_initializer())
+    seen = tf.compat.v1.get_variable(
+        "seen_loss", [], trainable=False, initializer=tf.zeros_initializer())
     with tf.control_dependencies([seen.assign(loss)]):
       return tf.compat.v1.assign_add(global_step, 1).op
 
@@ -210,13 +212,17 @@ def test_mock_v1_optimizer(num_towers):
   mocks = []
 
   def make(wrapped):
+
     def make_optimizer():
       mocks.append(_mock_v1_optimizer())
       return replicate.TowerOptimizer(mocks[-1]) if wrapped else mocks[-1]
+
     return make_optimizer
 
-  with pytest.raises(ValueError, match="no optimizer call the towers could "
-                     "share.*a mock.*replicate.TowerOptimizer"):
+  with pytest.raises(
+      ValueError,
+      match="no optimizer call the towers could "
+      "share.*a mock.*replicate.TowerOptimizer"):
     _train(_model_fn(make(False), "v1_minimize"), num_towers)
   mocks.clear()
   expected = _train(_model_fn(make(False), "v1_minimize"), None)
@@ -231,22 +237,40 @@ def test_mock_v1_optimizer(num_towers):
 # Canned v2 estimators with their optimizers unwrapped: defaults, names,
 # an instance, and DNNLinearCombined's two optimizers (two get_updates).
 CANNED = {
-    "dnn_default": lambda config: tf.estimator.DNNClassifier(
-        hidden_units=[4], feature_columns=COLUMNS, n_classes=3,
-        config=config),
-    "dnn_adagrad_name": lambda config: tf.estimator.DNNClassifier(
-        hidden_units=[4], feature_columns=COLUMNS, n_classes=3,
-        optimizer="Adagrad", config=config),
-    "dnn_ftrl_name": lambda config: tf.estimator.DNNClassifier(
-        hidden_units=[4], feature_columns=COLUMNS, n_classes=3,
-        optimizer="Ftrl", config=config),
-    "dnn_instance": lambda config: tf.estimator.DNNClassifier(
-        hidden_units=[4], feature_columns=COLUMNS, n_classes=3,
-        optimizer=tf.keras.optimizers.legacy.Adam(0.05), config=config),
-    "dnn_linear_combined_defaults": lambda config: (
-        tf.estimator.DNNLinearCombinedClassifier(
-            linear_feature_columns=COLUMNS, dnn_feature_columns=COLUMNS,
-            dnn_hidden_units=[4], n_classes=3, config=config)),
+    "dnn_default":
+        lambda config: tf.estimator.DNNClassifier(
+            hidden_units=[4],
+            feature_columns=COLUMNS,
+            n_classes=3,
+            config=config),
+    "dnn_adagrad_name":
+        lambda config: tf.estimator.DNNClassifier(
+            hidden_units=[4],
+            feature_columns=COLUMNS,
+            n_classes=3,
+            optimizer="Adagrad",
+            config=config),
+    "dnn_ftrl_name":
+        lambda config: tf.estimator.DNNClassifier(
+            hidden_units=[4],
+            feature_columns=COLUMNS,
+            n_classes=3,
+            optimizer="Ftrl",
+            config=config),
+    "dnn_instance":
+        lambda config: tf.estimator.DNNClassifier(
+            hidden_units=[4],
+            feature_columns=COLUMNS,
+            n_classes=3,
+            optimizer=tf.keras.optimizers.legacy.Adam(0.05),
+            config=config),
+    "dnn_linear_combined_defaults":
+        lambda config: (tf.estimator.DNNLinearCombinedClassifier(
+            linear_feature_columns=COLUMNS,
+            dnn_feature_columns=COLUMNS,
+            dnn_hidden_units=[4],
+            n_classes=3,
+            config=config)),
 }
 
 
@@ -270,20 +294,23 @@ def test_canned_v2_unwrapped_optimizers(name, num_towers):
 def _keras_model_fn(wrapped, model_dir):
   """model_to_estimator's model_fn of a compiled Keras model."""
   model = tf.keras.Sequential([
-      tf.keras.layers.Dense(4, activation="relu", input_shape=(5,),
-                            name="hidden"),
-      tf.keras.layers.Dense(3, name="logits")])
+      tf.keras.layers.Dense(
+          4, activation="relu", input_shape=(5,), name="hidden"),
+      tf.keras.layers.Dense(3, name="logits")
+  ])
   optimizer = tf.keras.optimizers.legacy.Adam(0.05)
   model.compile(
       optimizer=replicate.TowerOptimizer(optimizer) if wrapped else optimizer,
       loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
   estimator = tf.keras.estimator.model_to_estimator(
-      keras_model=model, model_dir=str(model_dir),
+      keras_model=model,
+      model_dir=str(model_dir),
       config=tf.estimator.RunConfig())
 
   def model_fn(features, labels, mode, config):
     return estimator.model_fn({"hidden_input": features["x"]}, labels, mode,
                               config)
+
   return model_fn, estimator.config
 
 
@@ -322,9 +349,10 @@ def _kmeans():
       num_clusters=2, config=tf.estimator.RunConfig())
 
 
-@pytest.mark.parametrize("make,name,other_modes", [
-    (_sdca, "LinearSDCA", "its EVAL and PREDICT graphs replicate"),
-    (_kmeans, "KMeansClustering", "evaluate and predict with it unwrapped")])
+@pytest.mark.parametrize(
+    "make,name,other_modes",
+    [(_sdca, "LinearSDCA", "its EVAL and PREDICT graphs replicate"),
+     (_kmeans, "KMeansClustering", "evaluate and predict with it unwrapped")])
 def test_gradient_free_trainers_refused(make, name, other_modes):
   estimator = make()
   data, y = _data(8)
@@ -335,20 +363,24 @@ def test_gradient_free_trainers_refused(make, name, other_modes):
       if name == "KMeansClustering":
         features, labels = tf.constant(x), None
       else:
-        features = {"x": tf.constant(x), "example_id": tf.constant(
-            [str(i) for i in range(8)])}
+        features = {
+            "x": tf.constant(x),
+            "example_id": tf.constant([str(i) for i in range(8)])
+        }
         labels = tf.constant(y[:, None] % 2)
-      fn = replicate.replicate_model_fn(estimator.model_fn,
-                                        devices=_towers(2))
+      fn = replicate.replicate_model_fn(estimator.model_fn, devices=_towers(2))
       if mode == TRAIN:
-        with pytest.raises(ValueError, match=(
-            f"{name}.*trains without gradients of a loss.*with or without "
-            "replicate.TowerOptimizer; train it with the unwrapped model_fn; "
-            f"{other_modes}")):
+        with pytest.raises(
+            ValueError,
+            match=(
+                f"{name}.*trains without gradients of a loss.*with or without "
+                "replicate.TowerOptimizer; train it with the unwrapped "
+                f"model_fn; {other_modes}")):
           fn(features, labels, mode, config=estimator.config)
       elif name == "KMeansClustering":
-        with pytest.raises(ValueError, match=(
-            f"{name} cannot be replicated in eval: {other_modes}")):
+        with pytest.raises(
+            ValueError,
+            match=(f"{name} cannot be replicated in eval: {other_modes}")):
           fn(features, labels, mode, config=estimator.config)
       else:
         spec = fn(features, labels, mode, config=estimator.config)
@@ -361,11 +393,15 @@ def test_unwrapped_keras_loss_scale_optimizer(dynamic, num_towers):
   # Its get_gradients / apply_gradients are its own (routed overrides).
   def make():
     return tf.keras.mixed_precision.LossScaleOptimizer(
-        tf.keras.optimizers.legacy.Adam(0.05), dynamic=dynamic,
-        **({} if dynamic else {"initial_scale": 128.0}))
+        tf.keras.optimizers.legacy.Adam(0.05),
+        dynamic=dynamic,
+        **({} if dynamic else {
+            "initial_scale": 128.0
+        }))
+
   expected = _train(_model_fn(make, "get_updates"), None)
-  _assert_one_device(_train(_model_fn(make, "get_updates"), num_towers),
-                     expected)
+  _assert_one_device(
+      _train(_model_fn(make, "get_updates"), num_towers), expected)
 
 
 @pytest.mark.parametrize("num_towers", [2, 4])
@@ -374,17 +410,20 @@ def test_unwrapped_v1_loss_scale_optimizer(num_towers):
   def make():
     return tf.compat.v1.mixed_precision.MixedPrecisionLossScaleOptimizer(
         tf.compat.v1.train.AdagradOptimizer(0.3), loss_scale=128.0)
+
   expected = _train(_model_fn(make, "v1_minimize"), None)
-  _assert_one_device(_train(_model_fn(make, "v1_minimize"), num_towers),
-                     expected)
+  _assert_one_device(
+      _train(_model_fn(make, "v1_minimize"), num_towers), expected)
 
 
 def test_routing_is_undone_after_the_towers():
   v1, keras = tf.compat.v1.train.Optimizer, tf.keras.optimizers.legacy.Optimizer
   names = ("minimize", "compute_gradients", "apply_gradients", "get_updates",
            "get_gradients", "iterations")
-  before = {(cls, n): cls.__dict__.get(n)
-            for cls in (v1, keras, _CountingAdagrad) for n in names}
+  before = {
+      (cls, n): cls.__dict__.get(n) for cls in (v1, keras, _CountingAdagrad)
+      for n in names
+  }
   with pytest.raises(ValueError, match="no optimizer call"):
     _train(_model_fn(lambda: _mock_v1_optimizer(), "v1_minimize"), 2)
   _counted_run("get_updates", False, 2)

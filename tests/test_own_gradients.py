@@ -26,8 +26,13 @@ STEPS = 3
 class AdamWeightDecay(tf.compat.v1.train.Optimizer):
   """Adam with decoupled weight decay, as BERT's optimization.py writes it."""
 
-  def __init__(self, learning_rate, weight_decay_rate=0.01, beta_1=0.9,
-               beta_2=0.999, epsilon=1e-6, name="AdamWeightDecayOptimizer"):
+  def __init__(self,
+               learning_rate,
+               weight_decay_rate=0.01,
+               beta_1=0.9,
+               beta_2=0.999,
+               epsilon=1e-6,
+               name="AdamWeightDecayOptimizer"):
     super().__init__(False, name)
     self.learning_rate = tf.identity(learning_rate, name="learning_rate")
     self.weight_decay_rate = weight_decay_rate
@@ -40,22 +45,30 @@ class AdamWeightDecay(tf.compat.v1.train.Optimizer):
         continue
       param_name = param.op.name
       m = tf.compat.v1.get_variable(
-          param_name + "/adam_m", shape=param.shape.as_list(),
-          dtype=tf.float32, trainable=False,
+          param_name + "/adam_m",
+          shape=param.shape.as_list(),
+          dtype=tf.float32,
+          trainable=False,
           initializer=tf.compat.v1.zeros_initializer())
       v = tf.compat.v1.get_variable(
-          param_name + "/adam_v", shape=param.shape.as_list(),
-          dtype=tf.float32, trainable=False,
+          param_name + "/adam_v",
+          shape=param.shape.as_list(),
+          dtype=tf.float32,
+          trainable=False,
           initializer=tf.compat.v1.zeros_initializer())
-      next_m = (tf.multiply(self.beta_1, m) +
-                tf.multiply(1.0 - self.beta_1, grad))
-      next_v = (tf.multiply(self.beta_2, v) +
-                tf.multiply(1.0 - self.beta_2, tf.square(grad)))
+      next_m = (
+          tf.multiply(self.beta_1, m) + tf.multiply(1.0 - self.beta_1, grad))
+      next_v = (
+          tf.multiply(self.beta_2, v) +
+          tf.multiply(1.0 - self.beta_2, tf.square(grad)))
       update = next_m / (tf.sqrt(next_v) + self.epsilon)
       if "bias" not in param_name:
         update += self.weight_decay_rate * param
-      assignments.extend([param.assign(param - self.learning_rate * update),
-                          m.assign(next_m), v.assign(next_v)])
+      assignments.extend([
+          param.assign(param - self.learning_rate * update),
+          m.assign(next_m),
+          v.assign(next_v)
+      ])
     return tf.group(*assignments, name=name)
 
 
@@ -98,8 +111,8 @@ def _bert_model_fn(wrap_optimizer):
     grads = tf.gradients(loss, tvars)
     grads, norm = tf.clip_by_global_norm(grads, clip_norm=CLIP_NORM)
     tf.compat.v1.add_to_collection("global_norm", norm)
-    train_op = optimizer.apply_gradients(zip(grads, tvars),
-                                         global_step=global_step)
+    train_op = optimizer.apply_gradients(
+        zip(grads, tvars), global_step=global_step)
     new_global_step = tf.identity(global_step + 1, name="step_update")
     train_op = tf.group(train_op, [global_step.assign(new_global_step)])
     return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
@@ -107,7 +120,10 @@ def _bert_model_fn(wrap_optimizer):
   return model_fn
 
 
-def _train(model_fn, batch, num_towers=None, static=True,
+def _train(model_fn,
+           batch,
+           num_towers=None,
+           static=True,
            reduction=Reduction.SUM_BY_NONZERO_WEIGHTS):
   """Losses, every variable after training, and the first step's norms."""
   towers = None if num_towers is None else harness.devices(
@@ -115,18 +131,22 @@ def _train(model_fn, batch, num_towers=None, static=True,
   with tf.Graph().as_default():
     tf.compat.v1.train.create_global_step()
     features, labels = harness.batches(_data(batch), batch, static)
-    spec = harness.wrap(model_fn, towers, reduction)(
-        features, labels, harness.TRAIN, {})
+    spec = harness.wrap(model_fn, towers, reduction)(features, labels,
+                                                     harness.TRAIN, {})
     norms = tf.compat.v1.get_collection("global_norm")
     with tf.compat.v1.Session(config=harness.session_config()) as session:
-      session.run([tf.compat.v1.global_variables_initializer(),
-                   tf.compat.v1.local_variables_initializer()])
+      session.run([
+          tf.compat.v1.global_variables_initializer(),
+          tf.compat.v1.local_variables_initializer()
+      ])
       harness.set_trainable_weights(session)
       first_norms = session.run(norms)
-      losses = [session.run([spec.loss, spec.train_op])[0]
-                for _ in range(STEPS)]
-      values = {v.op.name: session.run(v)
-                for v in tf.compat.v1.global_variables()}
+      losses = [
+          session.run([spec.loss, spec.train_op])[0] for _ in range(STEPS)
+      ]
+      values = {
+          v.op.name: session.run(v) for v in tf.compat.v1.global_variables()
+      }
   return np.array(losses), values, first_norms
 
 
@@ -134,25 +154,28 @@ def _assert_same(actual, expected, rtol=1e-5, atol=1e-6):
   np.testing.assert_allclose(actual[0], expected[0], rtol=rtol, atol=atol)
   assert sorted(actual[1]) == sorted(expected[1])
   for name, value in expected[1].items():
-    np.testing.assert_allclose(actual[1][name], value, rtol=rtol, atol=atol,
-                               err_msg=name)
+    np.testing.assert_allclose(
+        actual[1][name], value, rtol=rtol, atol=atol, err_msg=name)
 
 
-_BATCHES = [pytest.param(8, True, id="4+4"), pytest.param(9, True, id="uneven"),
-            pytest.param(9, False, id="dynamic")]
+_BATCHES = [
+    pytest.param(8, True, id="4+4"),
+    pytest.param(9, True, id="uneven"),
+    pytest.param(9, False, id="dynamic")
+]
 
 
-@pytest.mark.parametrize("wrap_optimizer", [False, True],
-                         ids=["unwrapped", "TowerOptimizer"])
+@pytest.mark.parametrize(
+    "wrap_optimizer", [False, True], ids=["unwrapped", "TowerOptimizer"])
 @pytest.mark.parametrize("batch,static", _BATCHES)
 @pytest.mark.parametrize("num_towers", [2, 4])
 def test_bert_style_gradients_equal_one_device(num_towers, batch, static,
                                                wrap_optimizer):
   model_fn = _bert_model_fn(wrap_optimizer)
   expected = _train(model_fn, batch, static=static)
-  assert expected[2][0] > CLIP_NORM   # the clip binds
+  assert expected[2][0] > CLIP_NORM  # the clip binds
   actual = _train(model_fn, batch, num_towers, static)
-  assert len(actual[1]) == 3 * 3 + 1   # variables, m, v, global step
+  assert len(actual[1]) == 3 * 3 + 1  # variables, m, v, global step
   _assert_same(actual, expected)
 
 
@@ -169,8 +192,8 @@ def _plain_model_fn(features, labels, mode, params):
 
 @pytest.mark.parametrize("batch,static", _BATCHES[1:])
 @pytest.mark.parametrize("num_towers", [2, 4])
-def test_plain_descent_with_own_gradients_equals_one_device(num_towers, batch,
-                                                           static):
+def test_plain_descent_with_own_gradients_equals_one_device(
+    num_towers, batch, static):
   expected = _train(_plain_model_fn, batch, static=static)
   _assert_same(_train(_plain_model_fn, batch, num_towers, static), expected)
 
@@ -190,11 +213,10 @@ def _penalty_model_fn(of):
     features = dict(features, x=tf.identity(features["x"]))
     losses = _per_example_loss(_logits(features), labels)
     loss = tf.reduce_mean(losses)
-    ys = {"loss": loss, "sum": tf.reduce_sum(losses),
-          "per_example": losses}[of]
+    ys = {"loss": loss, "sum": tf.reduce_sum(losses), "per_example": losses}[of]
     input_grad, = tf.gradients(ys, [features["x"]])
-    total = loss + 0.3 * tf.reduce_mean(tf.reduce_sum(tf.square(input_grad),
-                                                      axis=1))
+    total = loss + 0.3 * tf.reduce_mean(
+        tf.reduce_sum(tf.square(input_grad), axis=1))
     train_op = tf.compat.v1.train.GradientDescentOptimizer(0.5).minimize(
         total, tf.compat.v1.train.get_global_step())
     return tf.estimator.EstimatorSpec(mode, loss=total, train_op=train_op)
@@ -220,18 +242,25 @@ def _saliency_model_fn(features, labels, mode, params):
   logits = _logits(features)
   saliency, = tf.gradients(tf.reduce_sum(logits[:, 0]), [features["x"]])
   return tf.estimator.EstimatorSpec(
-      mode, predictions={"saliency": saliency, "logits": logits})
+      mode, predictions={
+          "saliency": saliency,
+          "logits": logits
+      })
 
 
 @pytest.mark.parametrize("batch,static", _BATCHES)
 @pytest.mark.parametrize("num_towers", [2, 4])
 def test_saliency_in_predict_equals_one_device(num_towers, batch, static):
   features = _data(batch, steps=1)[0]
-  expected = harness.predict(_saliency_model_fn, features, batch, 1,
-                             static=static)
+  expected = harness.predict(
+      _saliency_model_fn, features, batch, 1, static=static)
   actual = harness.predict(
-      _saliency_model_fn, features, batch, 1,
-      harness.devices(harness.VIRTUAL_CPUS, num_towers), static=static)
+      _saliency_model_fn,
+      features,
+      batch,
+      1,
+      harness.devices(harness.VIRTUAL_CPUS, num_towers),
+      static=static)
   harness.assert_close_nests(actual, expected, rtol=1e-5, atol=1e-6)
 
 
@@ -242,19 +271,19 @@ def _sum_model_fn(grad_ys):
     del params
     loss = tf.reduce_sum(_per_example_loss(_logits(features), labels))
     tvars = tf.compat.v1.trainable_variables()
-    grads = tf.gradients(loss, tvars,
-                         grad_ys=tf.constant(1.0) if grad_ys else None)
+    grads = tf.gradients(
+        loss, tvars, grad_ys=tf.constant(1.0) if grad_ys else None)
     grads, _ = tf.clip_by_global_norm(grads, 100.0)
     train_op = tf.compat.v1.train.GradientDescentOptimizer(
-        0.05).apply_gradients(zip(grads, tvars),
-                              tf.compat.v1.train.get_global_step())
+        0.05).apply_gradients(
+            zip(grads, tvars), tf.compat.v1.train.get_global_step())
     return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
 
   return model_fn
 
 
-@pytest.mark.parametrize("grad_ys", [False, True],
-                         ids=["whole_batch", "shares_summed"])
+@pytest.mark.parametrize(
+    "grad_ys", [False, True], ids=["whole_batch", "shares_summed"])
 @pytest.mark.parametrize("num_towers", [2, 4])
 def test_sum_reduction_equals_one_device(num_towers, grad_ys):
   model_fn = _sum_model_fn(grad_ys)
@@ -289,6 +318,7 @@ def test_gradients_with_grad_ys_equal_one_devices(num_towers):
 
 
 def test_gradients_in_one_tower_only_are_an_error():
+
   def model_fn(features, labels, mode, params):
     del params
     loss = tf.reduce_mean(_per_example_loss(_logits(features), labels))
@@ -301,8 +331,10 @@ def test_gradients_in_one_tower_only_are_an_error():
         zip(grads, tvars), tf.compat.v1.train.get_global_step())
     return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
 
-  with pytest.raises(ValueError, match=r"different calls.*tower 1 is "
-                     r".*apply_gradients.*tower 0's is tf.gradients"):
+  with pytest.raises(
+      ValueError,
+      match=r"different calls.*tower 1 is "
+      r".*apply_gradients.*tower 0's is tf.gradients"):
     _train(model_fn, 8, 2)
 
 
@@ -323,7 +355,7 @@ def test_public_gradients_are_routed_in_towers_then_restored():
     return _plain_model_fn(features, labels, mode, params)
 
   _train(model_fn, 8, 2)
-  assert seen == [[False] * 4] * 2   # routed in both towers
+  assert seen == [[False] * 4] * 2  # routed in both towers
   assert all(f is o for f, o in zip(_public_gradients(), originals))
 
 
@@ -360,7 +392,7 @@ def test_gradient_tape_gradients_equal_one_device(num_towers, batch, static,
                                                   optimizer):
   model_fn = _tape_model_fn(optimizer)
   expected = _train(model_fn, batch, static=static)
-  assert expected[2][0] > CLIP_NORM   # the clip binds
+  assert expected[2][0] > CLIP_NORM  # the clip binds
   _assert_same(_train(model_fn, batch, num_towers, static), expected)
 
 
@@ -375,12 +407,11 @@ def _tape_penalty_model_fn(features, labels, mode, params):
     x = tf.identity(features["x"])
     with tf.GradientTape() as inner:
       inner.watch(x)
-      losses = _per_example_loss(_logits(dict(features, x=x)) + offset,
-                                 labels)
+      losses = _per_example_loss(_logits(dict(features, x=x)) + offset, labels)
       loss = tf.reduce_mean(losses)
     input_grad = inner.gradient(loss, x)
-    total = loss + 0.3 * tf.reduce_mean(tf.reduce_sum(tf.square(input_grad),
-                                                      axis=1))
+    total = loss + 0.3 * tf.reduce_mean(
+        tf.reduce_sum(tf.square(input_grad), axis=1))
   tvars = tf.compat.v1.trainable_variables()
   grads = outer.gradient(total, tvars)
   assert grads[tvars.index(unwatched)] is None

@@ -28,12 +28,14 @@ from unittest import mock
 
 import pytest
 import tensorflow as tf
+
 # The bases take the feature-column module itself, as in their own tests.
 from tensorflow.python.feature_column import feature_column_v2
 from tensorflow_estimator.python.estimator.canned import dnn_testing_utils
 from tensorflow_estimator.python.estimator.canned import linear_testing_utils
 from tensorflow_estimator.python.estimator.canned.v1 import dnn_testing_utils_v1
-from tensorflow_estimator.python.estimator.canned.v1 import linear_testing_utils_v1
+
+from tensorflow_estimator.python.estimator.canned.v1 import linear_testing_utils_v1  # noqa: E501  # isort: skip
 
 from replicate import testing
 
@@ -69,11 +71,11 @@ _WARM_START = ("Classifier", "Regressor")
 # Model: (which bases, the canned class family, argument renames that make a
 # DNNLinearCombined estimator with one part look like a DNN or linear one).
 _MODELS = {
-    "DNN": ("DNN", dict(_DNN_BASES, BaseDNNWarmStartingTest=_WARM_START),
-            "DNN", {}),
+    "DNN": ("DNN", dict(_DNN_BASES,
+                        BaseDNNWarmStartingTest=_WARM_START), "DNN", {}),
     "Linear": ("Linear",
-               dict(_LINEAR_BASES, BaseLinearWarmStartingTest=_WARM_START),
-               "Linear", {}),
+               dict(_LINEAR_BASES,
+                    BaseLinearWarmStartingTest=_WARM_START), "Linear", {}),
     "DNNOnlyCombined": ("DNN", _DNN_BASES, "DNNLinearCombined", {
         "hidden_units": "dnn_hidden_units",
         "feature_columns": "dnn_feature_columns",
@@ -114,8 +116,8 @@ def _constructor(test, version, model, role, form, towers):
   _, _, family, renames = _MODELS[model]
   canned = getattr(_API[version], family + role)
   if form != "plain":
-    canned = testing.replicated(canned, num_towers=towers,
-                                wrap_optimizers=form == "wrapped")
+    canned = testing.replicated(
+        canned, num_towers=towers, wrap_optimizers=form == "wrapped")
 
   def build(**kwargs):
     if form == "model_fn" and any(map(_unroutable, kwargs.values())):
@@ -152,15 +154,18 @@ def _test_case(version, model, base_name, form, towers, sampled_form=None):
   def __init__(self, methodName="runTest"):  # pylint: disable=invalid-name
     tf.test.TestCase.__init__(self, methodName)
     self.unroutable_optimizer_given = False
-    constructors = [_constructor(self, version, model, role, form, towers)
-                    for role in roles]
+    constructors = [
+        _constructor(self, version, model, role, form, towers) for role in roles
+    ]
     base.__init__(self, *constructors, feature_column_v2)
 
   # tf.test.TestCase's `test_session` is a session helper, not a test; the
   # bases never call it, and a non-callable is not collected.
-  namespace = {"__init__": __init__,
-               "peer": (model, base_name, form, towers, sampled_form),
-               "test_session": None}
+  namespace = {
+      "__init__": __init__,
+      "peer": (model, base_name, form, towers, sampled_form),
+      "test_session": None
+  }
   if form == "model_fn":
     for name in dir(base):
       if name.startswith("test"):
@@ -201,8 +206,8 @@ def _default_sample(request):
     return
   model, base_name, form, towers, sampled_form = request.cls.peer
   name = request.function.__name__
-  sampled = (model, base_name, name) in _DEFAULT_SAMPLE or (
-      name == _first_test(request.cls) and form == sampled_form)
+  sampled = (model, base_name, name) in _DEFAULT_SAMPLE or (name == _first_test(
+      request.cls) and form == sampled_form)
   if form == "plain" or towers != _TOWERS[0] or not sampled:
     pytest.skip(f"peer suite: run with `-m peer` or {_FULL_ENV}=full")
 
@@ -210,5 +215,6 @@ def _default_sample(request):
 @functools.lru_cache(maxsize=None)
 def _first_test(test_case) -> str:
   """The first test of a class by name: every base runs once by default."""
-  return min(name for name in dir(test_case)
-             if name.startswith("test") and callable(getattr(test_case, name)))
+  return min(
+      name for name in dir(test_case)
+      if name.startswith("test") and callable(getattr(test_case, name)))

@@ -81,13 +81,27 @@ print("cancelled", CancelOnce.cancelled, "final step",
 def test_trainer_trains_on_after_a_cancelled_step(tmp_path):
   chief, ps = cluster_harness.free_ports(2)
   env = cluster_harness.example_env({
-      "cluster": {"chief": [f"localhost:{chief}"], "ps": [f"localhost:{ps}"]},
-      "task": {"type": "chief", "index": 0}})
+      "cluster": {
+          "chief": [f"localhost:{chief}"],
+          "ps": [f"localhost:{ps}"]
+      },
+      "task": {
+          "type": "chief",
+          "index": 0
+      }
+  })
   env["PYTHONPATH"] += f":{cluster_harness.EXAMPLES}"
-  result = subprocess.run(
-      [sys.executable, "-c", _TASK, str(tmp_path / "model"), str(STEPS),
-       str(CANCEL_AT_STEP)], env=env, capture_output=True, text=True,
-      timeout=cluster_harness.TASK_TIMEOUT_SECS, check=False)
+  result = subprocess.run([
+      sys.executable, "-c", _TASK,
+      str(tmp_path / "model"),
+      str(STEPS),
+      str(CANCEL_AT_STEP)
+  ],
+                          env=env,
+                          capture_output=True,
+                          text=True,
+                          timeout=cluster_harness.TASK_TIMEOUT_SECS,
+                          check=False)
   output = result.stdout + result.stderr
   assert result.returncode == 0, output
   assert result.stdout.count("a peer task restarted during a step") == 1, output

@@ -16,8 +16,13 @@ CPUS = ["/device:CPU:0", "/device:CPU:1", "/device:CPU:2", "/device:CPU:3"]
 GPUS = ["/device:GPU:0", "/device:GPU:1", "/device:GPU:2", "/device:GPU:3"]
 
 
-def _build(model_fn, tower_devices=None, placement="shared", params=None,
-           mode=TRAIN, batch=8, config=None):
+def _build(model_fn,
+           tower_devices=None,
+           placement="shared",
+           params=None,
+           mode=TRAIN,
+           batch=8,
+           config=None):
   graph = tf.Graph()
   with graph.as_default():
     tf.compat.v1.train.create_global_step()
@@ -25,15 +30,19 @@ def _build(model_fn, tower_devices=None, placement="shared", params=None,
     features = {"x": tf.constant(features["x"])}
     labels = tf.constant(labels)
     graph.ops_before_model_fn = len(graph.get_operations())
-    spec = harness.wrap(model_fn, tower_devices, placement=placement)(
-        features, labels, mode, params or {},
-        **({"config": config} if config else {}))
+    spec = harness.wrap(
+        model_fn, tower_devices, placement=placement)(features, labels, mode,
+                                                      params or {}, **({
+                                                          "config": config
+                                                      } if config else {}))
   return graph, spec
 
 
 def _trainable(graph):
-  return {v.op.name: v for v in graph.get_collection(
-      tf.compat.v1.GraphKeys.TRAINABLE_VARIABLES)}
+  return {
+      v.op.name: v
+      for v in graph.get_collection(tf.compat.v1.GraphKeys.TRAINABLE_VARIABLES)
+  }
 
 
 class PlacementTest(parameterized.TestCase):
@@ -55,8 +64,9 @@ class PlacementTest(parameterized.TestCase):
 
   def test_summed_gradients_are_applied_on_the_consolidation_device(self):
     graph, _ = _build(models.classifier_model_fn, GPUS)
-    self.assertEqual(graph.get_operation_by_name("Adagrad/learning_rate").device,
-                     "/device:CPU:0")
+    self.assertEqual(
+        graph.get_operation_by_name("Adagrad/learning_rate").device,
+        "/device:CPU:0")
     update = graph.get_operation_by_name(
         "Adagrad/update_hidden/kernel/ResourceApplyAdagrad")
     self.assertIn(b"loc:@hidden/kernel", update.colocation_groups())
@@ -68,25 +78,31 @@ class PlacementTest(parameterized.TestCase):
 
   def test_round_robin_spreads_variables_one_after_another(self):
     graph, _ = _build(models.classifier_model_fn, GPUS, "round_robin")
-    devices = [v.device for v in graph.get_collection(
-        tf.compat.v1.GraphKeys.TRAINABLE_VARIABLES)]
+    devices = [
+        v.device for v in graph.get_collection(
+            tf.compat.v1.GraphKeys.TRAINABLE_VARIABLES)
+    ]
     self.assertEqual(devices, GPUS)  # hidden/kernel, bias, logits/kernel, bias
     slot = graph.get_operation_by_name("logits/kernel/Adagrad")
     self.assertEqual(slot.device, GPUS[2])  # slots live with their variable
 
   def test_explicit_device_in_the_model_fn_is_kept(self):
+
     def model_fn(features, labels, mode):
       with tf.device("/device:CPU:0"):
         pinned = tf.identity(features["x"], name="pinned")
       logits = tf.compat.v1.layers.dense(pinned, 3, name="logits")
       loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
-      opt = replicate.TowerOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1))
-      return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=opt.minimize(loss))
+      opt = replicate.TowerOptimizer(
+          tf.compat.v1.train.GradientDescentOptimizer(0.1))
+      return tf.estimator.EstimatorSpec(
+          mode, loss=loss, train_op=opt.minimize(loss))
+
     graph, _ = _build(model_fn, GPUS[:2])
-    self.assertEqual(graph.get_operation_by_name("tower_1/pinned").device,
-                     "/device:CPU:0")
-    self.assertEqual(graph.get_operation_by_name("tower_1/logits/MatMul").device,
-                     GPUS[1])
+    self.assertEqual(
+        graph.get_operation_by_name("tower_1/pinned").device, "/device:CPU:0")
+    self.assertEqual(
+        graph.get_operation_by_name("tower_1/logits/MatMul").device, GPUS[1])
 
   def test_one_device_adds_no_ops_and_keeps_every_name(self):
     plain, _ = _build(models.classifier_model_fn)
@@ -97,8 +113,10 @@ class PlacementTest(parameterized.TestCase):
     self.assertEqual({op.device for op in model_ops}, {"/device:GPU:0", ""})
     for op in model_ops:
       if not op.device:  # placed by TensorFlow with the variable they touch
-        colocated = [g for g in op.colocation_groups()
-                     if g != b"loc:@" + op.name.encode()]
+        colocated = [
+            g for g in op.colocation_groups()
+            if g != b"loc:@" + op.name.encode()
+        ]
         self.assertTrue(op.type == "ReadVariableOp" or colocated, op.name)
     self.assertEqual({op.device for op in plain.get_operations()}, {""})
 
@@ -112,8 +130,9 @@ class NamesTest(parameterized.TestCase):
     for n in (2, 4):
       graph, _ = _build(models.classifier_model_fn, GPUS[:n], params=params)
       self.assertEqual(sorted(_trainable(graph)), sorted(_trainable(plain)))
-      names = lambda g: sorted(v.op.name for v in g.get_collection(
-          tf.compat.v1.GraphKeys.GLOBAL_VARIABLES))
+      names = lambda g: sorted(
+          v.op.name
+          for v in g.get_collection(tf.compat.v1.GraphKeys.GLOBAL_VARIABLES))
       self.assertEqual(names(graph), names(plain))
 
   def test_tower_zero_has_unwrapped_op_names_and_others_a_prefix(self):
@@ -121,7 +140,8 @@ class NamesTest(parameterized.TestCase):
     graph, _ = _build(models.classifier_model_fn, GPUS[:2])
     names = {op.name for op in graph.get_operations()}
     for op in plain.get_operations():
-      if op.name.startswith(("hidden/", "logits/")) and "Initializer" not in op.name:
+      if op.name.startswith(
+          ("hidden/", "logits/")) and "Initializer" not in op.name:
         self.assertIn(op.name, names)
     self.assertIn("tower_1/hidden/MatMul", names)
     self.assertNotIn("tower_1/hidden/kernel", names)  # variables not duplicated
@@ -136,8 +156,10 @@ class CurrentTowerTest(parameterized.TestCase):
       seen.append(replicate.current_tower())
       logits = tf.compat.v1.layers.dense(features["x"], 3, name="logits")
       loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
-      opt = replicate.TowerOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1))
-      return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=opt.minimize(loss))
+      opt = replicate.TowerOptimizer(
+          tf.compat.v1.train.GradientDescentOptimizer(0.1))
+      return tf.estimator.EstimatorSpec(
+          mode, loss=loss, train_op=opt.minimize(loss))
 
     self.assertIsNone(replicate.current_tower())
     _build(model_fn, GPUS[:3])
@@ -152,6 +174,7 @@ class CurrentTowerTest(parameterized.TestCase):
 if __name__ == "__main__":
   from absl.testing import absltest
   absltest.main()
+
 
 class EstimatorSessionCpusTest(parameterized.TestCase):
   """CPUs of the logical split (conftest.py) that the Estimator's session lacks.
@@ -170,29 +193,32 @@ class EstimatorSessionCpusTest(parameterized.TestCase):
     model_dir = tempfile.mkdtemp()
     self.addCleanup(shutil.rmtree, model_dir)
     return tf.estimator.Estimator(
-        models.classifier_model_fn, model_dir=model_dir,
+        models.classifier_model_fn,
+        model_dir=model_dir,
         config=tf.estimator.RunConfig(session_config=session_config)).config
 
   def _warnings(self, tower_devices, config):
     with self.assertLogs("absl", "INFO") as logs:
       for mode in (TRAIN, tf.estimator.ModeKeys.EVAL, TRAIN):
-        _build(models.classifier_model_fn, tower_devices, mode=mode,
-               config=config)
+        _build(
+            models.classifier_model_fn, tower_devices, mode=mode, config=config)
     return [r.getMessage() for r in logs.records if r.levelname == "WARNING"]
 
   def test_cpus_the_session_lacks_are_named_once_with_the_fix(self):
     warnings = self._warnings(CPUS, self._config())
     self.assertLen(warnings, 1)  # one line, not one per model_fn call
-    self.assertIn("devices ['/device:CPU:1', '/device:CPU:2', "
-                  "'/device:CPU:3'] are CPUs of this process's logical split "
-                  "that the Estimator's session will not have", warnings[0])
-    self.assertIn("RunConfig(session_config=replicate.testing."
-                  "session_config(4))", warnings[0])
+    self.assertIn(
+        "devices ['/device:CPU:1', '/device:CPU:2', "
+        "'/device:CPU:3'] are CPUs of this process's logical split "
+        "that the Estimator's session will not have", warnings[0])
+    self.assertIn(
+        "RunConfig(session_config=replicate.testing."
+        "session_config(4))", warnings[0])
     self.assertIn("device_count={'CPU': 4}", warnings[0])
 
   def test_a_session_with_too_few_cpus_names_only_the_missing(self):
-    two = tf.compat.v1.ConfigProto(device_count={"CPU": 2},
-                                   allow_soft_placement=True)
+    two = tf.compat.v1.ConfigProto(
+        device_count={"CPU": 2}, allow_soft_placement=True)
     warnings = self._warnings(CPUS[:3], self._config(two))
     self.assertLen(warnings, 1)
     self.assertIn("devices ['/device:CPU:2'] are CPUs", warnings[0])
@@ -221,14 +247,17 @@ class EstimatorSessionCpusTest(parameterized.TestCase):
           config=session_config) as session:
         session.run(tf.compat.v1.global_variables_initializer())
         metadata = tf.compat.v1.RunMetadata()
-        session.run(spec.train_op, options=tf.compat.v1.RunOptions(
-            trace_level=tf.compat.v1.RunOptions.FULL_TRACE),
-                    run_metadata=metadata)
+        session.run(
+            spec.train_op,
+            options=tf.compat.v1.RunOptions(
+                trace_level=tf.compat.v1.RunOptions.FULL_TRACE),
+            run_metadata=metadata)
       ran_on[name] = {
           tf.DeviceSpec.from_string(stats.device).device_index
           for stats in metadata.step_stats.dev_stats
           for node in stats.node_stats
-          if node.node_name.startswith("tower_1/hidden/")}
+          if node.node_name.startswith("tower_1/hidden/")
+      }
     self.assertEqual(ran_on["estimator"], {0})  # serialised, as warned
     self.assertIn(1, ran_on["four_cpus"])
 
@@ -236,6 +265,7 @@ class EstimatorSessionCpusTest(parameterized.TestCase):
 class InitialWeightsTest(parameterized.TestCase):
 
   def test_unseeded_initializers_start_equal_after_set_random_seed(self):
+
     def model_fn(features, labels, mode, params):
       del params
       hidden = tf.keras.layers.Dense(8, activation="relu")(features["x"])
@@ -243,8 +273,8 @@ class InitialWeightsTest(parameterized.TestCase):
       loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
       opt = replicate.TowerOptimizer(
           tf.compat.v1.train.GradientDescentOptimizer(0.1))
-      return tf.estimator.EstimatorSpec(mode, loss=loss,
-                                        train_op=opt.minimize(loss))
+      return tf.estimator.EstimatorSpec(
+          mode, loss=loss, train_op=opt.minimize(loss))
 
     def initial_values(tower_devices):
       tf.keras.utils.set_random_seed(42)

@@ -29,28 +29,37 @@ def _outputs(logits):
 
 def keyed_model_fn(features, labels, mode, params):
   del params
-  hidden = tf.compat.v1.layers.dense(features["x"], 6, tf.nn.relu,
-                                     name="hidden")
+  hidden = tf.compat.v1.layers.dense(
+      features["x"], 6, tf.nn.relu, name="hidden")
   logits = tf.compat.v1.layers.dense(hidden, 3, name="logits")
   predictions = _outputs(logits)
   if mode == tf.estimator.ModeKeys.PREDICT:
     return tf.estimator.EstimatorSpec(
-        mode, predictions=predictions,
-        export_outputs={"serving_default": tf.estimator.export.PredictOutput(
-            {str(k): v for k, v in _outputs(logits).items()}),
-                        "with space": tf.estimator.export.PredictOutput(
-                            {"scores per class": logits})})
+        mode,
+        predictions=predictions,
+        export_outputs={
+            "serving_default":
+                tf.estimator.export.PredictOutput({
+                    str(k): v for k, v in _outputs(logits).items()
+                }),
+            "with space":
+                tf.estimator.export.PredictOutput({"scores per class": logits})
+        })
   loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
   if mode == tf.estimator.ModeKeys.EVAL:
     return tf.estimator.EstimatorSpec(
-        mode, loss=loss, predictions=predictions, eval_metric_ops={
-            "accuracy": tf.compat.v1.metrics.accuracy(
-                labels, tf.argmax(logits, axis=1))})
+        mode,
+        loss=loss,
+        predictions=predictions,
+        eval_metric_ops={
+            "accuracy":
+                tf.compat.v1.metrics.accuracy(labels, tf.argmax(logits, axis=1))
+        })
   train_op = replicate.TowerOptimizer(
       tf.compat.v1.train.GradientDescentOptimizer(0.5)).minimize(
           loss, tf.compat.v1.train.get_global_step())
-  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op,
-                                    predictions=predictions)
+  return tf.estimator.EstimatorSpec(
+      mode, loss=loss, train_op=train_op, predictions=predictions)
 
 
 def _assert_close(actual, expected):
@@ -91,9 +100,13 @@ def test_predictions_and_export_outputs_with_odd_keys(num_towers, static):
   """Batches of 7 on 2 and 4 towers: shards of 4+3 and 2+2+2+1."""
   features, _ = _data()
   expected = harness.predict(keyed_model_fn, features, 7, 3, static=static)
-  actual = harness.predict(keyed_model_fn, features, 7, 3,
-                           harness.devices(harness.VIRTUAL_CPUS, num_towers),
-                           static=static)
+  actual = harness.predict(
+      keyed_model_fn,
+      features,
+      7,
+      3,
+      harness.devices(harness.VIRTUAL_CPUS, num_towers),
+      static=static)
   _assert_close(actual, expected)
   assert set(actual[0][0]) == set(KEYS)
 
@@ -116,8 +129,10 @@ COLUMNS = [tf.feature_column.numeric_column("x", shape=(5,))]
 
 def _multi_head_data(num_examples=30):
   (features, classes) = _data(num_examples)
-  return features, {"cls": classes[:, None],
-                    "reg": features["x"][:, :1] * 2.0 - 1.0}
+  return features, {
+      "cls": classes[:, None],
+      "reg": features["x"][:, :1] * 2.0 - 1.0
+  }
 
 
 def _input_fn(with_labels=True, epochs=None):
@@ -128,6 +143,7 @@ def _input_fn(with_labels=True, epochs=None):
     # 30 examples in batches of 7: uneven on 2 and 4 towers, and a last
     # batch of 2 that leaves 2 of 4 towers a phantom row.
     return tf.data.Dataset.from_tensor_slices(data).repeat(epochs).batch(7)
+
   return input_fn
 
 
@@ -136,10 +152,14 @@ def _config(model_dir):
 
 
 def _dnn_estimator(model_dir):
-  head = tf.estimator.MultiHead([tf.estimator.MultiClassHead(3, name="cls"),
-                                 tf.estimator.RegressionHead(name="reg")])
+  head = tf.estimator.MultiHead([
+      tf.estimator.MultiClassHead(3, name="cls"),
+      tf.estimator.RegressionHead(name="reg")
+  ])
   return tf.estimator.DNNEstimator(
-      head=head, hidden_units=[8], feature_columns=COLUMNS,
+      head=head,
+      hidden_units=[8],
+      feature_columns=COLUMNS,
       optimizer=replicate.TowerOptimizer(
           tf.keras.optimizers.legacy.Adagrad(0.1)),
       config=_config(model_dir))
@@ -174,23 +194,26 @@ def test_multi_head_trains_evaluates_predicts_as_one_device(model_dirs):
   names = plain.get_variable_names()
   assert sorted(estimator.get_variable_names()) == sorted(names)
   for name in names:
-    np.testing.assert_allclose(estimator.get_variable_value(name),
-                               plain.get_variable_value(name), rtol=1e-5,
-                               atol=1e-6, err_msg=name)
+    np.testing.assert_allclose(
+        estimator.get_variable_value(name),
+        plain.get_variable_value(name),
+        rtol=1e-5,
+        atol=1e-6,
+        err_msg=name)
   assert sorted(metrics) == sorted(expected_metrics)
   # The per-head `loss/<head>` metrics average a per-batch scalar (issue 20
   # item 3, fixed elsewhere); every other metric is compared.
   for key, value in expected_metrics.items():
     if not key.startswith("loss/"):
-      np.testing.assert_allclose(metrics[key], value, rtol=1e-5, atol=1e-6,
-                                 err_msg=key)
+      np.testing.assert_allclose(
+          metrics[key], value, rtol=1e-5, atol=1e-6, err_msg=key)
   assert len(predictions) == len(expected_predictions) == 30
   assert ("cls", "probabilities") in predictions[0]
   _assert_close(predictions, expected_predictions)
 
 
-def test_multi_head_export_serves_the_replicated_predictions(model_dirs,
-                                                            tmp_path):
+def test_multi_head_export_serves_the_replicated_predictions(
+    model_dirs, tmp_path):
   estimator, _, predictions = _run(4, model_dirs(4))
   receiver = tf.estimator.export.build_raw_serving_input_receiver_fn(
       {"x": tf.zeros([1, 5])})
@@ -200,8 +223,11 @@ def test_multi_head_export_serves_the_replicated_predictions(model_dirs,
   outputs = signatures["predict"](x=tf.constant(x))
   np.testing.assert_allclose(
       outputs["reg/predictions"].numpy(),
-      [p[("reg", "predictions")] for p in predictions], rtol=1e-5, atol=1e-6)
+      [p[("reg", "predictions")] for p in predictions],
+      rtol=1e-5,
+      atol=1e-6)
   np.testing.assert_allclose(
       outputs["cls/probabilities"].numpy(),
-      [p[("cls", "probabilities")] for p in predictions], rtol=1e-5,
+      [p[("cls", "probabilities")] for p in predictions],
+      rtol=1e-5,
       atol=1e-6)

@@ -20,14 +20,15 @@ def test_devices_and_config(replicate_devices, replicate_run_config,
 """
 
 
-def test_conftest_one_liner_gives_devices_and_run_config(pytester,
-                                                         monkeypatch):
-  monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
-      [str(_ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+def test_conftest_one_liner_gives_devices_and_run_config(pytester, monkeypatch):
+  monkeypatch.setenv(
+      "PYTHONPATH",
+      os.pathsep.join([str(_ROOT)] +
+                      [p for p in [os.environ.get("PYTHONPATH")] if p]))
   monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", "2")
   pytester.makeconftest('pytest_plugins = ["replicate.pytest_plugin"]')
   pytester.makepyfile(test_user=_USER_TEST)
   # A subprocess: the plugin must make the devices before TensorFlow does.
-  result = pytester.runpytest_subprocess("--replicate-cpus=3", "-q",
-                                         "-p", "no:cacheprovider")
+  result = pytester.runpytest_subprocess("--replicate-cpus=3", "-q", "-p",
+                                         "no:cacheprovider")
   result.assert_outcomes(passed=1)

@@ -24,23 +24,23 @@ def _model_fn(features, labels, mode, params):
   regularizer = tf.keras.regularizers.l2(L2)
   x = features["x"]
   if params["layers"] == "v1":
-    h = tf.compat.v1.layers.dense(x, 8, tf.nn.relu, name="hidden",
-                                  kernel_regularizer=regularizer)
-    logits = tf.compat.v1.layers.dense(h, models.NUM_CLASSES, name="logits",
-                                       kernel_regularizer=regularizer)
+    h = tf.compat.v1.layers.dense(
+        x, 8, tf.nn.relu, name="hidden", kernel_regularizer=regularizer)
+    logits = tf.compat.v1.layers.dense(
+        h, models.NUM_CLASSES, name="logits", kernel_regularizer=regularizer)
     penalty = tf.compat.v1.losses.get_regularization_loss()
   elif params["layers"] == "total_loss":
-    h = tf.compat.v1.layers.dense(x, 8, tf.nn.relu, name="hidden",
-                                  kernel_regularizer=regularizer)
-    logits = tf.compat.v1.layers.dense(h, models.NUM_CLASSES, name="logits",
-                                       kernel_regularizer=regularizer)
+    h = tf.compat.v1.layers.dense(
+        x, 8, tf.nn.relu, name="hidden", kernel_regularizer=regularizer)
+    logits = tf.compat.v1.layers.dense(
+        h, models.NUM_CLASSES, name="logits", kernel_regularizer=regularizer)
     tf.compat.v1.losses.sparse_softmax_cross_entropy(
         labels, logits, reduction=params["reduction"])
     return _spec(mode, tf.compat.v1.losses.get_total_loss())
   else:
     hidden = tf.keras.layers.Dense(8, "relu", kernel_regularizer=regularizer)
-    out = tf.keras.layers.Dense(models.NUM_CLASSES,
-                                kernel_regularizer=regularizer)
+    out = tf.keras.layers.Dense(
+        models.NUM_CLASSES, kernel_regularizer=regularizer)
     logits = out(hidden(x))
     penalty = tf.add_n(hidden.losses + out.losses)
   loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(
@@ -59,28 +59,32 @@ def _spec(mode, loss):
 
 
 def _train(num_towers, layers, reduction, every_tower):
-  tower_devices = (None if num_towers == 1 else
-                   harness.devices(harness.VIRTUAL_CPUS, num_towers))
+  tower_devices = (None if num_towers == 1 else harness.devices(
+      harness.VIRTUAL_CPUS, num_towers))
   return harness.train(
-      _model_fn, models.data(24), batch_size=10, steps=3,
-      tower_devices=tower_devices, reduction=reduction,
-      params=dict(layers=layers, reduction=reduction,
-                  every_tower=every_tower))
+      _model_fn,
+      models.data(24),
+      batch_size=10,
+      steps=3,
+      tower_devices=tower_devices,
+      reduction=reduction,
+      params=dict(layers=layers, reduction=reduction, every_tower=every_tower))
 
 
 class RegularizationTest(parameterized.TestCase):
 
-  @parameterized.product(num_towers=[2, 4], layers=["v1", "keras"],
-                         reduction=[Reduction.MEAN,
-                                    Reduction.SUM_BY_NONZERO_WEIGHTS])
-  def test_averaging_reduction_counts_the_penalty_once(
-      self, num_towers, layers, reduction):
+  @parameterized.product(
+      num_towers=[2, 4],
+      layers=["v1", "keras"],
+      reduction=[Reduction.MEAN, Reduction.SUM_BY_NONZERO_WEIGHTS])
+  def test_averaging_reduction_counts_the_penalty_once(self, num_towers, layers,
+                                                       reduction):
     expected = _train(1, layers, reduction, every_tower=True)
     actual = _train(num_towers, layers, reduction, every_tower=True)
     harness.assert_close_nests(actual, expected)
 
-  @parameterized.product(num_towers=[2, 4],
-                         layers=["v1", "keras", "total_loss"])
+  @parameterized.product(
+      num_towers=[2, 4], layers=["v1", "keras", "total_loss"])
   def test_sum_counts_the_penalty_once(self, num_towers, layers):
     expected = _train(1, layers, Reduction.SUM, every_tower=True)
     actual = _train(num_towers, layers, Reduction.SUM, every_tower=True)
@@ -100,7 +104,10 @@ def _head_model_fn(features, labels, mode, params):
   logits = dense(features["x"])
   head = tf.estimator.RegressionHead(loss_reduction=params["reduction"])
   return head.create_estimator_spec(
-      features, mode, logits, labels=labels,
+      features,
+      mode,
+      logits,
+      labels=labels,
       optimizer=replicate.TowerOptimizer(tf.keras.optimizers.legacy.SGD(0.1)),
       trainable_variables=dense.trainable_weights,
       regularization_losses=dense.losses)
@@ -110,23 +117,23 @@ class HeadRegularizationTest(parameterized.TestCase):
   """Eval loss, the head's metrics ('regularization_loss' too) and training
   of a v2 head with regularization_losses, 7 rows (uneven) per batch."""
 
-  @parameterized.product(num_towers=[2, 4],
-                         reduction=["sum", "sum_over_batch_size"])
+  @parameterized.product(
+      num_towers=[2, 4], reduction=["sum", "sum_over_batch_size"])
   def test_train_and_eval_match_one_device(self, num_towers, reduction):
     rng = np.random.RandomState(2)
-    data = ({"x": rng.randn(14, 3).astype(np.float32)},
-            rng.randn(14, 1).astype(np.float32))
+    data = ({
+        "x": rng.randn(14, 3).astype(np.float32)
+    }, rng.randn(14, 1).astype(np.float32))
     tower_devices = harness.devices(harness.VIRTUAL_CPUS, num_towers)
     params = {"reduction": reduction}
     run = lambda mode, devices=None: mode(
-        _head_model_fn, data, 7, 2, devices, reduction=reduction,
-        params=params)
+        _head_model_fn, data, 7, 2, devices, reduction=reduction, params=params)
     expected = run(harness.evaluate)
     actual = run(harness.evaluate, tower_devices)
     self.assertIn("regularization_loss", actual[1])
     harness.assert_close_nests(actual, expected)
-    harness.assert_close_nests(run(harness.train, tower_devices),
-                               run(harness.train))
+    harness.assert_close_nests(
+        run(harness.train, tower_devices), run(harness.train))
 
 
 if __name__ == "__main__":

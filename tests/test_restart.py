@@ -29,11 +29,13 @@ WAIT_SECS = 120
 
 
 def _task(model_dir, log_dir, name):
-  args = [sys.executable, str(cluster_harness.CLUSTER), "--task",
-          f"--model_dir={model_dir}", f"--steps={STEPS}", "--towers=2",
-          "--batch_size=64", "--save_checkpoints_steps=10",
-          "--step_delay_ms=50", "--log_every=5", "--throttle_secs=600",
-          f"--timeout={cluster_harness.TASK_TIMEOUT_SECS}"]
+  args = [
+      sys.executable,
+      str(cluster_harness.CLUSTER), "--task", f"--model_dir={model_dir}",
+      f"--steps={STEPS}", "--towers=2", "--batch_size=64",
+      "--save_checkpoints_steps=10", "--step_delay_ms=50", "--log_every=5",
+      "--throttle_secs=600", f"--timeout={cluster_harness.TASK_TIMEOUT_SECS}"
+  ]
   return cluster_harness.Task(name, args, cluster_harness.example_env(),
                               log_dir)
 
@@ -43,8 +45,8 @@ def _copy_checkpoint(model_dir, step, to_dir):
   to_dir.mkdir()
   for path in model_dir.glob(f"model.ckpt-{step}.*"):
     shutil.copy(path, to_dir)
-  tf.compat.v1.train.update_checkpoint_state(str(to_dir),
-                                             str(to_dir / f"model.ckpt-{step}"))
+  tf.compat.v1.train.update_checkpoint_state(
+      str(to_dir), str(to_dir / f"model.ckpt-{step}"))
 
 
 def test_killed_during_train_resumes_with_every_variable(tmp_path):
@@ -58,8 +60,8 @@ def test_killed_during_train_resumes_with_every_variable(tmp_path):
     run.kill()
     step = cluster_harness.latest_step(model_dir)
     assert KILL_AFTER_STEP <= step < STEPS, run.outputs()
-    saved = cluster_harness.checkpoint_values(str(model_dir /
-                                                  f"model.ckpt-{step}"))
+    saved = cluster_harness.checkpoint_values(
+        str(model_dir / f"model.ckpt-{step}"))
     _copy_checkpoint(model_dir, step, reference_dir)
     run.start()
     reference.start()
@@ -72,8 +74,10 @@ def test_killed_during_train_resumes_with_every_variable(tmp_path):
   # Resumed at the checkpoint with every variable's saved value.
   assert any(name.endswith("/Adam_1") for name in saved)
   resumed = cluster_harness.sessions(run.output())
-  assert resumed[0] == (step, pytest.approx(
-      cluster_task.variables_fingerprint(saved), rel=1e-12)), run.outputs()
+  assert resumed[0] == (step,
+                        pytest.approx(
+                            cluster_task.variables_fingerprint(saved),
+                            rel=1e-12)), run.outputs()
   # The same weights as training on from that checkpoint without a kill.
   final = cluster_harness.checkpoint_values(
       tf.train.latest_checkpoint(str(model_dir)))

@@ -45,31 +45,38 @@ def _scalar_metrics_model_fn(features, labels, mode):
   keras_mean.update_state(loss)
   # A weighted mean that is not the loss, and a sum over the batch.
   weighted = tf.compat.v1.losses.absolute_difference(
-      labels, predictions, weights=tf.abs(labels),
-      loss_collection=None)
-  return tf.estimator.EstimatorSpec(mode, loss=loss, eval_metric_ops={
-      "mean_loss": tf.compat.v1.metrics.mean(loss),
-      "keras_mean_loss": keras_mean,
-      "mean_weighted": tf.compat.v1.metrics.mean(weighted),
-      "mean_sum": tf.compat.v1.metrics.mean(tf.reduce_sum(labels)),
-      "per_example": tf.compat.v1.metrics.mean(predictions),
-  })
+      labels, predictions, weights=tf.abs(labels), loss_collection=None)
+  return tf.estimator.EstimatorSpec(
+      mode,
+      loss=loss,
+      eval_metric_ops={
+          "mean_loss": tf.compat.v1.metrics.mean(loss),
+          "keras_mean_loss": keras_mean,
+          "mean_weighted": tf.compat.v1.metrics.mean(weighted),
+          "mean_sum": tf.compat.v1.metrics.mean(tf.reduce_sum(labels)),
+          "per_example": tf.compat.v1.metrics.mean(predictions),
+      })
 
 
 def _multi_head_model_fn(features, labels, mode, params):
   reduction = params["reduction"]
-  heads = [tf.estimator.RegressionHead(name="a", loss_reduction=reduction),
-           tf.estimator.RegressionHead(name="b", weight_column="w",
-                                       loss_reduction=reduction)]
+  heads = [
+      tf.estimator.RegressionHead(name="a", loss_reduction=reduction),
+      tf.estimator.RegressionHead(
+          name="b", weight_column="w", loss_reduction=reduction)
+  ]
   head = tf.estimator.MultiHead(heads)
   logits = {"a": _predictions(features), "b": 2.0 * _predictions(features)}
   features = dict(features, w=tf.abs(labels))
   spec = head.create_estimator_spec(
-      features, mode, logits, labels={"a": labels, "b": labels - 1.0})
+      features, mode, logits, labels={
+          "a": labels,
+          "b": labels - 1.0
+      })
   # Only what EVAL needs (MultiHead's tuple prediction keys are merged
   # elsewhere).
-  return tf.estimator.EstimatorSpec(mode, loss=spec.loss,
-                                    eval_metric_ops=spec.eval_metric_ops)
+  return tf.estimator.EstimatorSpec(
+      mode, loss=spec.loss, eval_metric_ops=spec.eval_metric_ops)
 
 
 @functools.lru_cache(maxsize=None)
@@ -85,14 +92,17 @@ def _evaluate(model_fn, num_towers, reduction=None):
       kwargs = {"params": {"reduction": reduction}}
     if num_towers:
       model_fn = replicate.replicate_model_fn(
-          model_fn, devices=[f"/device:CPU:{i}" for i in range(num_towers)],
+          model_fn,
+          devices=[f"/device:CPU:{i}" for i in range(num_towers)],
           loss_reduction=reduction or MEAN)
     spec = model_fn(features, labels, EVAL, **kwargs)
     updates = [op for _, op in spec.eval_metric_ops.values()]
     with tf.compat.v1.Session(
         config=replicate.testing.session_config(4)) as session:
-      session.run([tf.compat.v1.global_variables_initializer(),
-                   tf.compat.v1.local_variables_initializer()])
+      session.run([
+          tf.compat.v1.global_variables_initializer(),
+          tf.compat.v1.local_variables_initializer()
+      ])
       for _ in range(2):
         session.run(updates)
       return session.run({k: v for k, (v, _) in spec.eval_metric_ops.items()})
@@ -103,18 +113,18 @@ MEAN = tf.keras.losses.Reduction.SUM_OVER_BATCH_SIZE
 
 
 @pytest.mark.parametrize("num_towers", [2, 4])
-@pytest.mark.parametrize("model_fn, reduction", [
-    (_scalar_metrics_model_fn, None),
-    (_multi_head_model_fn, MEAN),
-    (_multi_head_model_fn, SUM)])
+@pytest.mark.parametrize("model_fn, reduction",
+                         [(_scalar_metrics_model_fn, None),
+                          (_multi_head_model_fn, MEAN),
+                          (_multi_head_model_fn, SUM)])
 def test_metrics_of_per_batch_scalars_are_one_devices(model_fn, reduction,
                                                       num_towers):
   expected = _evaluate(model_fn, None, reduction)
   actual = _evaluate(model_fn, num_towers, reduction)
   assert set(actual) == set(expected)
   for key in expected:
-    np.testing.assert_allclose(actual[key], expected[key], rtol=1e-5,
-                               atol=1e-6, err_msg=key)
+    np.testing.assert_allclose(
+        actual[key], expected[key], rtol=1e-5, atol=1e-6, err_msg=key)
 
 
 def _max_model_fn(features, labels, mode):
@@ -125,9 +135,13 @@ def _max_model_fn(features, labels, mode):
     optimizer = replicate.TowerOptimizer(
         tf.compat.v1.train.GradientDescentOptimizer(0.1))
     train_op = optimizer.minimize(loss, tf.compat.v1.train.get_global_step())
-  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op,
-                                    eval_metric_ops={
-      "largest_label": tf.compat.v1.metrics.mean(tf.reduce_max(labels))})
+  return tf.estimator.EstimatorSpec(
+      mode,
+      loss=loss,
+      train_op=train_op,
+      eval_metric_ops={
+          "largest_label": tf.compat.v1.metrics.mean(tf.reduce_max(labels))
+      })
 
 
 @pytest.mark.parametrize("num_towers", [2, 4])
@@ -143,8 +157,9 @@ def test_metric_of_per_batch_maximum_trains():
     tf.compat.v1.train.create_global_step()
     features, labels = _batches()
     replicate.replicate_model_fn(
-        _max_model_fn, devices=["/device:CPU:0", "/device:CPU:1"])(
-            features, labels, tf.estimator.ModeKeys.TRAIN)
+        _max_model_fn, devices=["/device:CPU:0",
+                                "/device:CPU:1"])(features, labels,
+                                                  tf.estimator.ModeKeys.TRAIN)
 
 
 def _loss_through_a_reduction_model_fn(features, labels, mode):
@@ -153,11 +168,16 @@ def _loss_through_a_reduction_model_fn(features, labels, mode):
   loss = tf.reduce_sum(
       tf.compat.v1.losses.mean_squared_error(labels, predictions))
   total = tf.compat.v1.get_local_variable(
-      "total", [], initializer=tf.zeros_initializer(),
+      "total", [],
+      initializer=tf.zeros_initializer(),
       aggregation=tf.VariableAggregation.SUM)
-  return tf.estimator.EstimatorSpec(mode, loss=loss, eval_metric_ops={
-      "mean_loss": tf.compat.v1.metrics.mean(loss),
-      "total": (tf.identity(total), total.assign_add(loss))})
+  return tf.estimator.EstimatorSpec(
+      mode,
+      loss=loss,
+      eval_metric_ops={
+          "mean_loss": tf.compat.v1.metrics.mean(loss),
+          "total": (tf.identity(total), total.assign_add(loss))
+      })
 
 
 @pytest.mark.parametrize("num_towers", [2, 4])
@@ -167,5 +187,5 @@ def test_loss_computed_through_a_reduction_stays_the_models(num_towers):
   # The metric of the loss is one device's; the loss's own reduction is not
   # rewired to the whole batch's (the hand-made `total` adds the towers'
   # losses by its aggregation, as before).
-  np.testing.assert_allclose(actual["mean_loss"], expected["mean_loss"],
-                             rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(
+      actual["mean_loss"], expected["mean_loss"], rtol=1e-5, atol=1e-6)

@@ -19,13 +19,14 @@ TRAIN, EVAL, PREDICT = harness.TRAIN, harness.EVAL, harness.PREDICT
 # than the batch's width; the last row (shard of its own on 4 towers of 6
 # rows) is shorter still.
 LENGTHS = [2, 1, 5, 3, 1, 2]
-FIXED_WIDTH = 4   # a padded feature: wider than its longest row (3)
+FIXED_WIDTH = 4  # a padded feature: wider than its longest row (3)
 
 
 def _sparse(values, lengths, width, dtype):
   indices = [[r, t] for r, n in enumerate(lengths) for t in range(n)]
-  return tf.SparseTensor(np.array(indices, np.int64),
-                         tf.constant(values, dtype), [len(lengths), width])
+  return tf.SparseTensor(
+      np.array(indices, np.int64), tf.constant(values, dtype),
+      [len(lengths), width])
 
 
 def _batch(static):
@@ -36,14 +37,17 @@ def _batch(static):
   """
   count = sum(LENGTHS)
   features = {
-      "x": _sparse(np.linspace(-1, 1, count), LENGTHS, max(LENGTHS),
-                   tf.float32),
-      "tokens": _sparse(np.arange(count) % 7, LENGTHS, max(LENGTHS),
-                        tf.int64),
-      "padded": _sparse(np.linspace(1, 2, 12), [min(n, 3) for n in LENGTHS],
-                        FIXED_WIDTH, tf.float32),
-      "context": tf.constant(np.linspace(0, 1, len(LENGTHS))[:, None],
-                             tf.float32)}
+      "x":
+          _sparse(np.linspace(-1, 1, count), LENGTHS, max(LENGTHS), tf.float32),
+      "tokens":
+          _sparse(np.arange(count) % 7, LENGTHS, max(LENGTHS), tf.int64),
+      "padded":
+          _sparse(
+              np.linspace(1, 2, 12), [min(n, 3) for n in LENGTHS], FIXED_WIDTH,
+              tf.float32),
+      "context":
+          tf.constant(np.linspace(0, 1, len(LENGTHS))[:, None], tf.float32)
+  }
   labels = tf.constant([[0], [1], [1], [0], [1], [0]], tf.int64)
   if static:
     return features, labels
@@ -51,11 +55,14 @@ def _batch(static):
   def dynamic(tensor):
     shape = [None] + tensor.shape.as_list()[1:]
     return tf.compat.v1.placeholder_with_default(tensor, shape)
-  features = {key: (tf.SparseTensor(
-      dynamic(v.indices), dynamic(v.values),
-      tf.compat.v1.placeholder_with_default(v.dense_shape, [2]))
-                    if isinstance(v, tf.SparseTensor) else dynamic(v))
-              for key, v in features.items()}
+
+  features = {
+      key: (tf.SparseTensor(
+          dynamic(v.indices), dynamic(v.values),
+          tf.compat.v1.placeholder_with_default(v.dense_shape, [2]))
+            if isinstance(v, tf.SparseTensor) else dynamic(v)
+           ) for key, v in features.items()
+  }
   return features, dynamic(labels)
 
 
@@ -67,42 +74,53 @@ def _run(model_fn, mode, num_towers, static, steps=2):
     if num_towers > 1:
       model_fn = replicate.replicate_model_fn(
           model_fn, devices=harness.devices(harness.VIRTUAL_CPUS, num_towers))
-    spec = model_fn(features=features, labels=labels, mode=mode,
-                    config=tf.estimator.RunConfig())
+    spec = model_fn(
+        features=features,
+        labels=labels,
+        mode=mode,
+        config=tf.estimator.RunConfig())
     with tf.compat.v1.Session(config=harness.session_config()) as session:
       if mode == TRAIN:
         return harness.run_training(session, spec, steps)
-      session.run([tf.compat.v1.global_variables_initializer(),
-                   tf.compat.v1.local_variables_initializer()])
+      session.run([
+          tf.compat.v1.global_variables_initializer(),
+          tf.compat.v1.local_variables_initializer()
+      ])
       harness.set_trainable_weights(session)
       if mode == PREDICT:
         return session.run(spec.predictions)
       updates = [op for _, op in spec.eval_metric_ops.values()]
       loss, _ = session.run([spec.loss, updates])
-      return loss, session.run(
-          {k: v for k, (v, _) in spec.eval_metric_ops.items()})
+      return loss, session.run({
+          k: v for k, (v, _) in spec.eval_metric_ops.items()
+      })
 
 
 def mask_model_fn(features, labels, mode, config):
   """Densifies a VarLen feature and masks it with its rows' lengths."""
   del config
   x = features["x"]
-  lengths = tf.math.unsorted_segment_max(
-      x.indices[:, 1] + 1, x.indices[:, 0], tf.cast(x.dense_shape[0], tf.int32))
+  lengths = tf.math.unsorted_segment_max(x.indices[:, 1] + 1, x.indices[:, 0],
+                                         tf.cast(x.dense_shape[0], tf.int32))
   mask = tf.sequence_mask(lengths, dtype=tf.float32)
-  padded = tf.sparse.to_dense(features["padded"])   # keeps its fixed width
+  padded = tf.sparse.to_dense(features["padded"])  # keeps its fixed width
   weight = tf.compat.v1.get_variable("weight", [FIXED_WIDTH])
-  scores = (tf.reduce_sum(tf.sparse.to_dense(x) * mask, 1) +
-            tf.reduce_sum(padded * weight, 1))
+  scores = (
+      tf.reduce_sum(tf.sparse.to_dense(x) * mask, 1) +
+      tf.reduce_sum(padded * weight, 1))
   loss = tf.compat.v1.losses.mean_squared_error(
       tf.cast(labels[:, 0], tf.float32), scores)
   optimizer = replicate.TowerOptimizer(
       tf.compat.v1.train.GradientDescentOptimizer(0.1))
   return tf.estimator.EstimatorSpec(
-      mode, loss=loss,
+      mode,
+      loss=loss,
       # Per step: as wide as the batch's longest row once merged.
-      predictions={"scores": scores, "lengths": lengths,
-                   "steps": tf.sparse.to_dense(x) * mask * weight[0]},
+      predictions={
+          "scores": scores,
+          "lengths": lengths,
+          "steps": tf.sparse.to_dense(x) * mask * weight[0]
+      },
       train_op=optimizer.minimize(loss, tf.compat.v1.train.get_global_step()))
 
 
@@ -111,11 +129,13 @@ def _rnn_model_fn(cell_type, units):
       tf.feature_column.embedding_column(
           tf.feature_column.sequence_categorical_column_with_identity(
               "tokens", 7), 2),
-      tf.feature_column.sequence_numeric_column("x")]
+      tf.feature_column.sequence_numeric_column("x")
+  ]
   return tf.estimator.experimental.RNNClassifier(
       sequence_feature_columns=columns,
       context_feature_columns=[tf.feature_column.numeric_column("context")],
-      units=units, cell_type=cell_type,
+      units=units,
+      cell_type=cell_type,
       optimizer=replicate.TowerOptimizer(
           lambda: tf.keras.optimizers.legacy.Adagrad(0.1))).model_fn
 

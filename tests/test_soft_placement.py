@@ -38,8 +38,7 @@ def _embedded(features, lookup):
     table = tf.compat.v1.get_variable("table", [NUM_IDS, 4], use_resource=True)
     return tf.reduce_mean(tf.gather(table, ids), axis=1)
   if lookup == "embedding_lookup_ref":
-    table = tf.compat.v1.get_variable("table", [NUM_IDS, 4],
-                                      use_resource=False)
+    table = tf.compat.v1.get_variable("table", [NUM_IDS, 4], use_resource=False)
     return tf.reduce_mean(tf.compat.v1.nn.embedding_lookup(table, ids), 1)
   if lookup == "keras_embedding":
     return tf.reduce_mean(
@@ -65,17 +64,19 @@ def _model_fn(features, labels, mode, params):
   tf.compat.v1.summary.scalar("sparsity", sparsity)
   if mode == PREDICT:
     return tf.estimator.EstimatorSpec(
-        mode, predictions={"probabilities": tf.nn.softmax(logits),
-                           "sparsity": tf.fill([tf.shape(logits)[0]],
-                                               sparsity)})
+        mode,
+        predictions={
+            "probabilities": tf.nn.softmax(logits),
+            "sparsity": tf.fill([tf.shape(logits)[0]], sparsity)
+        })
   loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
-  metrics = {"accuracy": tf.compat.v1.metrics.accuracy(
-      labels, tf.argmax(logits, 1))}
-  optimizer = replicate.TowerOptimizer(
-      tf.compat.v1.train.AdagradOptimizer(0.3))
+  metrics = {
+      "accuracy": tf.compat.v1.metrics.accuracy(labels, tf.argmax(logits, 1))
+  }
+  optimizer = replicate.TowerOptimizer(tf.compat.v1.train.AdagradOptimizer(0.3))
   train_op = optimizer.minimize(loss, tf.compat.v1.train.get_global_step())
-  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op,
-                                    eval_metric_ops=metrics)
+  return tf.estimator.EstimatorSpec(
+      mode, loss=loss, train_op=train_op, eval_metric_ops=metrics)
 
 
 def _session_config():
@@ -90,7 +91,8 @@ def _run(lookup, towers, placement, batch):
   model_fn = _model_fn
   if towers:
     model_fn = replicate.replicate_model_fn(
-        _model_fn, devices=[f"/device:CPU:{i}" for i in range(towers)],
+        _model_fn,
+        devices=[f"/device:CPU:{i}" for i in range(towers)],
         variable_placement=placement)
   params = {"lookup": lookup}
   features, labels = _data()
@@ -109,31 +111,40 @@ def _run(lookup, towers, placement, batch):
           losses, values = harness.run_training(session, spec, 3)
           results["losses"] = losses
           results["variables"] = {
-              k: v for k, v in values.items()
-              if k in {x.op.name for x in tf.compat.v1.trainable_variables()}}
+              k: v
+              for k, v in values.items()
+              if k in {x.op.name for x in tf.compat.v1.trainable_variables()}
+          }
           continue
-        session.run([tf.compat.v1.global_variables_initializer(),
-                     tf.compat.v1.local_variables_initializer()])
+        session.run([
+            tf.compat.v1.global_variables_initializer(),
+            tf.compat.v1.local_variables_initializer()
+        ])
         harness.set_trainable_weights(session)
         if mode == EVAL:
           updates = [u for _, u in spec.eval_metric_ops.values()]
-          results["eval_losses"] = [session.run([spec.loss, updates])[0]
-                                    for _ in range(2)]
-          results["metrics"] = session.run(
-              {k: v for k, (v, _) in spec.eval_metric_ops.items()})
+          results["eval_losses"] = [
+              session.run([spec.loss, updates])[0] for _ in range(2)
+          ]
+          results["metrics"] = session.run({
+              k: v for k, (v, _) in spec.eval_metric_ops.items()
+          })
         else:
-          results["predictions"] = [session.run(spec.predictions)
-                                    for _ in range(2)]
+          results["predictions"] = [
+              session.run(spec.predictions) for _ in range(2)
+          ]
   return results
 
 
-LOOKUPS = ["gather_resource", "embedding_lookup_ref", "keras_embedding",
-           "embedding_column"]
-
+LOOKUPS = [
+    "gather_resource", "embedding_lookup_ref", "keras_embedding",
+    "embedding_column"
+]
 
 # Each lookup on 2 and on 4 towers, the placements swapped by turns: every
 # layout meets two lookups.
-_LOOKUP_LAYOUTS = [(lookup,) + layout for index, lookup in enumerate(LOOKUPS)
+_LOOKUP_LAYOUTS = [(lookup,) + layout
+                   for index, lookup in enumerate(LOOKUPS)
                    for layout in (LAYOUTS[index % 2], LAYOUTS[3 - index % 2])]
 
 
@@ -161,30 +172,38 @@ def test_a_loop_over_shared_variables_places_without_soft_placement(
 # session has no soft placement.
 IDS = tf.feature_column.categorical_column_with_identity("ids", NUM_IDS)
 CANNED = {
-    "linear": lambda config: tf.estimator.LinearClassifier(
-        [IDS], n_classes=NUM_CLASSES, config=config,
-        optimizer=replicate.TowerOptimizer(
-            tf.keras.optimizers.legacy.Ftrl(0.1))),
-    "dnn_embedding": lambda config: tf.estimator.DNNClassifier(
-        [8], [tf.feature_column.embedding_column(IDS, 4)],
-        n_classes=NUM_CLASSES, config=config,
-        optimizer=replicate.TowerOptimizer(
-            tf.keras.optimizers.legacy.Adagrad(0.05))),
+    "linear":
+        lambda config: tf.estimator.LinearClassifier(
+            [IDS],
+            n_classes=NUM_CLASSES,
+            config=config,
+            optimizer=replicate.TowerOptimizer(
+                tf.keras.optimizers.legacy.Ftrl(0.1))),
+    "dnn_embedding":
+        lambda config: tf.estimator.DNNClassifier(
+            [8], [tf.feature_column.embedding_column(IDS, 4)],
+            n_classes=NUM_CLASSES,
+            config=config,
+            optimizer=replicate.TowerOptimizer(
+                tf.keras.optimizers.legacy.Adagrad(0.05))),
 }
 
 
 def _input_fn(epochs=None, with_labels=True, batch=8):
   features, labels = _data(32)
   data = (features, labels) if with_labels else features
-  return lambda: tf.data.Dataset.from_tensor_slices(data).repeat(
-      epochs).batch(batch)
+  return lambda: tf.data.Dataset.from_tensor_slices(data).repeat(epochs).batch(
+      batch)
 
 
 @functools.lru_cache(maxsize=None)
 def _canned_run(canned, towers, placement, model_dir):
   config = tf.estimator.RunConfig(
-      model_dir=model_dir, tf_random_seed=7, save_checkpoints_steps=1000,
-      save_summary_steps=1000, log_step_count_steps=1000,
+      model_dir=model_dir,
+      tf_random_seed=7,
+      save_checkpoints_steps=1000,
+      save_summary_steps=1000,
+      log_step_count_steps=1000,
       session_config=_session_config())
   estimator = CANNED[canned](config)
   if towers:
@@ -192,13 +211,17 @@ def _canned_run(canned, towers, placement, model_dir):
         replicate.replicate_model_fn(
             estimator.model_fn,
             devices=[f"/device:CPU:{i}" for i in range(towers)],
-            variable_placement=placement), config=config)
+            variable_placement=placement),
+        config=config)
   estimator.train(_input_fn(), steps=3)
   metrics = estimator.evaluate(_input_fn(epochs=1, batch=10))
-  predictions = [p["probabilities"] for p in estimator.predict(
-      _input_fn(epochs=1, with_labels=False, batch=10))]
-  variables = {n: estimator.get_variable_value(n)
-               for n in estimator.get_variable_names()}
+  predictions = [
+      p["probabilities"] for p in estimator.predict(
+          _input_fn(epochs=1, with_labels=False, batch=10))
+  ]
+  variables = {
+      n: estimator.get_variable_value(n) for n in estimator.get_variable_names()
+  }
   return metrics, np.array(predictions), variables
 
 
@@ -209,8 +232,8 @@ def model_dirs(tmp_path_factory):
       lambda *run: str(tmp_path_factory.mktemp("_".join(map(str, run)))))
 
 
-@pytest.mark.parametrize("towers,placement",
-                         [(2, "shared"), (4, "round_robin")])
+@pytest.mark.parametrize("towers,placement", [(2, "shared"),
+                                              (4, "round_robin")])
 @pytest.mark.parametrize("canned", sorted(CANNED))
 def test_canned_categorical_models_place_without_soft_placement(
     canned, towers, placement, model_dirs):

@@ -18,22 +18,27 @@ def test_shard_sizes_cover_the_batch_and_differ_by_at_most_one(batch, towers):
 
 
 @settings(max_examples=25, deadline=None)
-@given(batch=st.integers(1, 13), towers=st.integers(1, 5),
-       static=st.booleans(), seed=st.integers(0, 1000))
+@given(
+    batch=st.integers(1, 13),
+    towers=st.integers(1, 5),
+    static=st.booleans(),
+    seed=st.integers(0, 1000))
 def test_shards_are_rows_in_order(batch, towers, static, seed):
   rng = np.random.RandomState(seed)
   dense = rng.randn(batch, 3).astype(np.float32)
   ids = np.array([[r, c] for r in range(batch) for c in range(rng.randint(3))],
                  np.int64).reshape(-1, 2)
-  sparse = tf.compat.v1.SparseTensorValue(
-      ids, np.arange(len(ids), dtype=np.int64), [batch, 2])
+  sparse = tf.compat.v1.SparseTensorValue(ids,
+                                          np.arange(len(ids), dtype=np.int64),
+                                          [batch, 2])
   with tf.Graph().as_default():
     x = tf.constant(dense)
     if not static:
       x = tf.compat.v1.placeholder_with_default(x, [None, 3])
-    shards = split.split_batch(
-        {"x": x, "s": tf.SparseTensor.from_value(sparse)},
-        {"y": tf.constant(np.arange(batch))}, towers)
+    shards = split.split_batch({
+        "x": x,
+        "s": tf.SparseTensor.from_value(sparse)
+    }, {"y": tf.constant(np.arange(batch))}, towers)
     sizes = [tf.convert_to_tensor(size) for size in shards.sizes]
     valid = [tf.convert_to_tensor(v) for v in shards.valid]
     with tf.compat.v1.Session() as session:
@@ -42,18 +47,20 @@ def test_shards_are_rows_in_order(batch, towers, static, seed):
   assert list(sizes) == split.shard_sizes(batch, towers)
   assert list(valid) == [i == 0 or size > 0 for i, size in enumerate(sizes)]
   # A tower without examples holds one phantom row: the batch's last.
-  real = [(f, l) for f, l, size in zip(features, labels, sizes) if size]
-  np.testing.assert_array_equal(np.concatenate([f["x"] for f, _ in real]),
-                                dense)
-  np.testing.assert_array_equal(np.concatenate([l["y"] for _, l in real]),
-                                np.arange(batch))
-  rows = np.concatenate([f["s"].indices[:, 0] + offset for (f, _), offset in
-                         zip(real, np.cumsum([0] + list(sizes[:-1])))])
+  real = [(f, y) for f, y, size in zip(features, labels, sizes) if size]
+  np.testing.assert_array_equal(
+      np.concatenate([f["x"] for f, _ in real]), dense)
+  np.testing.assert_array_equal(
+      np.concatenate([y["y"] for _, y in real]), np.arange(batch))
+  rows = np.concatenate([
+      f["s"].indices[:, 0] + offset
+      for (f, _), offset in zip(real, np.cumsum([0] + list(sizes[:-1])))
+  ])
   np.testing.assert_array_equal(rows, ids[:, 0])
-  for f, l, size in zip(features, labels, sizes):
+  for f, y, size in zip(features, labels, sizes):
     assert f["s"].dense_shape[0] == max(size, 1)
     if not size:
       np.testing.assert_array_equal(f["x"], dense[-1:])
-      np.testing.assert_array_equal(l["y"], [batch - 1])
+      np.testing.assert_array_equal(y["y"], [batch - 1])
       np.testing.assert_array_equal(f["s"].indices[:, 1],
                                     ids[ids[:, 0] == batch - 1, 1])

@@ -42,10 +42,12 @@ def _batches(batch, steps):
 
 def _linear(x, name="logits", use_resource=True):
   kernel = tf.compat.v1.get_variable(
-      f"{name}/kernel", [5, 3], use_resource=use_resource,
+      f"{name}/kernel", [5, 3],
+      use_resource=use_resource,
       initializer=tf.compat.v1.glorot_uniform_initializer(seed=3))
   bias = tf.compat.v1.get_variable(
-      f"{name}/bias", [3], use_resource=use_resource,
+      f"{name}/bias", [3],
+      use_resource=use_resource,
       initializer=tf.compat.v1.zeros_initializer())
   return tf.matmul(x, kernel) + bias
 
@@ -58,20 +60,32 @@ def _minimize(loss, global_step=True):
   optimizer = replicate.TowerOptimizer(
       tf.compat.v1.train.GradientDescentOptimizer(0.5))
   return optimizer.minimize(
-      loss, tf.compat.v1.train.get_global_step() if global_step else None)
+      loss,
+      tf.compat.v1.train.get_global_step() if global_step else None)
 
 
 def _towers(num_towers):
   return harness.devices(harness.VIRTUAL_CPUS, num_towers)
 
 
-def _assert_equal_to_one_device(model_fn, num_towers, batch, steps, static,
-                                params=None, rtol=1e-5, atol=1e-6):
+def _assert_equal_to_one_device(model_fn,
+                                num_towers,
+                                batch,
+                                steps,
+                                static,
+                                params=None,
+                                rtol=1e-5,
+                                atol=1e-6):
   expected_losses, expected = harness.train(
       model_fn, DATA, batch, steps, static=static, params=params)
   losses, values = harness.train(
-      model_fn, DATA, batch, steps, tower_devices=_towers(num_towers),
-      static=static, params=params)
+      model_fn,
+      DATA,
+      batch,
+      steps,
+      tower_devices=_towers(num_towers),
+      static=static,
+      params=params)
   np.testing.assert_allclose(losses, expected_losses, rtol=rtol, atol=atol)
   harness.assert_close_nests(values, expected, rtol=rtol, atol=atol)
   return values, expected
@@ -83,16 +97,17 @@ def _train_graph_ops(model_fn, num_towers, params, **replicate_kwargs):
     tf.compat.v1.train.create_global_step()
     features, labels = harness.batches(DATA, 8)
     replicate.replicate_model_fn(
-        model_fn, devices=_towers(num_towers), **replicate_kwargs)(
-            features, labels, tf.estimator.ModeKeys.TRAIN, params)
+        model_fn, devices=_towers(num_towers),
+        **replicate_kwargs)(features, labels, tf.estimator.ModeKeys.TRAIN,
+                            params)
     return [op.name for op in graph.get_operations()]
 
 
 # Cases: (towers, batch, static); 10 on 4 towers and 7 on 2 are uneven.
-_SHAPES = (dict(num_towers=2, batch=8, static=True),
-           dict(num_towers=4, batch=10, static=False),
-           dict(num_towers=2, batch=7, static=False),
-           dict(num_towers=4, batch=8, static=True))
+_SHAPES = (dict(num_towers=2, batch=8,
+                static=True), dict(num_towers=4, batch=10, static=False),
+           dict(num_towers=2, batch=7,
+                static=False), dict(num_towers=4, batch=8, static=True))
 
 
 def _four_d(x):
@@ -129,11 +144,15 @@ def _expected_moving_statistics(num_towers, batch, steps, fused=False):
     sizes = _shard_sizes(batch, num_towers)
     shards = np.split(rows, np.cumsum(sizes)[:-1])
     if fused:  # per channel: every row's four values; Bessel-corrected
-      shards = [np.stack([s, s * s, 0.5 * s, 1.0 - s], 1).reshape(-1, 5)
-                for s in shards]
+      shards = [
+          np.stack([s, s * s, 0.5 * s, 1.0 - s], 1).reshape(-1, 5)
+          for s in shards
+      ]
     values = np.concatenate(shards)
-    shard_variance = sum(len(s) / len(values) * s.var(axis=0, ddof=int(fused))
-                         for s in shards if len(s))
+    shard_variance = sum(
+        len(s) / len(values) * s.var(axis=0, ddof=int(fused))
+        for s in shards
+        if len(s))
     mean = MOMENTUM * mean + (1 - MOMENTUM) * values.mean(axis=0)
     variance = MOMENTUM * variance + (1 - MOMENTUM) * shard_variance
   return {"bn/moving_mean": mean, "bn/moving_variance": variance}
@@ -142,26 +161,32 @@ def _expected_moving_statistics(num_towers, batch, steps, fused=False):
 class BatchNormTest(parameterized.TestCase):
 
   @parameterized.product(_SHAPES, layers=("v1", "keras"), fused=(False, True))
-  def test_moving_statistics_are_one_devices(
-      self, num_towers, batch, static, layers, fused):
+  def test_moving_statistics_are_one_devices(self, num_towers, batch, static,
+                                             layers, fused):
     steps = 3
     params = {"layers": layers, "fused": fused}
     _, values = harness.train(
-        _batch_norm_model_fn, DATA, batch, steps,
-        tower_devices=_towers(num_towers), static=static, params=params)
-    _, plain = harness.train(_batch_norm_model_fn, DATA, batch, steps,
-                             static=static, params=params)
+        _batch_norm_model_fn,
+        DATA,
+        batch,
+        steps,
+        tower_devices=_towers(num_towers),
+        static=static,
+        params=params)
+    _, plain = harness.train(
+        _batch_norm_model_fn, DATA, batch, steps, static=static, params=params)
     expected = _expected_moving_statistics(1, batch, steps, fused)
     for name, value in expected.items():
       # Float32 statistics of values of order 1..10, summed in another order.
-      np.testing.assert_allclose(plain[name], value, rtol=1e-5, atol=1e-6,
-                                 err_msg=name)
-      np.testing.assert_allclose(values[name], value, rtol=1e-5, atol=1e-6,
-                                 err_msg=name)
+      np.testing.assert_allclose(
+          plain[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
+      np.testing.assert_allclose(
+          values[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
     # Without the variance between the shards' means the result would differ.
     shard_mean = _expected_moving_statistics(num_towers, batch, steps, fused)
-    self.assertGreater(np.abs(shard_mean["bn/moving_variance"] -
-                              expected["bn/moving_variance"]).max(), 1e-2)
+    self.assertGreater(
+        np.abs(shard_mean["bn/moving_variance"] -
+               expected["bn/moving_variance"]).max(), 1e-2)
     self.assertEqual(sorted(values), sorted(plain))  # same variables, names
 
   @parameterized.product(fused=(False, True), num_towers=(2, 4))
@@ -171,8 +196,8 @@ class BatchNormTest(parameterized.TestCase):
     # statistics are combined (weighted means, between-shard variance).
     params = {"layers": "keras", "fused": fused}
     synced = _train_graph_ops(_batch_norm_model_fn, num_towers, params)
-    unsynced = _train_graph_ops(_batch_norm_model_fn, num_towers, params,
-                                sync_batch_norm=False)
+    unsynced = _train_graph_ops(
+        _batch_norm_model_fn, num_towers, params, sync_batch_norm=False)
     self.assertEqual([n for n in synced if "combined_writes" in n], [])
     self.assertNotEqual([n for n in unsynced if "combined_writes" in n], [])
 
@@ -181,8 +206,10 @@ class BatchNormTest(parameterized.TestCase):
     def model_fn(features, labels, mode, params):
       del params  # unused
       noise = tf.compat.v1.get_variable(
-          "noise", [5], initializer=tf.compat.v1.zeros_initializer(),
-          trainable=False, aggregation=MEAN)
+          "noise", [5],
+          initializer=tf.compat.v1.zeros_initializer(),
+          trainable=False,
+          aggregation=MEAN)
       update = noise.assign(tf.random.uniform([5], seed=1))
       loss = _loss(labels, _linear(features["x"]))
       with tf.control_dependencies([update]):
@@ -200,8 +227,10 @@ class BatchNormTest(parameterized.TestCase):
       del params  # unused
       x = features["x"]
       spread = tf.compat.v1.get_variable(
-          "spread", [5], initializer=tf.compat.v1.zeros_initializer(),
-          trainable=False, aggregation=MEAN)
+          "spread", [5],
+          initializer=tf.compat.v1.zeros_initializer(),
+          trainable=False,
+          aggregation=MEAN)
       update = spread.assign(0.5 * spread + 0.5 * tf.math.reduce_variance(x, 0))
       loss = _loss(labels, _linear(x))
       with tf.control_dependencies([update]):
@@ -237,8 +266,10 @@ def _ema_model_fn(features, labels, mode, params):
 
 def _ref_average(weight):
   shadow = tf.compat.v1.get_variable(
-      f"{weight.op.name}/ExponentialMovingAverage", weight.shape,
-      initializer=tf.compat.v1.zeros_initializer(), trainable=False,
+      f"{weight.op.name}/ExponentialMovingAverage",
+      weight.shape,
+      initializer=tf.compat.v1.zeros_initializer(),
+      trainable=False,
       use_resource=False)
   return tf.compat.v1.assign(shadow, 0.5 * shadow + 0.5 * weight)
 
@@ -246,48 +277,60 @@ def _ref_average(weight):
 class AfterTrainOpTest(parameterized.TestCase):
 
   @parameterized.product(_SHAPES, resource=(True, False))
-  def test_ema_shadows_equal_one_device_run_after_run(
-      self, num_towers, batch, static, resource):
+  def test_ema_shadows_equal_one_device_run_after_run(self, num_towers, batch,
+                                                      static, resource):
     params = {"resource": resource}
-    values, expected = _assert_equal_to_one_device(
-        _ema_model_fn, num_towers, batch, 4, static, params)
+    values, expected = _assert_equal_to_one_device(_ema_model_fn, num_towers,
+                                                   batch, 4, static, params)
     shadow = "logits/kernel/ExponentialMovingAverage"
     self.assertIn(shadow, values)
     # The shadow moved with the trained weights, not with stale ones.
-    self.assertGreater(np.abs(expected[shadow] - values["logits/kernel"]).max(),
-                       0)
-    again = harness.train(_ema_model_fn, DATA, batch, 4,
-                          tower_devices=_towers(num_towers), static=static,
-                          params=params)[1]
+    self.assertGreater(
+        np.abs(expected[shadow] - values["logits/kernel"]).max(), 0)
+    again = harness.train(
+        _ema_model_fn,
+        DATA,
+        batch,
+        4,
+        tower_devices=_towers(num_towers),
+        static=static,
+        params=params)[1]
     for name in values:
       np.testing.assert_array_equal(again[name], values[name], err_msg=name)
 
   @parameterized.parameters(2, 4)
   def test_global_step_incremented_by_hand_advances_once_per_step(
       self, num_towers):
+
     def model_fn(features, labels, mode, params):
       del params
       loss = _loss(labels, _linear(features["x"]))
       train_op = _minimize(loss, global_step=False)
       with tf.control_dependencies([train_op]):
-        train_op = tf.compat.v1.assign_add(
-            tf.compat.v1.train.get_global_step(), 1)
+        train_op = tf.compat.v1.assign_add(tf.compat.v1.train.get_global_step(),
+                                           1)
       return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
     values, _ = _assert_equal_to_one_device(model_fn, num_towers, 8, 3, True)
     self.assertEqual(values["global_step"], 3)
 
   def test_estimator_max_steps_runs_as_many_steps_as_one_device(self):
+
     def model_fn(features, labels, mode):
       seen = tf.compat.v1.get_variable(
-          "examples_seen", [], tf.int64, trainable=False, aggregation=SUM,
+          "examples_seen", [],
+          tf.int64,
+          trainable=False,
+          aggregation=SUM,
           initializer=tf.compat.v1.zeros_initializer())
       count = seen.assign_add(tf.shape(features["x"], out_type=tf.int64)[0])
       loss = _loss(labels, _linear(features["x"]))
       train_op = _minimize(loss, global_step=False)
       with tf.control_dependencies([train_op, count]):
-        train_op = tf.compat.v1.assign_add(
-            tf.compat.v1.train.get_global_step(), 1)
+        train_op = tf.compat.v1.assign_add(tf.compat.v1.train.get_global_step(),
+                                           1)
       return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
     input_fn = lambda: tf.data.Dataset.from_tensor_slices(DATA).repeat().batch(
         8, drop_remainder=True)
     model_dir = self.enter_context(tempfile.TemporaryDirectory())
@@ -302,10 +345,17 @@ class AfterTrainOpTest(parameterized.TestCase):
 def _counting_model_fn(features, labels, mode, params):
   """Counters, a class histogram (scatter) and a moving feature mean."""
   resource = params["resource"]
+
   def state(name, shape, dtype, aggregation):
     return tf.compat.v1.get_variable(
-        name, shape, dtype, initializer=tf.compat.v1.zeros_initializer(),
-        trainable=False, use_resource=resource, aggregation=aggregation)
+        name,
+        shape,
+        dtype,
+        initializer=tf.compat.v1.zeros_initializer(),
+        trainable=False,
+        use_resource=resource,
+        aggregation=aggregation)
+
   x = features["x"]
   seen = state("examples_seen", [], tf.int64, SUM)
   per_class = state("class_counts", [3], tf.float32, SUM)
@@ -332,7 +382,10 @@ def _shard_size_counter_model_fn(features, labels, mode, params):
   x = features["x"]
   aggregation = params["aggregation"] or NONE
   seen, steps = (tf.compat.v1.get_variable(
-      name, [], tf.float32, trainable=False, aggregation=aggregation,
+      name, [],
+      tf.float32,
+      trainable=False,
+      aggregation=aggregation,
       initializer=tf.compat.v1.zeros_initializer())
                  for name, aggregation in (("examples_seen", aggregation),
                                            ("steps_seen", NONE)))
@@ -340,8 +393,10 @@ def _shard_size_counter_model_fn(features, labels, mode, params):
     rows = tf.cast(tf.shape(x)[0], tf.float32)
   else:
     rows = tf.cast(tf.size(x), tf.float32) / 5.0
-  updates = [tf.compat.v1.assign_add(seen, rows),
-             tf.compat.v1.assign_add(steps, 1.0)]
+  updates = [
+      tf.compat.v1.assign_add(seen, rows),
+      tf.compat.v1.assign_add(steps, 1.0)
+  ]
   loss = _loss(labels, _linear(x))
   with tf.control_dependencies(updates):
     train_op = _minimize(loss)
@@ -351,12 +406,12 @@ def _shard_size_counter_model_fn(features, labels, mode, params):
 class AggregationTest(parameterized.TestCase):
 
   @parameterized.product(_SHAPES, resource=(True, False))
-  def test_sum_mean_and_none_writes_equal_one_device(
-      self, num_towers, batch, static, resource):
+  def test_sum_mean_and_none_writes_equal_one_device(self, num_towers, batch,
+                                                     static, resource):
     steps = 3
-    values, _ = _assert_equal_to_one_device(
-        _counting_model_fn, num_towers, batch, steps, static,
-        {"resource": resource})
+    values, _ = _assert_equal_to_one_device(_counting_model_fn, num_towers,
+                                            batch, steps, static,
+                                            {"resource": resource})
     rows = np.concatenate(_batches(batch, steps))
     labels = (np.argmax(rows[:, :3], axis=1))
     self.assertEqual(values["examples_seen"], steps * batch)
@@ -365,10 +420,14 @@ class AggregationTest(parameterized.TestCase):
     self.assertEqual(values["steps_seen"], steps)
 
   def test_round_robin_variables_combine_like_shared_ones(self):
-    expected = harness.train(_counting_model_fn, DATA, 10, 2,
-                             params={"resource": True})[1]
+    expected = harness.train(
+        _counting_model_fn, DATA, 10, 2, params={"resource": True})[1]
     values = harness.train(
-        _counting_model_fn, DATA, 10, 2, tower_devices=_towers(4),
+        _counting_model_fn,
+        DATA,
+        10,
+        2,
+        tower_devices=_towers(4),
         placement=replicate.VariablePlacement.ROUND_ROBIN,
         params={"resource": True})[1]
     harness.assert_close_nests(values, expected, rtol=1e-5, atol=1e-6)
@@ -378,43 +437,53 @@ class AggregationTest(parameterized.TestCase):
     # so whatever the aggregation the write is one device's.
     def model_fn(features, labels, mode):
       first = tf.compat.v1.get_variable(
-          "first_shard_mean", [5], initializer=tf.compat.v1.zeros_initializer(),
-          trainable=False, aggregation=ONLY_FIRST)
+          "first_shard_mean", [5],
+          initializer=tf.compat.v1.zeros_initializer(),
+          trainable=False,
+          aggregation=ONLY_FIRST)
       write = first.assign(tf.reduce_mean(features["x"], axis=0))
       loss = _loss(labels, _linear(features["x"]))
       with tf.control_dependencies([write]):
         train_op = _minimize(loss)
       return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
     _, values = harness.train(model_fn, DATA, 8, 1, tower_devices=_towers(4))
     # Eight values below 2.5 summed in float32: 1.2e-6 at most, /8.
-    np.testing.assert_allclose(values["first_shard_mean"],
-                               X[:8].mean(axis=0), rtol=0, atol=2e-7)
+    np.testing.assert_allclose(
+        values["first_shard_mean"], X[:8].mean(axis=0), rtol=0, atol=2e-7)
 
   @parameterized.parameters(True, False)
   def test_none_counter_fed_tf_shape_is_one_devices(self, resource):
+
     def model_fn(features, labels, mode):
       seen = tf.compat.v1.get_variable(
-          "examples_seen", [], tf.int64, trainable=False,
-          initializer=tf.compat.v1.zeros_initializer(), use_resource=resource)
+          "examples_seen", [],
+          tf.int64,
+          trainable=False,
+          initializer=tf.compat.v1.zeros_initializer(),
+          use_resource=resource)
       count = seen.assign_add(tf.shape(features["x"], out_type=tf.int64)[0])
       loss = _loss(labels, _linear(features["x"]))
       with tf.control_dependencies([count]):
         train_op = _minimize(loss)
       return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
     # tf.shape(x)[0] read as a value is the whole batch's size.
-    _, values = harness.train(model_fn, DATA, 8, 2, tower_devices=_towers(2),
-                              static=False)
+    _, values = harness.train(
+        model_fn, DATA, 8, 2, tower_devices=_towers(2), static=False)
     self.assertEqual(values["examples_seen"], 16)
 
-  @parameterized.product(num_towers=(2, 4), static=(True, False),
-                         size=("shape", "size"))
+  @parameterized.product(
+      num_towers=(2, 4), static=(True, False), size=("shape", "size"))
   def test_none_counter_fed_the_shard_size_is_one_devices(
       self, num_towers, static, size):
     # tf.shape() / tf.size() read as values are the whole batch's (with a
     # static batch too: they are not folded into a shard's constant).
-    values, _ = _assert_equal_to_one_device(
-        _shard_size_counter_model_fn, num_towers, 8, 1, static,
-        {"size": size, "aggregation": None})
+    values, _ = _assert_equal_to_one_device(_shard_size_counter_model_fn,
+                                            num_towers, 8, 1, static, {
+                                                "size": size,
+                                                "aggregation": None
+                                            })
     self.assertEqual(values["examples_seen"], 8)
 
   @parameterized.parameters(*_SHAPES)
@@ -422,9 +491,12 @@ class AggregationTest(parameterized.TestCase):
       self, num_towers, batch, static):
     steps = 2
     for size in ("shape", "size"):
-      values, _ = _assert_equal_to_one_device(
-          _shard_size_counter_model_fn, num_towers, batch, steps, static,
-          {"size": size, "aggregation": SUM})
+      values, _ = _assert_equal_to_one_device(_shard_size_counter_model_fn,
+                                              num_towers, batch, steps, static,
+                                              {
+                                                  "size": size,
+                                                  "aggregation": SUM
+                                              })
       self.assertEqual(values["examples_seen"], steps * batch)
       self.assertEqual(values["steps_seen"], steps)
 
@@ -434,13 +506,16 @@ class AggregationTest(parameterized.TestCase):
     # unknown size, so no tower can write a shard's size as a constant.
     def model_fn(features, labels, mode):
       seen = tf.compat.v1.get_variable(
-          "examples_seen", [], tf.int64, trainable=False,
+          "examples_seen", [],
+          tf.int64,
+          trainable=False,
           initializer=tf.compat.v1.zeros_initializer())
       count = seen.assign_add(features["x"].shape[0])  # a Python int
       loss = _loss(labels, _linear(features["x"]))
       with tf.control_dependencies([count]):
         train_op = _minimize(loss)
       return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
     with self.assertRaisesRegex(ValueError, "None values not supported"):
       harness.train(model_fn, DATA, 7, 1, tower_devices=_towers(2))
 
@@ -458,9 +533,10 @@ class AggregationTest(parameterized.TestCase):
       with tf.control_dependencies(layer.updates):
         train_op = _minimize(loss)
       return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
     expected = harness.train(model_fn, DATA, 8, 2, static=static)
-    actual = harness.train(model_fn, DATA, 8, 2, tower_devices=_towers(2),
-                           static=static)
+    actual = harness.train(
+        model_fn, DATA, 8, 2, tower_devices=_towers(2), static=static)
     harness.assert_close_nests(actual, expected, rtol=1e-5, atol=1e-6)
 
   def test_unwrapped_second_optimizer_trains_as_one_device(self):
@@ -469,10 +545,14 @@ class AggregationTest(parameterized.TestCase):
       del params
       logits = _linear(features["x"]) + _linear(features["x"], name="other")
       loss = _loss(labels, logits)
-      first = [v for v in tf.compat.v1.trainable_variables()
-               if v.op.name.startswith("logits")]
-      second = [v for v in tf.compat.v1.trainable_variables()
-                if v.op.name.startswith("other")]
+      first = [
+          v for v in tf.compat.v1.trainable_variables()
+          if v.op.name.startswith("logits")
+      ]
+      second = [
+          v for v in tf.compat.v1.trainable_variables()
+          if v.op.name.startswith("other")
+      ]
       train_op = tf.group(
           replicate.TowerOptimizer(
               tf.compat.v1.train.GradientDescentOptimizer(0.1)).minimize(
@@ -480,15 +560,16 @@ class AggregationTest(parameterized.TestCase):
           tf.compat.v1.train.AdagradOptimizer(0.1).minimize(
               loss, var_list=second))
       return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
     expected_losses, expected = harness.train(model_fn, DATA, 8, 2)
     for num_towers in (2, 4):
-      losses, values = harness.train(model_fn, DATA, 8, 2,
-                                     tower_devices=_towers(num_towers))
+      losses, values = harness.train(
+          model_fn, DATA, 8, 2, tower_devices=_towers(num_towers))
       np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
       self.assertCountEqual(values, expected)
       for name, value in expected.items():
-        np.testing.assert_allclose(values[name], value, rtol=1e-5,
-                                   atol=1e-6, err_msg=name)
+        np.testing.assert_allclose(
+            values[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
 
 
 class InitFromCheckpointTest(parameterized.TestCase):
@@ -502,31 +583,34 @@ class InitFromCheckpointTest(parameterized.TestCase):
     cls.kernel = np.arange(15, dtype=np.float32).reshape(5, 3) / 10.0
     with tf.Graph().as_default():
       tf.compat.v1.get_variable("logits/kernel", initializer=cls.kernel)
-      tf.compat.v1.get_variable("logits/bias", initializer=np.ones(
-          3, np.float32))
+      tf.compat.v1.get_variable(
+          "logits/bias", initializer=np.ones(3, np.float32))
       with tf.compat.v1.Session() as session:
         session.run(tf.compat.v1.global_variables_initializer())
         tf.compat.v1.train.Saver().save(session, cls.checkpoint)
 
   def _train(self, tower_devices, steps=2):
+
     def model_fn(features, labels, mode):
       logits = _linear(features["x"])
       tf.compat.v1.train.init_from_checkpoint(
           os.path.dirname(self.checkpoint), {"logits/": "logits/"})
       loss = _loss(labels, logits)
-      return tf.estimator.EstimatorSpec(mode, loss=loss,
-                                        train_op=_minimize(loss))
+      return tf.estimator.EstimatorSpec(
+          mode, loss=loss, train_op=_minimize(loss))
+
     with tf.Graph().as_default():
       tf.compat.v1.train.create_global_step()
       features, labels = harness.batches(DATA, 8)
-      spec = harness.wrap(model_fn, tower_devices)(
-          features, labels, harness.TRAIN)
+      spec = harness.wrap(model_fn, tower_devices)(features, labels,
+                                                   harness.TRAIN)
       kernel = tf.compat.v1.global_variables()[1]
       with tf.compat.v1.Session(config=harness.session_config()) as session:
         session.run(tf.compat.v1.global_variables_initializer())
         initial = session.run(kernel)
-        losses = [session.run([spec.loss, spec.train_op])[0]
-                  for _ in range(steps)]
+        losses = [
+            session.run([spec.loss, spec.train_op])[0] for _ in range(steps)
+        ]
         return initial, losses, session.run(kernel)
 
   @parameterized.parameters(2, 4)
@@ -541,22 +625,33 @@ class InitFromCheckpointTest(parameterized.TestCase):
 
 def _hooks_model_fn(created):
   """Every tower makes a logging hook; tower 0 alone makes a chief hook."""
+
   def model_fn(features, labels, mode):
     loss = _loss(labels, _linear(features["x"]))
     tower = replicate.current_tower()
     logging_hook = tf.compat.v1.train.LoggingTensorHook(
-        {"loss": loss, "x": features["x"]}, 1)
+        {
+            "loss": loss,
+            "x": features["x"]
+        }, 1)
     nan_hook = tf.compat.v1.train.NanTensorHook(loss)
-    hooks = {"logging": logging_hook, "nan": nan_hook,
-             "scaffold": tf.compat.v1.train.Scaffold()}
+    hooks = {
+        "logging": logging_hook,
+        "nan": nan_hook,
+        "scaffold": tf.compat.v1.train.Scaffold()
+    }
     if tower is None or tower.index == 0:
       hooks["chief"] = tf.compat.v1.train.StepCounterHook()
     created.append(hooks)
     return tf.estimator.EstimatorSpec(
-        mode, loss=loss, train_op=_minimize(loss) if mode == harness.TRAIN
-        else None, training_hooks=[logging_hook, nan_hook],
+        mode,
+        loss=loss,
+        train_op=_minimize(loss) if mode == harness.TRAIN else None,
+        training_hooks=[logging_hook, nan_hook],
         training_chief_hooks=[hooks["chief"]] if "chief" in hooks else [],
-        evaluation_hooks=[logging_hook], scaffold=hooks["scaffold"])
+        evaluation_hooks=[logging_hook],
+        scaffold=hooks["scaffold"])
+
   return model_fn
 
 
@@ -568,17 +663,16 @@ class HooksTest(parameterized.TestCase):
     with tf.Graph().as_default():
       tf.compat.v1.train.create_global_step()
       features, labels = harness.batches(DATA, 8)
-      spec = harness.wrap(_hooks_model_fn(created), _towers(4))(
-          features, labels, mode)
+      spec = harness.wrap(_hooks_model_fn(created), _towers(4))(features,
+                                                                labels, mode)
     self.assertLen(created, 4)
     # Towers are built 1, ..., N-1, then 0: tower 0's hooks were made last.
-    hooks = (spec.training_hooks if mode == harness.TRAIN
-             else spec.evaluation_hooks)
+    hooks = (
+        spec.training_hooks if mode == harness.TRAIN else spec.evaluation_hooks)
     tower_hooks = [created[-1]["logging"]]
     if mode == harness.TRAIN:
       tower_hooks.append(created[-1]["nan"])
-      self.assertEqual(list(spec.training_chief_hooks),
-                       [created[-1]["chief"]])
+      self.assertEqual(list(spec.training_chief_hooks), [created[-1]["chief"]])
     self.assertEqual(list(hooks), tower_hooks)
     self.assertIsInstance(hooks[0], tf.compat.v1.train.LoggingTensorHook)
     self.assertIs(spec.scaffold, created[-1]["scaffold"])
@@ -588,18 +682,22 @@ class HooksTest(parameterized.TestCase):
 class SummariesTest(parameterized.TestCase):
 
   def test_only_tower_zeros_summaries_are_kept_with_unwrapped_names(self):
+
     def model_fn(features, labels, mode):
       tf.compat.v1.summary.scalar("x_mean", tf.reduce_mean(features["x"]))
       loss = _loss(labels, _linear(features["x"]))
-      return tf.estimator.EstimatorSpec(mode, loss=loss,
-                                        train_op=_minimize(loss))
+      return tf.estimator.EstimatorSpec(
+          mode, loss=loss, train_op=_minimize(loss))
+
     for tower_devices in (_towers(4), None):
       with tf.Graph().as_default() as graph:
         tf.compat.v1.train.create_global_step()
         features, labels = harness.batches(DATA, 8)
         harness.wrap(model_fn, tower_devices)(features, labels, harness.TRAIN)
-        summaries = [t.op.name for t in tf.compat.v1.get_collection(
-            tf.compat.v1.GraphKeys.SUMMARIES)]
+        summaries = [
+            t.op.name for t in tf.compat.v1.get_collection(
+                tf.compat.v1.GraphKeys.SUMMARIES)
+        ]
         self.assertEqual(summaries, ["x_mean"])
         ops = {op.name for op in graph.get_operations()}
       # The other towers' summary ops exist but nothing collects them.

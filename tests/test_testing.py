@@ -60,8 +60,8 @@ def _logits(features):
     embeddings = tf.compat.v1.get_variable(
         "embeddings", [len(_WORDS), 4],
         initializer=tf.compat.v1.glorot_uniform_initializer())
-    h += tf.nn.safe_embedding_lookup_sparse(embeddings, features["ids"],
-                                            combiner="mean")
+    h += tf.nn.safe_embedding_lookup_sparse(
+        embeddings, features["ids"], combiner="mean")
   return tf.keras.layers.Dense(2)(h)
 
 
@@ -86,26 +86,31 @@ def _model_fn(mistake=None):
     classes = tf.argmax(logits, axis=1)
     if mode == tf.estimator.ModeKeys.PREDICT:
       return tf.estimator.EstimatorSpec(
-          mode, predictions={"logits": logits, "classes": classes})
+          mode, predictions={
+              "logits": logits,
+              "classes": classes
+          })
     reduction = R.SUM if mistake == "sum_loss" else R.SUM_BY_NONZERO_WEIGHTS
     loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(
         labels, logits, reduction=reduction)
     if mode == tf.estimator.ModeKeys.EVAL:
-      metrics = {"accuracy": tf.compat.v1.metrics.accuracy(labels, classes),
-                 "auc": tf.compat.v1.metrics.auc(labels,
-                                                 tf.nn.softmax(logits)[:, 1])}
-      return tf.estimator.EstimatorSpec(mode, loss=loss,
-                                        eval_metric_ops=metrics)
+      metrics = {
+          "accuracy": tf.compat.v1.metrics.accuracy(labels, classes),
+          "auc": tf.compat.v1.metrics.auc(labels,
+                                          tf.nn.softmax(logits)[:, 1])
+      }
+      return tf.estimator.EstimatorSpec(
+          mode, loss=loss, eval_metric_ops=metrics)
     optimizer = replicate.TowerOptimizer(
         tf.compat.v1.train.MomentumOptimizer(0.1, 0.9))
     train_op = optimizer.minimize(loss, tf.compat.v1.train.get_global_step())
     if mistake == "first_replica":
       mean = tf.compat.v1.get_variable(
-          "batch_mean", [], initializer=tf.zeros_initializer(),
+          "batch_mean", [],
+          initializer=tf.zeros_initializer(),
           trainable=False,
           aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
-      train_op = tf.group(train_op,
-                          mean.assign(tf.reduce_mean(features["x"])))
+      train_op = tf.group(train_op, mean.assign(tf.reduce_mean(features["x"])))
     return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
 
   return model_fn
@@ -115,8 +120,12 @@ def test_own_model_fn_with_dict_sparse_and_uneven_batches_replicates():
   # Batches of 10 on 3 towers are uneven (4, 3, 3); 25 eval examples end
   # with a batch of 5 (2, 2, 1).
   summary = testing.assert_replicates(
-      _model_fn(), _input_fn(batch=10), towers=(3,), steps=3,
-      eval_input_fn=_input_fn(25, epochs=1), eval_steps=None)
+      _model_fn(),
+      _input_fn(batch=10),
+      towers=(3,),
+      steps=3,
+      eval_input_fn=_input_fn(25, epochs=1),
+      eval_steps=None)
   assert summary.towers == [3]
   # Two Dense layers, embeddings: 5 weights, their momentum slots, the step.
   assert summary.variables == 11
@@ -127,8 +136,8 @@ def test_own_model_fn_with_dict_sparse_and_uneven_batches_replicates():
 
 def test_tower_dependent_loss_is_reported():
   with pytest.raises(testing.ReplicationMismatch) as caught:
-    testing.assert_replicates(_model_fn("tower_scale"), _input_fn(),
-                              towers=(2,), modes=("train",))
+    testing.assert_replicates(
+        _model_fn("tower_scale"), _input_fn(), towers=(2,), modes=("train",))
   report = str(caught.value)
   assert "The model_fn does not replicate" in report
   assert ("2 towers ['/device:CPU:0', '/device:CPU:1'], train: loss at step "
@@ -143,15 +152,18 @@ def test_batch_values_replicate_whatever_the_declarations(mistake):
   # A summed loss under an averaging loss_reduction, a batch mean in a
   # variable declared ONLY_FIRST_REPLICA: both are whole-batch reductions,
   # one device's in every tower, whatever is declared.
-  testing.assert_replicates(_model_fn(mistake), _input_fn(), towers=(2, 4),
-                            modes=("train",))
+  testing.assert_replicates(
+      _model_fn(mistake), _input_fn(), towers=(2, 4), modes=("train",))
 
 
 def test_tower_dependent_predictions_are_reported():
   with pytest.raises(testing.ReplicationMismatch) as caught:
     testing.assert_replicates(
-        _model_fn("tower_predictions"), _input_fn(), towers=(2,),
-        predict_input_fn=_input_fn(8, batch=8, epochs=1), modes=("predict",))
+        _model_fn("tower_predictions"),
+        _input_fn(),
+        towers=(2,),
+        predict_input_fn=_input_fn(8, batch=8, epochs=1),
+        modes=("predict",))
   report = str(caught.value)
   # Batch of 8 on 2 towers: examples 4..7 are tower 1's, logits one larger.
   assert "predict: prediction 4['logits'][0] is " in report
@@ -180,7 +192,10 @@ def _batch_norm_model_fn(features, labels, mode):
 
 def test_batch_norm_replicates_in_every_mode():
   summary = testing.assert_replicates(
-      _batch_norm_model_fn, _input_fn(with_ids=False), towers=(2,), steps=2,
+      _batch_norm_model_fn,
+      _input_fn(with_ids=False),
+      towers=(2,),
+      steps=2,
       predict_input_fn=_input_fn(8, batch=8, epochs=1, with_ids=False))
   assert summary.metrics == ["global_step", "loss"]
   assert summary.predictions == 8
@@ -192,16 +207,18 @@ def _masked_mean_model_fn(features, labels, mode, params):
   if mode == tf.estimator.ModeKeys.PREDICT:
     return tf.estimator.EstimatorSpec(mode, predictions={"logits": logits})
   mask = tf.cast(features["x"][:, 0] > 0.3, tf.float32)
-  xent = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels,
-                                                         logits=logits)
+  xent = tf.nn.sparse_softmax_cross_entropy_with_logits(
+      labels=labels, logits=logits)
   count = tf.reduce_sum(mask)
   if params["batch_sum"]:
     count = replicate.batch_sum(count)
   loss = tf.reduce_sum(xent * mask) / tf.maximum(count, 1.0)
   optimizer = replicate.TowerOptimizer(
       tf.compat.v1.train.GradientDescentOptimizer(0.5))
-  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=optimizer.minimize(
-      loss, tf.compat.v1.train.get_global_step()))
+  return tf.estimator.EstimatorSpec(
+      mode,
+      loss=loss,
+      train_op=optimizer.minimize(loss, tf.compat.v1.train.get_global_step()))
 
 
 def test_a_masked_mean_replicates_with_or_without_batch_sum():
@@ -209,17 +226,24 @@ def test_a_masked_mean_replicates_with_or_without_batch_sum():
   input_fn = _input_fn(with_ids=False)
   for batch_sum in (False, True):
     testing.assert_replicates(
-        _masked_mean_model_fn, input_fn, towers=(2, 4), steps=2,
-        modes=("train",), params={"batch_sum": batch_sum})
+        _masked_mean_model_fn,
+        input_fn,
+        towers=(2, 4),
+        steps=2,
+        modes=("train",),
+        params={"batch_sum": batch_sum})
 
 
 def test_tolerances_are_the_callers():
-  testing.assert_replicates(_model_fn("tower_scale"), _input_fn(),
-                            towers=(2,), modes=("train",), atol=10.0)
+  testing.assert_replicates(
+      _model_fn("tower_scale"),
+      _input_fn(),
+      towers=(2,),
+      modes=("train",),
+      atol=10.0)
 
 
 _ADAGRAD = tf.keras.optimizers.legacy.Adagrad
-
 
 _NUMERIC = tf.feature_column.numeric_column("x", shape=(_NUM_FEATURES,))
 
@@ -227,70 +251,87 @@ _NUMERIC = tf.feature_column.numeric_column("x", shape=(_NUM_FEATURES,))
 def test_v2_canned_estimator_replicates(tmp_path):
   # 3 classes: the multi-class head's metrics build much faster than the
   # binary head's (AUCs, precision, recall) and check the same merging.
-  words = tf.feature_column.categorical_column_with_identity(
-      "ids", len(_WORDS))
+  words = tf.feature_column.categorical_column_with_identity("ids", len(_WORDS))
   canned = tf.estimator.DNNLinearCombinedClassifier(
       linear_feature_columns=[_NUMERIC, words],
-      dnn_feature_columns=[_NUMERIC,
-                           tf.feature_column.embedding_column(words, 3)],
-      dnn_hidden_units=[4], n_classes=3,
+      dnn_feature_columns=[
+          _NUMERIC, tf.feature_column.embedding_column(words, 3)
+      ],
+      dnn_hidden_units=[4],
+      n_classes=3,
       linear_optimizer=replicate.TowerOptimizer(lambda: _ADAGRAD(0.1)),
       dnn_optimizer=replicate.TowerOptimizer(lambda: _ADAGRAD(0.05)),
       model_dir=str(tmp_path))
   summary = testing.assert_replicates(
-      canned, _input_fn(), towers=(2,), eval_input_fn=_input_fn(25, epochs=1),
+      canned,
+      _input_fn(),
+      towers=(2,),
+      eval_input_fn=_input_fn(25, epochs=1),
       modes=("train", "eval"))
-  assert summary.metrics == ["accuracy", "average_loss", "global_step",
-                             "loss"]
+  assert summary.metrics == ["accuracy", "average_loss", "global_step", "loss"]
   assert summary.variables > 10
 
 
-def test_v2_canned_estimator_with_an_optimizer_instance_is_explained(
-    tmp_path):
-  canned = tf.estimator.LinearClassifier(
-      [_NUMERIC], n_classes=3,
-      optimizer=replicate.TowerOptimizer(_ADAGRAD(0.1)),
-      model_dir=str(tmp_path))
-  with pytest.raises(ValueError, match="a canned estimator's optimizer must "
-                     "be a function for assert_replicates"):
-    testing.assert_replicates(canned.model_fn, _input_fn(), towers=(2,),
-                              modes=("train",))
+def test_v2_canned_estimator_with_an_optimizer_instance_is_explained(tmp_path):
+  canned = tf.estimator.LinearClassifier([_NUMERIC],
+                                         n_classes=3,
+                                         optimizer=replicate.TowerOptimizer(
+                                             _ADAGRAD(0.1)),
+                                         model_dir=str(tmp_path))
+  with pytest.raises(
+      ValueError,
+      match="a canned estimator's optimizer must "
+      "be a function for assert_replicates"):
+    testing.assert_replicates(
+        canned.model_fn, _input_fn(), towers=(2,), modes=("train",))
 
 
 def test_v1_canned_estimator_replicates(tmp_path):
   canned = tf.compat.v1.estimator.DNNClassifier(
-      hidden_units=[4], n_classes=3,  # the multi-class head builds faster
+      hidden_units=[4],
+      n_classes=3,  # the multi-class head builds faster
       feature_columns=[_NUMERIC],
       optimizer=replicate.TowerOptimizer(
           tf.compat.v1.train.AdagradOptimizer(0.1)),
       model_dir=str(tmp_path))
-  testing.assert_replicates(canned.model_fn, _input_fn(with_ids=False),
-                            towers=(2,), modes=("train", "eval"))
+  testing.assert_replicates(
+      canned.model_fn,
+      _input_fn(with_ids=False),
+      towers=(2,),
+      modes=("train", "eval"))
 
 
 def test_session_config_merges_the_callers():
-  base = tf.compat.v1.ConfigProto(inter_op_parallelism_threads=3,
-                                  device_count={"GPU": 0})
+  base = tf.compat.v1.ConfigProto(
+      inter_op_parallelism_threads=3, device_count={"GPU": 0})
   config = testing.session_config(4, base)
   assert dict(config.device_count) == {"CPU": 4, "GPU": 0}
   assert config.inter_op_parallelism_threads == 3
   assert not config.allow_soft_placement  # the caller's choice is kept
   assert dict(base.device_count) == {"GPU": 0}  # the caller's is not changed
   assert testing.session_config(2).allow_soft_placement  # Estimator's default
-  with pytest.raises(ValueError, match=r"base sets device_count=\{'CPU': 2\} "
-                     "but 4 CPU devices are needed"):
+  with pytest.raises(
+      ValueError,
+      match=r"base sets device_count=\{'CPU': 2\} "
+      "but 4 CPU devices are needed"):
     testing.session_config(4, tf.compat.v1.ConfigProto(device_count={"CPU": 2}))
 
 
 def _fake_gpus(monkeypatch, visible, splits):
   """Three physical GPUs as tf.config would list them, `visible` of them
   visible and `splits` their logical configurations."""
-  gpus = [tf.config.PhysicalDevice(f"/physical_device:GPU:{i}", "GPU")
-          for i in range(3)]
-  monkeypatch.setattr(tf.config, "list_physical_devices",
-                      lambda kind=None: gpus if kind == "GPU" else [])
-  monkeypatch.setattr(tf.config, "get_visible_devices",
-                      lambda kind=None: [gpus[i] for i in visible])
+  gpus = [
+      tf.config.PhysicalDevice(f"/physical_device:GPU:{i}", "GPU")
+      for i in range(3)
+  ]
+  monkeypatch.setattr(
+      tf.config,
+      "list_physical_devices",
+      lambda kind=None: gpus if kind == "GPU" else [])
+  monkeypatch.setattr(
+      tf.config,
+      "get_visible_devices",
+      lambda kind=None: [gpus[i] for i in visible])
   monkeypatch.setattr(tf.config, "get_logical_device_configuration",
                       lambda gpu: splits.get(int(gpu.name[-1])))
 
@@ -299,22 +340,29 @@ def test_session_config_keeps_a_logical_gpu_split(monkeypatch):
   # GPU 0 hidden, GPU 1 split in two (priorities given), GPU 2 whole: the
   # session's GPU options say what TensorFlow's eager context says.
   logical = tf.config.LogicalDeviceConfiguration
-  _fake_gpus(monkeypatch, visible=[1, 2], splits={
-      1: [logical(1024, experimental_priority=0),
-          logical(2048, experimental_priority=-1)]})
+  _fake_gpus(
+      monkeypatch,
+      visible=[1, 2],
+      splits={
+          1: [
+              logical(1024, experimental_priority=0),
+              logical(2048, experimental_priority=-1)
+          ]
+      })
   gpu_options = testing.session_config(4).gpu_options
   assert gpu_options.visible_device_list == "1,2"
   assert [(list(d.memory_limit_mb), list(d.priority), list(d.device_ordinal))
-          for d in gpu_options.experimental.virtual_devices] == [
-              ([1024, 2048], [0, -1], []), ([], [], [])]
+          for d in gpu_options.experimental.virtual_devices] == [([1024, 2048],
+                                                                  [0, -1], []),
+                                                                 ([], [], [])]
   assert testing.run_config(2).session_config.gpu_options == gpu_options
   # The caller's own GPU choice is kept as it is.
   base = tf.compat.v1.ConfigProto()
   base.gpu_options.visible_device_list = "2"
   assert testing.session_config(4, base).gpu_options == base.gpu_options
   # Nor is it added to a session without GPUs.
-  hidden = testing.session_config(4, tf.compat.v1.ConfigProto(
-      device_count={"GPU": 0}))
+  hidden = testing.session_config(
+      4, tf.compat.v1.ConfigProto(device_count={"GPU": 0}))
   assert not hidden.gpu_options.experimental.virtual_devices
 
 
@@ -326,8 +374,11 @@ def test_session_config_leaves_unsplit_gpus_alone(monkeypatch):
 
 def test_run_config_takes_run_config_arguments():
   config = testing.run_config(
-      3, tf.compat.v1.ConfigProto(intra_op_parallelism_threads=1),
-      model_dir="/tmp/unused", tf_random_seed=5, save_summary_steps=7)
+      3,
+      tf.compat.v1.ConfigProto(intra_op_parallelism_threads=1),
+      model_dir="/tmp/unused",
+      tf_random_seed=5,
+      save_summary_steps=7)
   assert config.tf_random_seed == 5 and config.save_summary_steps == 7
   assert config.session_config.device_count["CPU"] == 3
   assert config.session_config.intra_op_parallelism_threads == 1
@@ -359,7 +410,10 @@ def test_virtual_cpus_is_idempotent_and_names_the_fix():
   # A fresh process: this one's devices may be initialised already.
   env = dict(os.environ, PYTHONPATH=str(_ROOT), TF_CPP_MIN_LOG_LEVEL="2")
   result = subprocess.run([sys.executable, "-c", _VIRTUAL_CPUS_SCRIPT],
-                          cwd=_ROOT, env=env, capture_output=True, text=True,
+                          cwd=_ROOT,
+                          env=env,
+                          capture_output=True,
+                          text=True,
                           timeout=120)
   assert result.returncode == 0, result.stderr
   lines = result.stdout.splitlines()

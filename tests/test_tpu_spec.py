@@ -30,8 +30,7 @@ CHECKPOINT_BIAS = 1.0
 def _data(num_examples=40):
   rng = np.random.RandomState(0)
   x = rng.randn(num_examples, 2, 4).astype(np.float32)
-  y = ((x[:, 0, 0] > 0).astype(np.int32) +
-       (x[:, 1, 1] > 0.5).astype(np.int32))
+  y = ((x[:, 0, 0] > 0).astype(np.int32) + (x[:, 1, 1] > 0.5).astype(np.int32))
   return x, y
 
 
@@ -50,7 +49,10 @@ def bert_like_model_fn(features, labels, mode, params):
   with tf.compat.v1.variable_scope("bert"):
     pooled = tf.compat.v1.layers.dense(x, 6, tf.nn.tanh, name="pooler")
   logits = tf.compat.v1.layers.dense(
-      pooled, 3, name="output", kernel_initializer=tf.constant_initializer(
+      pooled,
+      3,
+      name="output",
+      kernel_initializer=tf.constant_initializer(
           np.linspace(-1.0, 1.0, 18).reshape(6, 3)))
   tvars = tf.compat.v1.trainable_variables()
 
@@ -64,28 +66,40 @@ def bert_like_model_fn(features, labels, mode, params):
 
   if mode == ModeKeys.PREDICT:
     return TPUEstimatorSpec(
-        mode, predictions={"probabilities": tf.nn.softmax(logits)},
+        mode,
+        predictions={"probabilities": tf.nn.softmax(logits)},
         scaffold_fn=scaffold_fn)
   per_example_loss = -tf.reduce_sum(
       tf.one_hot(labels, 3) * tf.nn.log_softmax(logits), axis=-1)
   loss = tf.reduce_mean(per_example_loss)
   if mode == ModeKeys.EVAL:
+
     def metric_fn(per_example_loss, label_ids, logits):
       predicted = tf.argmax(logits, axis=-1, output_type=tf.int32)
-      return {"eval_accuracy": tf.compat.v1.metrics.accuracy(label_ids,
-                                                             predicted),
-              "eval_loss": tf.compat.v1.metrics.mean(per_example_loss)}
+      return {
+          "eval_accuracy": tf.compat.v1.metrics.accuracy(label_ids, predicted),
+          "eval_loss": tf.compat.v1.metrics.mean(per_example_loss)
+      }
+
     return TPUEstimatorSpec(
-        mode, loss=loss, scaffold_fn=scaffold_fn,
+        mode,
+        loss=loss,
+        scaffold_fn=scaffold_fn,
         eval_metrics=(metric_fn, [per_example_loss, labels, logits]))
 
   def host_fn(global_step, loss, per_example_loss):
     record = tf.compat.v1.get_variable(
-        "host_record", [3], trainable=False,
+        "host_record", [3],
+        trainable=False,
         initializer=tf.compat.v1.zeros_initializer())
-    return [tf.compat.v1.assign(record, tf.stack([
-        tf.cast(global_step[0], tf.float32), loss[0],
-        tf.reduce_mean(per_example_loss)]))]
+    return [
+        tf.compat.v1.assign(
+            record,
+            tf.stack([
+                tf.cast(global_step[0], tf.float32), loss[0],
+                tf.reduce_mean(per_example_loss)
+            ]))
+    ]
 
   # The step's global step, read before the step's update increments it:
   # as a TPU outfeeds it. Without the dependency the read and the update are
@@ -96,15 +110,17 @@ def bert_like_model_fn(features, labels, mode, params):
   with tf.control_dependencies([step_read]):
     train_op = optimizer.minimize(loss, global_step)
   return TPUEstimatorSpec(
-      mode, loss=loss, train_op=train_op, scaffold_fn=scaffold_fn,
-      host_call=(host_fn, [step_read, tf.reshape(loss, [1]),
-                           per_example_loss]))
+      mode,
+      loss=loss,
+      train_op=train_op,
+      scaffold_fn=scaffold_fn,
+      host_call=(host_fn, [step_read,
+                           tf.reshape(loss, [1]), per_example_loss]))
 
 
 def _plain_model_fn(features, labels, mode, params):
   """One device in a plain Estimator: converted as TPUEstimator does."""
-  return bert_like_model_fn(features, labels, mode,
-                            params).as_estimator_spec()
+  return bert_like_model_fn(features, labels, mode, params).as_estimator_spec()
 
 
 @pytest.fixture(scope="module")
@@ -113,8 +129,10 @@ def checkpoint(tmp_path_factory):
   path = str(tmp_path_factory.mktemp("init") / "init.ckpt")
   with tf.Graph().as_default():
     with tf.compat.v1.variable_scope("bert/pooler"):
-      tf.compat.v1.get_variable("kernel", initializer=np.linspace(
-          -0.5, 0.5, 48).reshape(8, 6).astype(np.float32))
+      tf.compat.v1.get_variable(
+          "kernel",
+          initializer=np.linspace(-0.5, 0.5, 48).reshape(8,
+                                                         6).astype(np.float32))
       tf.compat.v1.get_variable(
           "bias", initializer=np.full(6, CHECKPOINT_BIAS, np.float32))
     with tf.compat.v1.Session() as session:
@@ -133,8 +151,9 @@ def _input_fn(mode, static):
       dataset = dataset.repeat()
     # Static: TPUEstimator's batch; dynamic: a plain Estimator's, whose
     # last eval and predict batches (4 and 5 of 40) are smaller still.
-    return dataset.batch(params.get("batch_size", BATCH[mode]),
-                         drop_remainder=static)
+    return dataset.batch(
+        params.get("batch_size", BATCH[mode]), drop_remainder=static)
+
   return input_fn
 
 
@@ -147,13 +166,18 @@ def _estimator(kind, num_towers, model_dir, checkpoint):
   session_config = harness.estimator_config(model_dir, 1).session_config
   if kind == "tpu_estimator":
     return tf.compat.v1.estimator.tpu.TPUEstimator(
-        use_tpu=False, model_fn=model_fn, params=params, export_to_tpu=False,
+        use_tpu=False,
+        model_fn=model_fn,
+        params=params,
+        export_to_tpu=False,
         config=tf.compat.v1.estimator.tpu.RunConfig(
             model_dir=model_dir, session_config=session_config),
-        train_batch_size=BATCH["train"], eval_batch_size=BATCH["eval"],
+        train_batch_size=BATCH["train"],
+        eval_batch_size=BATCH["eval"],
         predict_batch_size=BATCH["predict"])
   return tf.estimator.Estimator(
-      model_fn if num_towers else _plain_model_fn, params=params,
+      model_fn if num_towers else _plain_model_fn,
+      params=params,
       config=harness.estimator_config(model_dir, 1))
 
 
@@ -172,9 +196,11 @@ def _run(kind, num_towers, model_dir, checkpoint):
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory, checkpoint):
+
   def run_one(kind, num_towers):
     model_dir = str(tmp_path_factory.getbasetemp() / f"{kind}_{num_towers}")
     return _run(kind, num_towers, model_dir, checkpoint)
+
   return run_one
 
 
@@ -189,19 +215,23 @@ def test_trains_evaluates_predicts_as_one_device(run, kind, num_towers):
   assert sorted(actual.estimator.get_variable_names()) == sorted(names)
   assert "host_record" in names and "bert/pooler/kernel/Adam" in names
   for name in names:
-    np.testing.assert_allclose(actual.estimator.get_variable_value(name),
-                               expected.estimator.get_variable_value(name),
-                               rtol=1e-5, atol=1e-6, err_msg=name)
+    np.testing.assert_allclose(
+        actual.estimator.get_variable_value(name),
+        expected.estimator.get_variable_value(name),
+        rtol=1e-5,
+        atol=1e-6,
+        err_msg=name)
   assert sorted(actual.metrics) == sorted(expected.metrics) == [
-      "eval_accuracy", "eval_loss", "global_step", "loss"]
+      "eval_accuracy", "eval_loss", "global_step", "loss"
+  ]
   for key, value in expected.metrics.items():
-    np.testing.assert_allclose(actual.metrics[key], value, rtol=1e-5,
-                               atol=1e-6, err_msg=key)
+    np.testing.assert_allclose(
+        actual.metrics[key], value, rtol=1e-5, atol=1e-6, err_msg=key)
   assert len(actual.predictions) == len(expected.predictions)
-  np.testing.assert_allclose(
-      [p["probabilities"] for p in actual.predictions],
-      [p["probabilities"] for p in expected.predictions], rtol=1e-5,
-      atol=1e-6)
+  np.testing.assert_allclose([p["probabilities"] for p in actual.predictions],
+                             [p["probabilities"] for p in expected.predictions],
+                             rtol=1e-5,
+                             atol=1e-6)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -236,25 +266,29 @@ def test_tpu_estimator_gives_each_tower_its_shards_batch_size(
   list(estimator.predict(_input_fn("predict", True)))
   # Towers are built 1, ..., N-1, then 0.
   order = [1, 2, 3, 0]
-  assert BATCH_SIZES == [(ModeKeys.TRAIN, i, [3, 3, 2, 2][i]) for i in order] + [
-      (ModeKeys.EVAL, i, [2, 2, 1, 1][i]) for i in order] + [
-      (ModeKeys.PREDICT, i, [2, 2, 2, 1][i]) for i in order]
+  assert BATCH_SIZES == [
+      (ModeKeys.TRAIN, i, [3, 3, 2, 2][i]) for i in order
+  ] + [(ModeKeys.EVAL, i, [2, 2, 1, 1][i]) for i in order
+      ] + [(ModeKeys.PREDICT, i, [2, 2, 2, 1][i]) for i in order]
 
 
 def _build(mode, eval_metrics, num_towers=2, graph=None):
   """Builds one replicated EVAL graph of a spec with these eval_metrics."""
+
   def model_fn(features, labels, mode, params):
     del params
     logits = tf.compat.v1.layers.dense(features["x"], 3, name="logits")
     loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
-    return TPUEstimatorSpec(mode, loss=loss,
-                            eval_metrics=eval_metrics(logits, labels))
+    return TPUEstimatorSpec(
+        mode, loss=loss, eval_metrics=eval_metrics(logits, labels))
+
   with (graph or tf.Graph()).as_default():
     tf.compat.v1.train.create_global_step()
     x, y = _data(8)
     return replicate.replicate_model_fn(
-        model_fn, devices=harness.devices(harness.VIRTUAL_CPUS, num_towers))(
-            {"x": tf.constant(x.reshape(8, 8))}, tf.constant(y), mode, {})
+        model_fn, devices=harness.devices(harness.VIRTUAL_CPUS, num_towers))({
+            "x": tf.constant(x.reshape(8, 8))
+        }, tf.constant(y), mode, {})
 
 
 def test_a_per_batch_value_in_eval_metrics_is_one_devices():
@@ -262,16 +296,20 @@ def test_a_per_batch_value_in_eval_metrics_is_one_devices():
   # device's: a batch reduction has the whole batch's value in every tower.
   def eval_metrics(logits, labels):
     del labels
-    return (lambda top: {"top": tf.compat.v1.metrics.mean(top)},
-            [tf.reshape(tf.reduce_max(logits), [1])])
+    return (lambda top: {
+        "top": tf.compat.v1.metrics.mean(top)
+    }, [tf.reshape(tf.reduce_max(logits), [1])])
+
   values = []
   for towers in (1, 2, 4):
     with tf.Graph().as_default() as graph:
       spec = _build(ModeKeys.EVAL, eval_metrics, towers, graph)
       value, update = spec.eval_metric_ops["top"]
       with tf.compat.v1.Session(config=harness.session_config()) as session:
-        session.run([tf.compat.v1.global_variables_initializer(),
-                     tf.compat.v1.local_variables_initializer()])
+        session.run([
+            tf.compat.v1.global_variables_initializer(),
+            tf.compat.v1.local_variables_initializer()
+        ])
         harness.set_trainable_weights(session)
         session.run(update)
         values.append(session.run(value))
@@ -279,13 +317,19 @@ def test_a_per_batch_value_in_eval_metrics_is_one_devices():
 
 
 def test_towers_with_different_eval_metrics_are_refused():
+
   def eval_metrics(logits, labels):
     keys = ["a", "b"] if replicate.current_tower().index == 0 else ["a"]
-    return (lambda **t: {k: tf.compat.v1.metrics.mean(v)
-                         for k, v in t.items()},
-            {k: tf.cast(labels, tf.float32) for k in keys})
-  with pytest.raises(ValueError, match=r"Tower 1 returned eval_metrics "
-                     r"\['a'\] but tower 0 returned \['a', 'b'\]"):
+    return (lambda **t: {
+        k: tf.compat.v1.metrics.mean(v) for k, v in t.items()
+    }, {
+        k: tf.cast(labels, tf.float32) for k in keys
+    })
+
+  with pytest.raises(
+      ValueError,
+      match=r"Tower 1 returned eval_metrics "
+      r"\['a'\] but tower 0 returned \['a', 'b'\]"):
     _build(ModeKeys.EVAL, eval_metrics)
 
 
@@ -301,4 +345,5 @@ def test_export_serves_one_devices_predictions(run, kind, tmp_path):
   served = served["probabilities"]
   np.testing.assert_allclose(
       served.numpy(), [p["probabilities"] for p in expected.predictions],
-      rtol=1e-5, atol=1e-6)  # other batch sizes: other summation orders
+      rtol=1e-5,
+      atol=1e-6)  # other batch sizes: other summation orders

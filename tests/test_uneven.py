@@ -28,15 +28,19 @@ def _examples(num_examples, seed=0):
   rng = np.random.RandomState(seed)
   x = rng.randn(num_examples, 4).astype(np.float32)
   lengths = rng.randint(1, 4, size=num_examples)
-  indices = np.array([[r, c] for r in range(num_examples)
-                      for c in range(lengths[r])], np.int64).reshape(-1, 2)
+  indices = np.array(
+      [[r, c] for r in range(num_examples) for c in range(lengths[r])],
+      np.int64).reshape(-1, 2)
   words = tf.compat.v1.SparseTensorValue(
-      indices, rng.randint(VOCABULARY, size=len(indices)).astype(np.int64),
+      indices,
+      rng.randint(VOCABULARY, size=len(indices)).astype(np.int64),
       np.array([num_examples, 3], np.int64))
-  features = {"x": x, "words": words,
-              "row": np.arange(num_examples, dtype=np.int64)}
-  labels = {"class": (x[:, 0] > 0).astype(np.int64),
-            "target": x[:, 1:2] * 2.0}
+  features = {
+      "x": x,
+      "words": words,
+      "row": np.arange(num_examples, dtype=np.int64)
+  }
+  labels = {"class": (x[:, 0] > 0).astype(np.int64), "target": x[:, 1:2] * 2.0}
   return features, labels
 
 
@@ -57,8 +61,8 @@ def mixed_model_fn(features, labels, mode, params):
   embeddings = tf.compat.v1.get_variable(
       "embeddings", [VOCABULARY, 3],
       initializer=tf.compat.v1.random_normal_initializer(seed=1))
-  bag = tf.nn.safe_embedding_lookup_sparse(embeddings, features["words"],
-                                           combiner="sum")
+  bag = tf.nn.safe_embedding_lookup_sparse(
+      embeddings, features["words"], combiner="sum")
   hidden = tf.concat([features["x"], bag], axis=1)
   logits = tf.compat.v1.layers.dense(hidden, 2, name="logits")
   value = tf.compat.v1.layers.dense(hidden, 1, name="value")
@@ -66,24 +70,35 @@ def mixed_model_fn(features, labels, mode, params):
   if mode == tf.estimator.ModeKeys.PREDICT:
     return tf.estimator.EstimatorSpec(mode, predictions=predictions)
   reduction = params["reduction"]
-  loss = (tf.compat.v1.losses.sparse_softmax_cross_entropy(
-      labels["class"], logits, reduction=reduction) +
-          tf.compat.v1.losses.mean_squared_error(
-              labels["target"], value, reduction=reduction))
+  loss = (
+      tf.compat.v1.losses.sparse_softmax_cross_entropy(
+          labels["class"], logits, reduction=reduction) +
+      tf.compat.v1.losses.mean_squared_error(
+          labels["target"], value, reduction=reduction))
   if mode == tf.estimator.ModeKeys.EVAL:
     classes = tf.argmax(logits, 1)
     mean = tf.keras.metrics.Mean(name="keras_mean")
     mean.update_state(value)
-    return tf.estimator.EstimatorSpec(mode, loss=loss, eval_metric_ops={
-        "accuracy": tf.compat.v1.metrics.accuracy(labels["class"], classes),
-        "auc": tf.compat.v1.metrics.auc(labels["class"],
-                                        tf.nn.softmax(logits)[:, 1]),
-        "mean_value": tf.compat.v1.metrics.mean(value),
-        "keras_mean": mean})
+    return tf.estimator.EstimatorSpec(
+        mode,
+        loss=loss,
+        eval_metric_ops={
+            "accuracy":
+                tf.compat.v1.metrics.accuracy(labels["class"], classes),
+            "auc":
+                tf.compat.v1.metrics.auc(labels["class"],
+                                         tf.nn.softmax(logits)[:, 1]),
+            "mean_value":
+                tf.compat.v1.metrics.mean(value),
+            "keras_mean":
+                mean
+        })
   optimizer = replicate.TowerOptimizer(
       tf.compat.v1.train.GradientDescentOptimizer(0.1))
-  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=optimizer.minimize(
-      loss, tf.compat.v1.train.get_global_step()))
+  return tf.estimator.EstimatorSpec(
+      mode,
+      loss=loss,
+      train_op=optimizer.minimize(loss, tf.compat.v1.train.get_global_step()))
 
 
 @functools.lru_cache(maxsize=None)
@@ -97,22 +112,30 @@ def _run(mode, num_examples, tower_devices, reduction, static, steps=2):
     features, labels = _batch(num_examples, static)
     if mode == tf.estimator.ModeKeys.PREDICT:
       labels = None
-    spec = harness.wrap(mixed_model_fn, tower_devices, reduction)(
-        features, labels, mode, {"reduction": reduction})
+    spec = harness.wrap(mixed_model_fn, tower_devices,
+                        reduction)(features, labels, mode, {
+                            "reduction": reduction
+                        })
     with tf.compat.v1.Session(config=harness.session_config()) as session:
-      session.run([tf.compat.v1.global_variables_initializer(),
-                   tf.compat.v1.local_variables_initializer()])
+      session.run([
+          tf.compat.v1.global_variables_initializer(),
+          tf.compat.v1.local_variables_initializer()
+      ])
       harness.set_trainable_weights(session)
       if mode == tf.estimator.ModeKeys.TRAIN:
-        losses = [session.run([spec.loss, spec.train_op])[0]
-                  for _ in range(steps)]
-        return losses, {v.op.name: session.run(v)
-                        for v in tf.compat.v1.trainable_variables()}
+        losses = [
+            session.run([spec.loss, spec.train_op])[0] for _ in range(steps)
+        ]
+        return losses, {
+            v.op.name: session.run(v)
+            for v in tf.compat.v1.trainable_variables()
+        }
       if mode == tf.estimator.ModeKeys.EVAL:
         updates = [u for _, u in spec.eval_metric_ops.values()]
         loss, _ = session.run([spec.loss, updates])
-        return loss, session.run(
-            {k: v for k, (v, _) in spec.eval_metric_ops.items()})
+        return loss, session.run({
+            k: v for k, (v, _) in spec.eval_metric_ops.items()
+        })
       return session.run(spec.predictions)
 
 
@@ -125,9 +148,11 @@ def _batches(num_towers):
   """
   if num_towers <= 2:
     return range(1, 3 * num_towers + 2)
-  return sorted(set(range(1, num_towers + 2)) | {
-      2 * num_towers - 1, 2 * num_towers, 2 * num_towers + 1,
-      3 * num_towers + 1})
+  return sorted(
+      set(range(1, num_towers + 2)) | {
+          2 * num_towers - 1, 2 * num_towers, 2 * num_towers +
+          1, 3 * num_towers + 1
+      })
 
 
 def _grid():
@@ -135,10 +160,13 @@ def _grid():
   for num_towers in (1, 2, 3, 4):
     for batch in _batches(num_towers):
       static = (batch + num_towers) % 2 == 0
-      yield dict(testcase_name=f"B{batch}_N{num_towers}_"
-                 f"{'static' if static else 'dynamic'}",
-                 num_towers=num_towers, batch=batch, static=static,
-                 reduction=next(reductions))
+      yield dict(
+          testcase_name=f"B{batch}_N{num_towers}_"
+          f"{'static' if static else 'dynamic'}",
+          num_towers=num_towers,
+          batch=batch,
+          static=static,
+          reduction=next(reductions))
 
 
 class UnevenBatchTest(parameterized.TestCase):
@@ -152,8 +180,8 @@ class UnevenBatchTest(parameterized.TestCase):
       actual = _run(mode, batch, devices, reduction, static)
       harness.assert_close_nests(actual, expected, rtol=1e-5, atol=1e-6)
       self.assertTrue(np.all(np.isfinite(tf.nest.flatten(actual)[0])))
-    predictions = _run(tf.estimator.ModeKeys.PREDICT, batch, devices,
-                       reduction, static)
+    predictions = _run(tf.estimator.ModeKeys.PREDICT, batch, devices, reduction,
+                       static)
     harness.assert_close_nests(
         predictions,
         _single_device(tf.estimator.ModeKeys.PREDICT, batch, reduction, static))
@@ -188,19 +216,24 @@ class WeightedLossTest(parameterized.TestCase):
       logits = tf.compat.v1.layers.dense(features["x"], 2, name="logits")
       loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(
           labels, logits, weights=features["w"], reduction=reduction)
-      opt = replicate.TowerOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1))
-      return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=opt.minimize(loss))
+      opt = replicate.TowerOptimizer(
+          tf.compat.v1.train.GradientDescentOptimizer(0.1))
+      return tf.estimator.EstimatorSpec(
+          mode, loss=loss, train_op=opt.minimize(loss))
 
     with tf.Graph().as_default():
       tf.compat.v1.train.create_global_step()
       features = {"x": tf.constant(x), "w": tf.constant(weights, tf.float32)}
-      spec = harness.wrap(model_fn, tower_devices, reduction)(
-          features, tf.constant(labels), tf.estimator.ModeKeys.TRAIN)
+      spec = harness.wrap(model_fn, tower_devices,
+                          reduction)(features, tf.constant(labels),
+                                     tf.estimator.ModeKeys.TRAIN)
       per_example = tf.compat.v1.losses.sparse_softmax_cross_entropy(
-          tf.constant(labels), tf.compat.v1.get_default_graph().get_tensor_by_name(
+          tf.constant(labels),
+          tf.compat.v1.get_default_graph().get_tensor_by_name(
               "logits/BiasAdd:0") if tower_devices is None else tf.concat([
                   tf.compat.v1.get_default_graph().get_tensor_by_name(
-                      f"{p}logits/BiasAdd:0") for p in ("", "tower_1/")], 0),
+                      f"{p}logits/BiasAdd:0") for p in ("", "tower_1/")
+              ], 0),
           reduction=R.NONE)
       with tf.compat.v1.Session(config=harness.session_config()) as session:
         session.run(tf.compat.v1.global_variables_initializer())
@@ -211,8 +244,8 @@ class WeightedLossTest(parameterized.TestCase):
     weights = np.ones(8)
     for reduction in (R.SUM_BY_NONZERO_WEIGHTS, R.MEAN):
       expected, _ = self._losses(weights, reduction, None)
-      actual, _ = self._losses(weights, reduction, harness.devices(
-          harness.VIRTUAL_CPUS, 2))
+      actual, _ = self._losses(weights, reduction,
+                               harness.devices(harness.VIRTUAL_CPUS, 2))
       # A mean of 8 losses of order 1 against the mean of two means of 4:
       # the same terms summed in another order, a few roundings of 2**-24.
       np.testing.assert_allclose(actual, expected, rtol=1e-5)
@@ -221,10 +254,11 @@ class WeightedLossTest(parameterized.TestCase):
   def test_zero_weights_give_one_devices_weighted_mean(self, reduction):
     weights = np.array([1, 1, 0, 2, 0, 0, 0, 0], np.float32)  # tower 1: zeros
     expected, _ = self._losses(weights, reduction, None)
-    actual, losses = self._losses(weights, reduction, harness.devices(
-        harness.VIRTUAL_CPUS, 2))
-    denominator = (np.count_nonzero(weights)
-                   if reduction == R.SUM_BY_NONZERO_WEIGHTS else weights.sum())
+    actual, losses = self._losses(weights, reduction,
+                                  harness.devices(harness.VIRTUAL_CPUS, 2))
+    denominator = (
+        np.count_nonzero(weights)
+        if reduction == R.SUM_BY_NONZERO_WEIGHTS else weights.sum())
     whole_batch = (weights * losses).sum() / denominator
     # Sums of a few terms of order 1, in another order: a few roundings.
     np.testing.assert_allclose(actual, whole_batch, rtol=1e-5)
@@ -241,31 +275,43 @@ class EstimatorUnevenTest(parameterized.TestCase):
 
     def model_fn(features, labels, mode):
       logits = tf.compat.v1.layers.dense(
-          features["x"], 2, name="logits",
+          features["x"],
+          2,
+          name="logits",
           kernel_initializer=tf.compat.v1.glorot_uniform_initializer(seed=3))
       predictions = {"row": features["row"], "logits": logits}
       if mode == tf.estimator.ModeKeys.PREDICT:
         return tf.estimator.EstimatorSpec(mode, predictions=predictions)
       loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
-      return tf.estimator.EstimatorSpec(mode, loss=loss, eval_metric_ops={
-          "accuracy": tf.compat.v1.metrics.accuracy(labels, tf.argmax(logits, 1))})
+      return tf.estimator.EstimatorSpec(
+          mode,
+          loss=loss,
+          eval_metric_ops={
+              "accuracy":
+                  tf.compat.v1.metrics.accuracy(labels, tf.argmax(logits, 1))
+          })
 
     def input_fn(with_labels):
       return tf.compat.v1.estimator.inputs.numpy_input_fn(
-          features, labels if with_labels else None, batch_size=5,
-          num_epochs=1, shuffle=False)
+          features,
+          labels if with_labels else None,
+          batch_size=5,
+          num_epochs=1,
+          shuffle=False)
 
     # Both evaluate the same weights, from one checkpoint written first.
     config = tf.estimator.RunConfig(
         tf_random_seed=1, session_config=harness.session_config(soft=True))
     checkpoint_dir = self.enter_context(tempfile.TemporaryDirectory())
     _write_initial_checkpoint(model_fn, checkpoint_dir)
-    plain = tf.estimator.Estimator(model_fn, model_dir=checkpoint_dir,
-                                   config=config)
+    plain = tf.estimator.Estimator(
+        model_fn, model_dir=checkpoint_dir, config=config)
     replicated = tf.estimator.Estimator(
         replicate.replicate_model_fn(
-            model_fn, devices=harness.devices(harness.VIRTUAL_CPUS, num_towers)),
-        model_dir=checkpoint_dir, config=config)
+            model_fn, devices=harness.devices(harness.VIRTUAL_CPUS,
+                                              num_towers)),
+        model_dir=checkpoint_dir,
+        config=config)
     expected = plain.evaluate(input_fn(True))
     actual = replicated.evaluate(input_fn(True))
     self.assertEqual(actual["accuracy"], expected["accuracy"])  # counts
@@ -279,8 +325,8 @@ class EstimatorUnevenTest(parameterized.TestCase):
     # the logit, which can be near 0 (-0.0196 failed rtol=1e-6 once). Bound:
     # 4 * 2**-24 * sum|x_i w_i| <= 4 * 6e-8 * (4 * 3 * 1) ~ 3e-6.
     for got, want in zip(predictions, list(plain.predict(input_fn(False)))):
-      np.testing.assert_allclose(got["logits"], want["logits"], rtol=1e-6,
-                                 atol=5e-6)
+      np.testing.assert_allclose(
+          got["logits"], want["logits"], rtol=1e-6, atol=5e-6)
 
 
 def _float64_model_fn(features, labels, mode, params):
@@ -296,21 +342,28 @@ def _float64_model_fn(features, labels, mode, params):
     loss = tf.keras.losses.MeanSquaredError()(labels, predictions)
   optimizer = replicate.TowerOptimizer(
       tf.compat.v1.train.GradientDescentOptimizer(0.1))
-  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=optimizer.minimize(
-      loss, tf.compat.v1.train.get_global_step()))
+  return tf.estimator.EstimatorSpec(
+      mode,
+      loss=loss,
+      train_op=optimizer.minimize(loss, tf.compat.v1.train.get_global_step()))
 
 
 class Float64UnevenTest(parameterized.TestCase):
   """The towers' shares are float64-exact: 7 rows on 2 and 4 towers."""
 
-  @parameterized.product(num_towers=[2, 4], static=[True, False],
-                         loss=["reduce_mean", "keras"])
-  def test_match_one_device_to_float64_rounding(self, num_towers, static,
-                                                loss):
+  @parameterized.product(
+      num_towers=[2, 4], static=[True, False], loss=["reduce_mean", "keras"])
+  def test_match_one_device_to_float64_rounding(self, num_towers, static, loss):
     rng = np.random.RandomState(4)
     data = ({"x": rng.randn(14, 2)}, rng.randn(14, 1))
-    run = functools.partial(harness.train, _float64_model_fn, data, 7, 3,
-                            params={"loss": loss}, static=static)
+    run = functools.partial(
+        harness.train,
+        _float64_model_fn,
+        data,
+        7,
+        3,
+        params={"loss": loss},
+        static=static)
     expected_losses, expected = run()
     losses, values = run(harness.devices(harness.VIRTUAL_CPUS, num_towers))
     # Shards summed in another order and weighted by shares each rounded
@@ -319,20 +372,22 @@ class Float64UnevenTest(parameterized.TestCase):
     # share rounded through float32 (2**-24, 6e-8: the bug this catches).
     np.testing.assert_allclose(losses, expected_losses, rtol=1e-12)
     for name in ("hidden/kernel", "hidden/bias", "out/kernel", "out/bias"):
-      np.testing.assert_allclose(values[name], expected[name], rtol=1e-12,
-                                 atol=1e-14)
+      np.testing.assert_allclose(
+          values[name], expected[name], rtol=1e-12, atol=1e-14)
 
 
 def _write_initial_checkpoint(model_fn, model_dir):
   with tf.Graph().as_default():
     tf.compat.v1.train.create_global_step()
-    model_fn({"x": tf.zeros([1, 4]), "row": tf.zeros([1], tf.int64)}, None,
-             tf.estimator.ModeKeys.PREDICT)
+    model_fn({
+        "x": tf.zeros([1, 4]),
+        "row": tf.zeros([1], tf.int64)
+    }, None, tf.estimator.ModeKeys.PREDICT)
     with tf.compat.v1.Session() as session:
       session.run(tf.compat.v1.global_variables_initializer())
       harness.set_trainable_weights(session)
-      tf.compat.v1.train.Saver().save(session, f"{model_dir}/model.ckpt",
-                                      global_step=0)
+      tf.compat.v1.train.Saver().save(
+          session, f"{model_dir}/model.ckpt", global_step=0)
 
 
 if __name__ == "__main__":

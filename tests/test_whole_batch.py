@@ -32,8 +32,9 @@ SHAPES = [(2, 8, True), (4, 10, False), (2, 7, False), (4, 8, True),
 
 
 def _shape_ids(shapes):
-  return [f"{n}towers-batch{b}-{'static' if s else 'dynamic'}"
-          for n, b, s in shapes]
+  return [
+      f"{n}towers-batch{b}-{'static' if s else 'dynamic'}" for n, b, s in shapes
+  ]
 
 
 SHAPE_IDS = _shape_ids(SHAPES)
@@ -50,21 +51,32 @@ def _data(batch, num_batches=STEPS, image=False):
   x = rng.randn(n, 4, 4, 1) if image else rng.randn(n, 5)
   position = np.arange(n) % batch
   mask = ((position < batch // 2) | (position == batch - 1)).astype(np.float32)
-  features = {"x": x.astype(np.float32), "mask": mask,
-              "row": position.astype(np.int64)}
+  features = {
+      "x": x.astype(np.float32),
+      "mask": mask,
+      "row": position.astype(np.int64)
+  }
   return features, rng.randint(0, 3, n).astype(np.int64)
 
 
-def _train(model_fn, batch, steps=STEPS, towers=None, static=True,
-           reduction=Reduction.SUM_BY_NONZERO_WEIGHTS, params=None,
-           image=False, **replicate_kwargs):
+def _train(model_fn,
+           batch,
+           steps=STEPS,
+           towers=None,
+           static=True,
+           reduction=Reduction.SUM_BY_NONZERO_WEIGHTS,
+           params=None,
+           image=False,
+           **replicate_kwargs):
   """Losses of every step and every global variable after them."""
   with tf.Graph().as_default():
     tf.compat.v1.train.create_global_step()
-    features, labels = harness.batches(_data(batch, steps, image), batch,
-                                       static)
+    features, labels = harness.batches(
+        _data(batch, steps, image), batch, static)
     wrapped = model_fn if towers is None else replicate.replicate_model_fn(
-        model_fn, loss_reduction=reduction, devices=_towers(towers),
+        model_fn,
+        loss_reduction=reduction,
+        devices=_towers(towers),
         **replicate_kwargs)
     spec = wrapped(features, labels, TRAIN, params or {})
     with tf.compat.v1.Session(config=harness.session_config()) as session:
@@ -77,13 +89,13 @@ def _towers(n):
 
 def _assert_one_devices(model_fn, towers, batch, static, **kwargs):
   expected_losses, expected = _train(model_fn, batch, static=static, **kwargs)
-  losses, actual = _train(model_fn, batch, towers=towers, static=static,
-                          **kwargs)
+  losses, actual = _train(
+      model_fn, batch, towers=towers, static=static, **kwargs)
   np.testing.assert_allclose(losses, expected_losses, rtol=1e-5, atol=1e-6)
   assert sorted(actual) == sorted(expected)
   for name in expected:
-    np.testing.assert_allclose(actual[name], expected[name], rtol=1e-5,
-                               atol=1e-6, err_msg=name)
+    np.testing.assert_allclose(
+        actual[name], expected[name], rtol=1e-5, atol=1e-6, err_msg=name)
   return expected_losses, expected
 
 
@@ -97,41 +109,48 @@ def _minimize(loss):
 
 def _spec(mode, loss, predictions=None):
   return tf.estimator.EstimatorSpec(
-      mode, loss=loss, predictions=predictions,
+      mode,
+      loss=loss,
+      predictions=predictions,
       train_op=_minimize(loss) if mode == TRAIN else None)
 
 
 # Masked and weighted losses.
+
 
 def _masked_model_fn(features, labels, mode, params):
   logits = tf.compat.v1.layers.dense(features["x"], 3, name="logits")
   mask = features["mask"]
   kind = params["loss"]
   if kind == "batch_sum":
-    xent = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels,
-                                                           logits=logits)
-    loss = tf.reduce_sum(xent * mask) / replicate.batch_sum(
-        tf.reduce_sum(mask))
+    xent = tf.nn.sparse_softmax_cross_entropy_with_logits(
+        labels=labels, logits=logits)
+    loss = tf.reduce_sum(xent * mask) / replicate.batch_sum(tf.reduce_sum(mask))
   else:
-    reduction = {"nonzero": Reduction.SUM_BY_NONZERO_WEIGHTS,
-                 "mean": Reduction.MEAN}[kind]
+    reduction = {
+        "nonzero": Reduction.SUM_BY_NONZERO_WEIGHTS,
+        "mean": Reduction.MEAN
+    }[kind]
     loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(
         labels, logits, weights=mask * 2.0, reduction=reduction)
     if params.get("regularized"):
-      loss = loss + 0.01 * tf.nn.l2_loss(
-          tf.compat.v1.trainable_variables()[0])
+      loss = loss + 0.01 * tf.nn.l2_loss(tf.compat.v1.trainable_variables()[0])
   return _spec(mode, loss)
 
 
 @pytest.mark.parametrize("towers,batch,static", SHAPES, ids=SHAPE_IDS)
-@pytest.mark.parametrize("kind", ["nonzero", "mean", "nonzero+l2",
-                                  "batch_sum"])
+@pytest.mark.parametrize("kind", ["nonzero", "mean", "nonzero+l2", "batch_sum"])
 def test_masked_losses_are_one_devices(kind, towers, batch, static):
   reduction = Reduction.SUM if kind == "batch_sum" else (
       Reduction.SUM_BY_NONZERO_WEIGHTS)
   params = {"loss": kind.split("+")[0], "regularized": "+l2" in kind}
-  _assert_one_devices(_masked_model_fn, towers, batch, static,
-                      reduction=reduction, params=params)
+  _assert_one_devices(
+      _masked_model_fn,
+      towers,
+      batch,
+      static,
+      reduction=reduction,
+      params=params)
 
 
 def _masked_eval_loss(towers):
@@ -150,11 +169,11 @@ def _masked_eval_loss(towers):
 def test_evaluate_reports_one_devices_weighted_loss():
   expected = _masked_eval_loss(None)
   for towers in (2, 4):
-    np.testing.assert_allclose(_masked_eval_loss(towers), expected,
-                               rtol=1e-5)
+    np.testing.assert_allclose(_masked_eval_loss(towers), expected, rtol=1e-5)
 
 
 # batch_sum and batch_concat in the model.
+
 
 def _contrastive_model_fn(features, labels, mode, params):
   """In-batch negatives: every row scored against every row of the batch."""
@@ -162,8 +181,8 @@ def _contrastive_model_fn(features, labels, mode, params):
   embeddings = tf.compat.v1.layers.dense(features["x"], 4, name="embed")
   everyone = replicate.batch_concat(embeddings)
   logits = tf.matmul(embeddings, everyone, transpose_b=True)
-  loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(features["row"],
-                                                          logits)
+  loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(
+      features["row"], logits)
   return _spec(mode, loss)
 
 
@@ -173,24 +192,24 @@ def _normalised_model_fn(features, labels, mode, params):
   h = tf.compat.v1.layers.dense(features["x"], 4, name="hidden")
   count = replicate.batch_sum(tf.cast(tf.shape(h)[0], tf.float32))
   mean = replicate.batch_sum(tf.reduce_sum(h, 0)) / count
-  variance = replicate.batch_sum(
-      tf.reduce_sum(tf.square(h - mean), 0)) / count
+  variance = replicate.batch_sum(tf.reduce_sum(tf.square(h - mean), 0)) / count
   h = (h - mean) * tf.math.rsqrt(variance + 1e-3)
   logits = tf.compat.v1.layers.dense(h, 3, name="logits")
-  return _spec(mode, tf.compat.v1.losses.sparse_softmax_cross_entropy(
-      labels, logits))
+  return _spec(mode,
+               tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits))
 
 
 @pytest.mark.parametrize("towers,batch,static", SHAPES, ids=SHAPE_IDS)
-@pytest.mark.parametrize("model_fn", [_contrastive_model_fn,
-                                      _normalised_model_fn],
-                         ids=["contrastive", "normalised"])
+@pytest.mark.parametrize(
+    "model_fn", [_contrastive_model_fn, _normalised_model_fn],
+    ids=["contrastive", "normalised"])
 def test_batch_sum_and_concat_models_are_one_devices(model_fn, towers, batch,
                                                      static):
   _assert_one_devices(model_fn, towers, batch, static)
 
 
 # Batch normalization in training.
+
 
 def _batch_norm_model_fn(features, labels, mode, params):
   training = mode == TRAIN
@@ -206,23 +225,23 @@ def _batch_norm_model_fn(features, labels, mode, params):
   renorm = params.get("renorm", False)
   if params["layer"] == "v1":
     x = tf.compat.v1.layers.batch_normalization(
-        x, training=training, fused=params["fused"], renorm=renorm,
-        name="bn")
+        x, training=training, fused=params["fused"], renorm=renorm, name="bn")
   else:
     layer = tf.keras.layers.BatchNormalization(
-        axis=1 if params["input"] == "nchw" else -1, fused=params["fused"],
-        renorm=renorm, name="bn")
+        axis=1 if params["input"] == "nchw" else -1,
+        fused=params["fused"],
+        renorm=renorm,
+        name="bn")
     x = layer(x, training=training)
     # A Keras layer called in a graph keeps its moving-statistics updates
     # to itself; the train_op runs UPDATE_OPS.
     for update in layer.updates:
-      tf.compat.v1.add_to_collection(tf.compat.v1.GraphKeys.UPDATE_OPS,
-                                     update)
+      tf.compat.v1.add_to_collection(tf.compat.v1.GraphKeys.UPDATE_OPS, update)
   x = _activated(x, params.get("activation"))
-  logits = tf.compat.v1.layers.dense(tf.compat.v1.layers.flatten(x), 3,
-                                     name="logits")
-  return _spec(mode, tf.compat.v1.losses.sparse_softmax_cross_entropy(
-      labels, logits))
+  logits = tf.compat.v1.layers.dense(
+      tf.compat.v1.layers.flatten(x), 3, name="logits")
+  return _spec(mode,
+               tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits))
 
 
 def _activated(x, activation):
@@ -246,15 +265,53 @@ def _activated(x, activation):
 
 
 BATCH_NORMS = [
-    {"layer": "keras", "input": "dense", "fused": None},
-    {"layer": "keras", "input": "dense", "fused": False},
-    {"layer": "v1", "input": "dense", "fused": None},
-    {"layer": "keras", "input": "conv", "fused": None},   # fused kernel
-    {"layer": "keras", "input": "conv", "fused": False},
-    {"layer": "v1", "input": "conv", "fused": True},
-    {"layer": "keras", "input": "nchw", "fused": None},   # channels first
-    {"layer": "keras", "input": "conv", "fused": None, "renorm": True},
-    {"layer": "v1", "input": "dense", "fused": None, "renorm": True},
+    {
+        "layer": "keras",
+        "input": "dense",
+        "fused": None
+    },
+    {
+        "layer": "keras",
+        "input": "dense",
+        "fused": False
+    },
+    {
+        "layer": "v1",
+        "input": "dense",
+        "fused": None
+    },
+    {
+        "layer": "keras",
+        "input": "conv",
+        "fused": None
+    },  # fused kernel
+    {
+        "layer": "keras",
+        "input": "conv",
+        "fused": False
+    },
+    {
+        "layer": "v1",
+        "input": "conv",
+        "fused": True
+    },
+    {
+        "layer": "keras",
+        "input": "nchw",
+        "fused": None
+    },  # channels first
+    {
+        "layer": "keras",
+        "input": "conv",
+        "fused": None,
+        "renorm": True
+    },
+    {
+        "layer": "v1",
+        "input": "dense",
+        "fused": None,
+        "renorm": True
+    },
 ]
 
 
@@ -266,21 +323,28 @@ def _rotated(forms, ids):
   """
   rest = SHAPES[:-1]
   for index, (form, form_id) in enumerate(zip(forms, ids)):
-    shapes = [rest[index % len(rest)], rest[(index + 1) % len(rest)],
-              SHAPES[-1]]
+    shapes = [
+        rest[index % len(rest)], rest[(index + 1) % len(rest)], SHAPES[-1]
+    ]
     for shape, shape_id in zip(shapes, _shape_ids(shapes)):
       yield pytest.param(form, *shape, id=f"{form_id}-{shape_id}")
 
 
 @pytest.mark.parametrize(
-    "params,towers,batch,static", list(_rotated(
-        BATCH_NORMS,
-        [f"{p['layer']}-{p['input']}-fused{p['fused']}" +
-         ("-renorm" if p.get("renorm") else "") for p in BATCH_NORMS])))
+    "params,towers,batch,static",
+    list(
+        _rotated(BATCH_NORMS, [
+            f"{p['layer']}-{p['input']}-fused{p['fused']}" +
+            ("-renorm" if p.get("renorm") else "") for p in BATCH_NORMS
+        ])))
 def test_batch_norm_training_is_one_devices(params, towers, batch, static):
-  _, values = _assert_one_devices(_batch_norm_model_fn, towers, batch, static,
-                                  params=params,
-                                  image=params["input"] != "dense")
+  _, values = _assert_one_devices(
+      _batch_norm_model_fn,
+      towers,
+      batch,
+      static,
+      params=params,
+      image=params["input"] != "dense")
   # The moving statistics were compared after they moved (from 0 and 1).
   assert np.abs(values["bn/moving_mean"]).min() > 1e-4, values["bn/moving_mean"]
   assert np.abs(values["bn/moving_variance"] - 1.0).min() > 1e-4, (
@@ -309,27 +373,33 @@ def test_renorm_reads_its_statistics_before_the_write_in_every_tower(params):
     tf.compat.v1.train.create_global_step()
     features, labels = harness.batches(
         _data(8, 1, params["input"] != "dense"), 8)
-    replicate.replicate_model_fn(_batch_norm_model_fn, devices=_towers(4))(
-        features, labels, TRAIN, params)
+    replicate.replicate_model_fn(
+        _batch_norm_model_fn, devices=_towers(4))(features, labels, TRAIN,
+                                                  params)
   for name in ("bn/renorm_mean", "bn/renorm_stddev"):
     handle = graph.get_operation_by_name(name)
-    users = [op for op in graph.get_operations()
-             if op.inputs and op.inputs[0].op is handle]
-    writes = [op for op in users if op.type.startswith("Assign") and
-              op.name != name + "/Assign"]  # not the initializer
+    users = [
+        op for op in graph.get_operations()
+        if op.inputs and op.inputs[0].op is handle
+    ]
+    writes = [
+        op for op in users
+        if op.type.startswith("Assign") and op.name != name + "/Assign"
+    ]  # not the initializer
     reads = [op for op in users if op.type == "ReadVariableOp"]
     assert len(writes) == 1, writes  # tower 0's; the others' go to a sink
     before_write = _ancestors(writes[0])
     for tower in range(4):
       prefix = f"tower_{tower}/" if tower else ""
       tower_write = graph.get_operation_by_name(
-          writes[0].name.replace("bn/", prefix + "bn/", 1) if tower else
-          writes[0].name)
+          writes[0].name.replace("bn/", prefix +
+                                 "bn/", 1) if tower else writes[0].name)
       # Reads inside the tower's own update feed only that dropped write.
       update_scope = tower_write.name.rsplit("/", 1)[0] + "/"
-      earlier = [r for r in reads if r.name.startswith(prefix or "bn/") and
-                 r in _ancestors(tower_write) and
-                 not r.name.startswith(update_scope)]
+      earlier = [
+          r for r in reads if r.name.startswith(prefix or "bn/") and
+          r in _ancestors(tower_write) and not r.name.startswith(update_scope)
+      ]
       assert earlier, (name, tower)
       assert all(r in before_write for r in earlier), (name, tower, earlier)
 
@@ -350,8 +420,10 @@ def _raw_batch_norm_model_fn(features, labels, mode, params):
 
   def variable(name, value, trainable):
     return tf.compat.v1.get_variable(
-        name, [channels], initializer=tf.compat.v1.constant_initializer(value),
-        trainable=trainable, aggregation=aggregation)
+        name, [channels],
+        initializer=tf.compat.v1.constant_initializer(value),
+        trainable=trainable,
+        aggregation=aggregation)
 
   gamma, beta = variable("gamma", 1.5, True), variable("beta", 0.1, True)
   moving_mean = variable("moving_mean", 0.0, False)
@@ -361,12 +433,21 @@ def _raw_batch_norm_model_fn(features, labels, mode, params):
     if form == "fused_average":
       # The kernel moves the running statistics itself.
       x, mean, variance = tf.compat.v1.nn.fused_batch_norm(
-          x, gamma, beta, moving_mean, moving_variance, epsilon=1e-3,
-          is_training=True, exponential_avg_factor=1.0 - decay)
+          x,
+          gamma,
+          beta,
+          moving_mean,
+          moving_variance,
+          epsilon=1e-3,
+          is_training=True,
+          exponential_avg_factor=1.0 - decay)
       updates = [moving_mean.assign(mean), moving_variance.assign(variance)]
     else:
       x, mean, variance = tf.compat.v1.nn.fused_batch_norm(
-          x, gamma, beta, epsilon=1e-3,
+          x,
+          gamma,
+          beta,
+          epsilon=1e-3,
           data_format="NCHW" if form == "fused_nchw" else "NHWC")
   else:
     if form.startswith("weighted"):
@@ -377,62 +458,69 @@ def _raw_batch_norm_model_fn(features, labels, mode, params):
       mean, variance = tf.compat.v1.nn.moments(x, [0, 1, 2], keep_dims=True)
       mean, variance = tf.squeeze(mean), tf.squeeze(variance)
     else:
-      mean, variance = tf.nn.moments(x, [0, 1, 2] if form == "moments"
-                                     else [-2])
+      mean, variance = tf.nn.moments(x,
+                                     [0, 1, 2] if form == "moments" else [-2])
     x = tf.nn.batch_normalization(x, mean, variance, beta, gamma, 1e-3)
   if form != "fused_average":
-    updates = [tf.compat.v1.assign_sub(moving, (moving - value) * (1 - decay))
-               for moving, value in ((moving_mean, mean),
-                                     (moving_variance, variance))]
+    updates = [
+        tf.compat.v1.assign_sub(moving, (moving - value) * (1 - decay))
+        for moving, value in ((moving_mean, mean), (moving_variance, variance))
+    ]
   for update in updates:
     tf.compat.v1.add_to_collection(tf.compat.v1.GraphKeys.UPDATE_OPS, update)
   x = _activated(x, params.get("activation"))
-  logits = tf.compat.v1.layers.dense(tf.compat.v1.layers.flatten(x), 3,
-                                     name="logits")
+  logits = tf.compat.v1.layers.dense(
+      tf.compat.v1.layers.flatten(x), 3, name="logits")
   loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
   if form == "fused_stats_in_loss":
     # TensorFlow's gradient of the training kernel passes none back from
     # the batch statistics it returns: neither do the towers.
-    loss += 0.1 * tf.reduce_sum(tf.square(mean)) + 0.1 * tf.reduce_sum(
-        variance)
+    loss += 0.1 * tf.reduce_sum(tf.square(mean)) + 0.1 * tf.reduce_sum(variance)
   return _spec(mode, loss)
 
 
-RAW_BATCH_NORMS = ["fused", "fused_nchw", "fused_average",
-                   "fused_stats_in_loss", "moments", "moments_keep_dims",
-                   "dense", "weighted", "weighted_mask"]
+RAW_BATCH_NORMS = [
+    "fused", "fused_nchw", "fused_average", "fused_stats_in_loss", "moments",
+    "moments_keep_dims", "dense", "weighted", "weighted_mask"
+]
 
 
 @pytest.mark.parametrize("form,towers,batch,static",
                          list(_rotated(RAW_BATCH_NORMS, RAW_BATCH_NORMS)))
-def test_tf_nn_batch_norm_training_is_one_devices(form, towers, batch,
-                                                  static):
+def test_tf_nn_batch_norm_training_is_one_devices(form, towers, batch, static):
   # tf.compat.v1.nn.fused_batch_norm in training, tf.nn.moments,
   # tf.compat.v1.nn.moments and tf.nn.weighted_moments over the batch axis:
   # the whole batch's statistics, its moving averages and gradients.
-  _assert_one_devices(_raw_batch_norm_model_fn, towers, batch, static,
-                      params={"form": form},
-                      image=form not in ("dense", "weighted", "weighted_mask"))
+  _assert_one_devices(
+      _raw_batch_norm_model_fn,
+      towers,
+      batch,
+      static,
+      params={"form": form},
+      image=form not in ("dense", "weighted", "weighted_mask"))
 
 
-FUSED_FORMS = (
-    [("layer", p) for p in BATCH_NORMS if p["fused"] is not False and
-     p["input"] != "dense"] +
-    [("tf_nn", {"form": f}) for f in RAW_BATCH_NORMS if f.startswith("fused")])
-
+FUSED_FORMS = ([("layer", p)
+                for p in BATCH_NORMS
+                if p["fused"] is not False and p["input"] != "dense"] +
+               [("tf_nn", {
+                   "form": f
+               }) for f in RAW_BATCH_NORMS if f.startswith("fused")])
 
 # A static batch smaller than the towers: the last tower's phantom row is
 # known when the graph is built.
 STATIC_PHANTOM = (4, 3, True)
-FUSED_FORM_IDS = [f"{k}-{p.get('form') or p['layer'] + '-' + p['input']}"
-                  for k, p in FUSED_FORMS]
+FUSED_FORM_IDS = [
+    f"{k}-{p.get('form') or p['layer'] + '-' + p['input']}"
+    for k, p in FUSED_FORMS
+]
 
 
 def _assert_fused_is_one_devices(kind, params, towers, batch, static):
-  model_fn = (_batch_norm_model_fn if kind == "layer" else
-              _raw_batch_norm_model_fn)
-  _assert_one_devices(model_fn, towers, batch, static, params=params,
-                      image=True)
+  model_fn = (
+      _batch_norm_model_fn if kind == "layer" else _raw_batch_norm_model_fn)
+  _assert_one_devices(
+      model_fn, towers, batch, static, params=params, image=True)
 
 
 def _through_the_hub_cases():
@@ -441,10 +529,12 @@ def _through_the_hub_cases():
   As in the tests above (the concatenating route), every shape meets
   several forms rather than all of them: the layers share their code.
   """
-  for index, ((kind, params), form_id) in enumerate(zip(FUSED_FORMS,
-                                                        FUSED_FORM_IDS)):
-    shapes = [STATIC_PHANTOM, SHAPES[index % len(SHAPES)],
-              SHAPES[(index + 2) % len(SHAPES)]]
+  for index, ((kind, params),
+              form_id) in enumerate(zip(FUSED_FORMS, FUSED_FORM_IDS)):
+    shapes = [
+        STATIC_PHANTOM, SHAPES[index % len(SHAPES)],
+        SHAPES[(index + 2) % len(SHAPES)]
+    ]
     for shape, shape_id in zip(shapes, _shape_ids(shapes)):
       yield pytest.param(kind, params, *shape, id=f"{form_id}-{shape_id}")
 
@@ -460,8 +550,8 @@ def test_fused_batch_norm_through_the_hub_is_one_devices(
 
 
 @pytest.mark.parametrize("kind,params", FUSED_FORMS, ids=FUSED_FORM_IDS)
-def test_fused_batch_norm_with_a_static_phantom_row_is_one_devices(kind,
-                                                                  params):
+def test_fused_batch_norm_with_a_static_phantom_row_is_one_devices(
+    kind, params):
   # The concatenation leaves out a tower known to hold a phantom row (the
   # dynamic ones are in the tests above, through SHAPES).
   _assert_fused_is_one_devices(kind, params, *STATIC_PHANTOM)
@@ -474,10 +564,12 @@ def _training_kernels(device_kind, towers):
     tf.compat.v1.train.create_global_step()
     features, labels = harness.batches(_data(8, 1, image=True), 8)
     spec = replicate.replicate_model_fn(
-        _batch_norm_model_fn, devices=harness.devices(device_kind, towers))(
-            features, labels, TRAIN, BATCH_NORMS[3])
+        _batch_norm_model_fn,
+        devices=harness.devices(device_kind, towers))(features, labels, TRAIN,
+                                                      BATCH_NORMS[3])
     ops = _run_ops(spec)
-  return [(op.device, op.inputs[0].op.type) for op in ops
+  return [(op.device, op.inputs[0].op.type)
+          for op in ops
           if op.type == "FusedBatchNormV3" and op.get_attr("is_training")]
 
 
@@ -485,33 +577,36 @@ def _training_kernels(device_kind, towers):
 def test_fused_batch_norm_on_one_hosts_cpus_runs_once_on_the_batch(towers):
   # Virtual CPUs share one memory: one training kernel, on the hub, reads
   # the towers' shards concatenated.
-  assert _training_kernels(harness.VIRTUAL_CPUS, towers) == [
-      ("/device:CPU:0", "ConcatV2")]
+  assert _training_kernels(harness.VIRTUAL_CPUS,
+                           towers) == [("/device:CPU:0", "ConcatV2")]
   # GPUs (names here, soft placement) each compute their shard's moments
   # with the kernel in training mode, in their own tower.
   kernels = _training_kernels(harness.GPU_NAMES, towers)
   assert sorted(device for device, _ in kernels) == [
-      f"/device:GPU:{i}" for i in range(towers)]
+      f"/device:GPU:{i}" for i in range(towers)
+  ]
 
 
 # The ReLU after a fused layer: where the kernel ran on the concatenated
 # batch, it runs there too (see replicate/_host_relu.py).
 ACTIVATIONS = [
-    ("layer", dict(BATCH_NORMS[5], activation="relu")),            # v1 fused
+    ("layer", dict(BATCH_NORMS[5], activation="relu")),  # v1 fused
     ("layer", dict(BATCH_NORMS[3], activation="keras_activation")),
-    ("layer", dict(BATCH_NORMS[6], activation="keras_relu")),      # NCHW
-    ("tf_nn", {"form": "fused_average", "activation": "v1_relu"}),
+    ("layer", dict(BATCH_NORMS[6], activation="keras_relu")),  # NCHW
+    ("tf_nn", {
+        "form": "fused_average",
+        "activation": "v1_relu"
+    }),
     ("layer", dict(BATCH_NORMS[3], activation="residual")),
     ("layer", dict(BATCH_NORMS[5], activation="control_dependency")),
 ]
 ACTIVATION_IDS = [p["activation"] for _, p in ACTIVATIONS]
 # Even and uneven, static and dynamic, phantom rows known when built and not.
-ACTIVATION_SHAPES = [(2, 8, True), (4, 10, False), (4, 3, True),
-                     (4, 3, False)]
+ACTIVATION_SHAPES = [(2, 8, True), (4, 10, False), (4, 3, True), (4, 3, False)]
 
 
-@pytest.mark.parametrize("towers,batch,static", ACTIVATION_SHAPES,
-                         ids=_shape_ids(ACTIVATION_SHAPES))
+@pytest.mark.parametrize(
+    "towers,batch,static", ACTIVATION_SHAPES, ids=_shape_ids(ACTIVATION_SHAPES))
 @pytest.mark.parametrize("kind,params", ACTIVATIONS, ids=ACTIVATION_IDS)
 def test_relu_after_a_concatenated_layer_is_one_devices(kind, params, towers,
                                                         batch, static):
@@ -525,12 +620,13 @@ def _relus(device_kind, towers, activation):
     tf.compat.v1.train.create_global_step()
     features, labels = harness.batches(_data(8, 1, image=True), 8)
     spec = replicate.replicate_model_fn(
-        _batch_norm_model_fn, devices=harness.devices(device_kind, towers))(
-            features, labels, TRAIN,
-            dict(BATCH_NORMS[5], activation=activation))
+        _batch_norm_model_fn, devices=harness.devices(
+            device_kind, towers))(features, labels, TRAIN,
+                                  dict(BATCH_NORMS[5], activation=activation))
     ops = _run_ops(spec)
   return [(op.name, op.device, op.inputs[0].op.type)
-          for op in ops if op.type == "Relu"], graph
+          for op in ops
+          if op.type == "Relu"], graph
 
 
 @pytest.mark.parametrize("towers", [2, 4])
@@ -538,12 +634,13 @@ def test_relu_after_a_concatenated_layer_runs_once_on_the_batch(towers):
   # One ReLU runs, on the hub, reading the kernel (grappler fuses the two);
   # each tower reads its rows of it.
   relus, _ = _relus(harness.VIRTUAL_CPUS, towers, "relu")
-  assert [(device, source) for _, device, source in relus] == [
-      ("/device:CPU:0", "FusedBatchNormV3")]
+  assert [(device, source) for _, device, source in relus
+         ] == [("/device:CPU:0", "FusedBatchNormV3")]
   # Towers apart (GPU names) normalise in their own towers: their ReLUs too.
   relus, _ = _relus(harness.GPU_NAMES, towers, "relu")
   assert sorted(device for _, device, _ in relus) == [
-      f"/device:GPU:{i}" for i in range(towers)]
+      f"/device:GPU:{i}" for i in range(towers)
+  ]
 
 
 def test_relu_after_a_concatenated_layer_keeps_the_towers_dependencies():
@@ -554,8 +651,8 @@ def test_relu_after_a_concatenated_layer_keeps_the_towers_dependencies():
   assert not whole.control_inputs
   for scope in ("", "tower_1/"):
     op = graph.get_operation_by_name(scope + "after_check")
-    assert [c.name for c in op.control_inputs] == [
-        scope + "VerifyFinite/control_dependency"]
+    assert [c.name for c in op.control_inputs
+           ] == [scope + "VerifyFinite/control_dependency"]
 
 
 def test_tf_nn_batch_norm_moving_statistics_need_no_aggregation():
@@ -564,8 +661,15 @@ def test_tf_nn_batch_norm_moving_statistics_need_no_aggregation():
   # (tf-slim declares none).
   for form in ("fused", "moments"):
     _assert_one_devices(
-        _raw_batch_norm_model_fn, 2, 8, True, image=True,
-        params={"form": form, "aggregation": tf.VariableAggregation.NONE})
+        _raw_batch_norm_model_fn,
+        2,
+        8,
+        True,
+        image=True,
+        params={
+            "form": form,
+            "aggregation": tf.VariableAggregation.NONE
+        })
 
 
 def test_tf_nn_moments_off_the_batch_axis_do_not_meet():
@@ -589,8 +693,8 @@ def _normalised_dense_model_fn(normalise):
     del params  # unused
     x = tf.compat.v1.layers.dense(features["x"], 4, name="hidden")
     logits = tf.compat.v1.layers.dense(normalise(x, mode), 3, name="logits")
-    return _spec(mode, tf.compat.v1.losses.sparse_softmax_cross_entropy(
-        labels, logits))
+    return _spec(
+        mode, tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits))
 
   return model_fn
 
@@ -615,12 +719,16 @@ def _hub_ops(model_fn, params=None):
   with tf.Graph().as_default():
     tf.compat.v1.train.create_global_step()
     features, labels = harness.batches(_data(8, 1), 8)
-    spec = replicate.replicate_model_fn(model_fn, devices=_towers(2))(
-        features, labels, TRAIN, params or {})
+    spec = replicate.replicate_model_fn(
+        model_fn, devices=_towers(2))(features, labels, TRAIN, params or {})
     ops = _run_ops(spec)
-  return [op.name for op in ops if "whole_batch" in op.name and not
-          op.name.startswith(("loss", "sparse_softmax", "tower_1/sparse"))
-          and "cross_entropy" not in op.name]
+  return [
+      op.name
+      for op in ops
+      if "whole_batch" in op.name and not op.name.startswith(
+          ("loss", "sparse_softmax",
+           "tower_1/sparse")) and "cross_entropy" not in op.name
+  ]
 
 
 def _per_example_statistics_model_fn(features, labels, mode, params):
@@ -641,15 +749,19 @@ def _per_example_statistics_model_fn(features, labels, mode, params):
     x = tf.transpose((time_major - mean) * tf.math.rsqrt(variance + 1e-3),
                      [1, 0, 2])
   logits = tf.compat.v1.layers.dense(tf.reshape(x, [-1, 6]), 3, name="logits")
-  return _spec(mode, tf.compat.v1.losses.sparse_softmax_cross_entropy(
-      labels, logits))
+  return _spec(mode,
+               tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits))
 
 
 @pytest.mark.parametrize("towers,batch,static", SHAPES, ids=SHAPE_IDS)
 @pytest.mark.parametrize("form", ["layer_norm", "time_major"])
 def test_statistics_of_each_example_do_not_meet(form, towers, batch, static):
-  _assert_one_devices(_per_example_statistics_model_fn, towers, batch, static,
-                      params={"form": form})
+  _assert_one_devices(
+      _per_example_statistics_model_fn,
+      towers,
+      batch,
+      static,
+      params={"form": form})
   if static:
     assert not _hub_ops(_per_example_statistics_model_fn, {"form": form})
 
@@ -657,25 +769,26 @@ def test_statistics_of_each_example_do_not_meet(form, towers, batch, static):
 @pytest.mark.parametrize("towers,batch,static", SHAPES, ids=SHAPE_IDS)
 def test_time_major_batch_statistics_are_one_devices(towers, batch, static):
   params = {"form": "time_major_batch"}
-  _assert_one_devices(_per_example_statistics_model_fn, towers, batch, static,
-                      params=params)
+  _assert_one_devices(
+      _per_example_statistics_model_fn, towers, batch, static, params=params)
   assert _hub_ops(_per_example_statistics_model_fn, params)
 
 
 def _moments_in_a_cond(x, mode):
   del mode  # unused
-  mean, variance = tf.cond(tf.constant(True), lambda: tf.nn.moments(x, [0]),
-                           lambda: (tf.zeros([4]), tf.ones([4])))
+  mean, variance = tf.cond(
+      tf.constant(True), lambda: tf.nn.moments(x, [0]), lambda:
+      (tf.zeros([4]), tf.ones([4])))
   return (x - mean) * tf.math.rsqrt(variance + 1e-3)
 
 
 @pytest.mark.parametrize("towers,batch,static", [(2, 7, False), (4, 3, True)])
-def test_tf_nn_moments_in_a_cond_run_once_on_the_whole_batch(towers, batch,
-                                                             static):
+def test_tf_nn_moments_in_a_cond_run_once_on_the_whole_batch(
+    towers, batch, static):
   # A tf.cond whose branch reduces the rows runs once, on every tower's
   # rows concatenated: one device's statistics.
-  _assert_one_devices(_normalised_dense_model_fn(_moments_in_a_cond), towers,
-                      batch, static)
+  _assert_one_devices(
+      _normalised_dense_model_fn(_moments_in_a_cond), towers, batch, static)
 
 
 def test_ghost_batch_norm_is_refused_naming_its_reshape():
@@ -683,8 +796,9 @@ def test_ghost_batch_norm_is_refused_naming_its_reshape():
   # on one device; a tower's chunks are of its shard: no tower can compute
   # one device's, and the error names the reshape that makes them.
   def normalise(x, mode):
-    return tf.keras.layers.BatchNormalization(virtual_batch_size=2, name="bn")(
-        x, training=mode == TRAIN)
+    return tf.keras.layers.BatchNormalization(
+        virtual_batch_size=2, name="bn")(
+            x, training=mode == TRAIN)
 
   with pytest.raises(ValueError, match=r"bn/Reshape.*reshapes rows.*\[2, -1"):
     _hub_ops(_normalised_dense_model_fn(normalise))
@@ -724,8 +838,8 @@ def test_half_precision_fused_batch_norm_gradient_is_one_devices(towers):
 def test_unsynchronised_batch_norm_uses_each_towers_statistics():
   params = BATCH_NORMS[0]
   expected_losses, _ = _train(_batch_norm_model_fn, 8, params=params)
-  losses, _ = _train(_batch_norm_model_fn, 8, towers=2, params=params,
-                     sync_batch_norm=False)
+  losses, _ = _train(
+      _batch_norm_model_fn, 8, towers=2, params=params, sync_batch_norm=False)
   # The first step's loss already normalises by the shards' statistics.
   assert abs(losses[0] - expected_losses[0]) > 1e-3
 
@@ -735,15 +849,15 @@ def _graph_ops(model_fn, towers, params, **replicate_kwargs):
   with tf.Graph().as_default() as graph:
     tf.compat.v1.train.create_global_step()
     features, labels = harness.batches(_data(8, 1, image=True), 8)
-    replicate.replicate_model_fn(model_fn, devices=_towers(towers),
-                                 **replicate_kwargs)(features, labels, TRAIN,
-                                                     params)
+    replicate.replicate_model_fn(
+        model_fn, devices=_towers(towers), **replicate_kwargs)(features, labels,
+                                                               TRAIN, params)
     return len(graph.get_operations())
 
 
 @pytest.mark.parametrize("towers", [2, 4])
-@pytest.mark.parametrize("params", [BATCH_NORMS[3], BATCH_NORMS[4]],
-                         ids=["fused", "unfused"])
+@pytest.mark.parametrize(
+    "params", [BATCH_NORMS[3], BATCH_NORMS[4]], ids=["fused", "unfused"])
 def test_synchronised_batch_norm_adds_few_ops(params, towers):
   # A conv, one batch-norm layer, a dense head. Whole-batch statistics take
   # one meeting per layer: on these virtual CPUs a fused layer's kernel runs
@@ -752,8 +866,8 @@ def test_synchronised_batch_norm_adds_few_ops(params, towers):
   # moments and its gradient written out; two batch_sums and automatic
   # differentiation built 660 and 1174).
   synced = _graph_ops(_batch_norm_model_fn, towers, params)
-  unsynced = _graph_ops(_batch_norm_model_fn, towers, params,
-                        sync_batch_norm=False)
+  unsynced = _graph_ops(
+      _batch_norm_model_fn, towers, params, sync_batch_norm=False)
   assert synced <= 1.2 * unsynced, (synced, unsynced)
 
 
@@ -762,12 +876,18 @@ def _wide_batch_norm_model_fn(features, labels, mode, params):
   whose ties rounding could break either way."""
   del params  # unused
   x = tf.keras.layers.Conv2D(
-      16, 3, use_bias=False, name="conv",
-      kernel_initializer=tf.keras.initializers.GlorotUniform(1))(features["x"])
+      16,
+      3,
+      use_bias=False,
+      name="conv",
+      kernel_initializer=tf.keras.initializers.GlorotUniform(1))(
+          features["x"])
   x = tf.keras.layers.BatchNormalization(name="bn")(x, training=mode == TRAIN)
   logits = tf.keras.layers.Dense(
-      3, name="logits", kernel_initializer=tf.keras.initializers.GlorotUniform(
-          2))(tf.reshape(x, [-1, 10 * 10 * 16]))
+      3,
+      name="logits",
+      kernel_initializer=tf.keras.initializers.GlorotUniform(2))(
+          tf.reshape(x, [-1, 10 * 10 * 16]))
   if mode == tf.estimator.ModeKeys.PREDICT:
     return tf.estimator.EstimatorSpec(mode, predictions={"logits": logits})
   loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
@@ -789,22 +909,27 @@ def test_fused_batch_norm_on_wider_maps_is_one_devices(static):
   labels = rng.randint(0, 3, 64).astype(np.int64)
 
   def input_fn():
-    return tf.data.Dataset.from_tensor_slices(
-        ({"x": images}, labels)).repeat().batch(32, drop_remainder=static)
+    return tf.data.Dataset.from_tensor_slices(({
+        "x": images
+    }, labels)).repeat().batch(
+        32, drop_remainder=static)
 
   replicate.testing.assert_replicates(
-      _wide_batch_norm_model_fn, input_fn, towers=(2, 4), steps=3,
+      _wide_batch_norm_model_fn,
+      input_fn,
+      towers=(2, 4),
+      steps=3,
       modes=("train", "eval"))
 
 
 # Keras optimizers in a custom model_fn.
 
+
 def _keras_model_fn(features, labels, mode, params):
   dense = tf.keras.layers.Dense(3, name="logits")
   loss_fn = lambda: tf.compat.v1.losses.sparse_softmax_cross_entropy(
       labels, dense(features["x"]))
-  optimizer = replicate.TowerOptimizer(
-      tf.keras.optimizers.legacy.Adam(1e-2))
+  optimizer = replicate.TowerOptimizer(tf.keras.optimizers.legacy.Adam(1e-2))
   form = params["form"]
   if form == "callables":
     train_op = optimizer.minimize(loss_fn, lambda: dense.trainable_weights)
@@ -825,19 +950,21 @@ def _keras_model_fn(features, labels, mode, params):
 @pytest.mark.parametrize("towers,batch,static", SHAPES[:2], ids=SHAPE_IDS[:2])
 @pytest.mark.parametrize("form", ["tape", "callables"])
 def test_keras_minimize_is_one_devices(form, towers, batch, static):
-  expected_losses, _ = _assert_one_devices(_keras_model_fn, towers, batch,
-                                           static, params={"form": form})
+  expected_losses, _ = _assert_one_devices(
+      _keras_model_fn, towers, batch, static, params={"form": form})
   assert expected_losses[0] != expected_losses[-1]  # it trained
 
 
 @pytest.mark.parametrize("towers", [None, 2])
 def test_keras_minimize_without_gradients_is_an_error(towers):
-  with pytest.raises(ValueError, match="No gradients provided for any "
-                     "variable"):
+  with pytest.raises(
+      ValueError, match="No gradients provided for any "
+      "variable"):
     _train(_keras_model_fn, 8, towers=towers, params={"form": "no_gradient"})
 
 
 # Hooks fetch the whole batch's loss and predictions.
+
 
 class _Recorder(tf.compat.v1.train.SessionRunHook):
   """Records what it fetches: a custom hook, no special case."""
@@ -859,8 +986,8 @@ def _hooked_model_fn(features, labels, mode, params):
   predictions = {"logits": logits}
   if mode == PREDICT:
     hook = _Recorder({"logits": logits})
-    return tf.estimator.EstimatorSpec(mode, predictions=predictions,
-                                      prediction_hooks=[hook])
+    return tf.estimator.EstimatorSpec(
+        mode, predictions=predictions, prediction_hooks=[hook])
   loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
   hook = _Recorder({"loss": loss, "loss_name": loss.name})
   return tf.estimator.EstimatorSpec(
@@ -876,11 +1003,10 @@ def _hooked_run(mode, towers):
     spec = wrapped(features, labels if mode == TRAIN else None, mode, {})
     hooks = spec.training_hooks if mode == TRAIN else spec.prediction_hooks
     fetch = spec.train_op if mode == TRAIN else spec.predictions
-    init = tf.compat.v1.train.Scaffold(init_fn=lambda _, s: (
-        harness.set_trainable_weights(s)))
+    init = tf.compat.v1.train.Scaffold(
+        init_fn=lambda _, s: (harness.set_trainable_weights(s)))
     with tf.compat.v1.train.SingularMonitoredSession(
-        hooks=hooks, scaffold=init,
-        config=harness.session_config()) as session:
+        hooks=hooks, scaffold=init, config=harness.session_config()) as session:
       for _ in range(2):
         session.run(fetch)
   assert len(hooks) == 1 and isinstance(hooks[0], _Recorder)
@@ -891,11 +1017,12 @@ def _hooked_run(mode, towers):
 def test_custom_hooks_see_the_whole_batch(mode):
   expected = _hooked_run(mode, None)
   for towers in (2, 4):
-    harness.assert_close_nests(_hooked_run(mode, towers), expected,
-                               rtol=1e-5, atol=1e-6)
+    harness.assert_close_nests(
+        _hooked_run(mode, towers), expected, rtol=1e-5, atol=1e-6)
 
 
 # The public functions themselves.
+
 
 def test_outside_replication_and_with_one_tower_they_return_x():
   with tf.Graph().as_default():
@@ -910,8 +1037,7 @@ def test_outside_replication_and_with_one_tower_they_return_x():
       return tf.estimator.EstimatorSpec(mode, predictions=features)
 
     before = len(tf.compat.v1.get_default_graph().get_operations())
-    replicate.replicate_model_fn(model_fn, devices=_towers(1))(x, None,
-                                                                PREDICT)
+    replicate.replicate_model_fn(model_fn, devices=_towers(1))(x, None, PREDICT)
     assert len(tf.compat.v1.get_default_graph().get_operations()) == before
 
 
@@ -927,17 +1053,20 @@ def _collected(values_fn, towers=2):
   with tf.Graph().as_default():
     x = tf.reshape(tf.range(8, dtype=tf.float32), [4, 2])
     features = {"x": x, "ids": tf.sparse.from_dense(tf.cast(x, tf.int64))}
-    replicate.replicate_model_fn(model_fn, devices=_towers(towers))(
-        features, None, PREDICT)
+    replicate.replicate_model_fn(
+        model_fn, devices=_towers(towers))(features, None, PREDICT)
     with tf.compat.v1.Session(config=harness.session_config()) as session:
       return session.run(seen)
 
 
 def test_nests_sums_and_sparse_concatenation():
-  towers = _collected(lambda f: {
-      "sum": replicate.batch_sum((tf.reduce_sum(f["x"]),
-                                  tf.shape(f["x"])[0])),
-      "concat": replicate.batch_concat([f["x"] * 2, f["ids"]])})
+  towers = _collected(
+      lambda f: {
+          "sum":
+              replicate.batch_sum((tf.reduce_sum(f["x"]), tf.shape(f["x"])[0])),
+          "concat":
+              replicate.batch_concat([f["x"] * 2, f["ids"]])
+      })
   for tower in towers:
     assert tower["sum"] == (28.0, 4)
     np.testing.assert_array_equal(tower["concat"][0],
@@ -948,20 +1077,26 @@ def test_nests_sums_and_sparse_concatenation():
 
 
 def test_concatenating_a_scalar_is_an_error():
-  with pytest.raises(ValueError, match="got a scalar .* use "
-                     "replicate.batch_sum for partial sums"):
+  with pytest.raises(
+      ValueError,
+      match="got a scalar .* use "
+      "replicate.batch_sum for partial sums"):
     _collected(lambda f: replicate.batch_concat(tf.reduce_sum(f["x"])))
 
 
 def test_summing_a_sparse_tensor_is_an_error():
-  with pytest.raises(ValueError, match="batch_sum got a SparseTensor.* "
-                     "tf.sparse.reduce_sum"):
+  with pytest.raises(
+      ValueError,
+      match="batch_sum got a SparseTensor.* "
+      "tf.sparse.reduce_sum"):
     _collected(lambda f: replicate.batch_sum(f["ids"]))
 
 
 def test_inside_a_cond_is_an_error():
-  with pytest.raises(ValueError, match="batch_sum was called inside a "
-                     "tf.cond, tf.while_loop or tf.function of a tower"):
+  with pytest.raises(
+      ValueError,
+      match="batch_sum was called inside a "
+      "tf.cond, tf.while_loop or tf.function of a tower"):
     _collected(lambda f: tf.cond(
-        tf.reduce_sum(f["x"]) > 0, lambda: replicate.batch_sum(f["x"]),
-        lambda: f["x"]))
+        tf.reduce_sum(f["x"]) > 0, lambda: replicate.batch_sum(f["x"]), lambda:
+        f["x"]))

@@ -1,1 +1,2 @@
-"""What a tower's tensors hold (its rows or whole values), sums over towers, and the ops a step runs."""
+"""What a tower's tensors hold (its rows or whole values), sums over towers, and
+the ops a step runs."""

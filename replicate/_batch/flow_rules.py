@@ -6,10 +6,10 @@ outputs' kinds, and reports through `ctx` (`_batch.rows`) what needs every
 tower; `RULES` maps op types to rules.
 """
 
-from typing import (Callable, Dict)
+from typing import Callable, Dict
 
-import tensorflow as tf
 from absl import logging
+import tensorflow as tf
 
 from replicate._batch import row_kinds
 
@@ -17,8 +17,10 @@ from replicate._batch import row_kinds
 def _switch(op, kinds, ctx):
   data, pred = kinds
   if row_kinds.is_local(pred) or isinstance(pred, row_kinds.Rows):
-    return row_kinds.same_for_outputs(op, row_kinds.Local(op.name, "branches on a value of the "
-                                       "tower's rows"))
+    return row_kinds.same_for_outputs(
+        op,
+        row_kinds.Local(op.name, "branches on a value of the "
+                        "tower's rows"))
   return row_kinds.same_for_outputs(op, data)
 
 
@@ -39,7 +41,9 @@ def _tensor_list_set(op, kinds, ctx):
   listed, item = kinds[0], kinds[2]
   if isinstance(item, row_kinds.Rows):
     if isinstance(listed, row_kinds.Listed) and listed.axis != item.axis:
-      return [row_kinds.Local(op.name, "mixes rows of different axes in a list")]
+      return [
+          row_kinds.Local(op.name, "mixes rows of different axes in a list")
+      ]
     return [row_kinds.Listed(item.axis)]
   if row_kinds.is_local(item):
     return [item]
@@ -65,7 +69,9 @@ def _tensor_list_other(op, kinds, ctx):
   outputs = []
   for tensor in op.outputs:
     if tensor.dtype == tf.variant:
-      outputs.append(listed if isinstance(listed, (row_kinds.Listed, row_kinds.Local)) else row_kinds.WHOLE)
+      outputs.append(
+          listed if isinstance(listed, (row_kinds.Listed,
+                                        row_kinds.Local)) else row_kinds.WHOLE)
     else:
       outputs.append(row_kinds.WHOLE)
   return outputs
@@ -101,8 +107,10 @@ def _tensor_array_read(op, kinds, ctx):
 def _tensor_array_gather(op, kinds, ctx):
   flow = kinds[-1]
   if isinstance(flow, row_kinds.Listed):
-    return [row_kinds.Rows(flow.axis + 1)] + [row_kinds.WHOLE] * (len(op.outputs) - 1)
-  return row_kinds.same_for_outputs(op, flow if row_kinds.is_local(flow) else row_kinds.WHOLE)
+    return [row_kinds.Rows(flow.axis + 1)] + [row_kinds.WHOLE] * (
+        len(op.outputs) - 1)
+  return row_kinds.same_for_outputs(
+      op, flow if row_kinds.is_local(flow) else row_kinds.WHOLE)
 
 
 def _call(op, kinds, ctx):
@@ -114,52 +122,73 @@ def _call(op, kinds, ctx):
       return row_kinds.same_for_outputs(op, local)
     if all(k is row_kinds.WHOLE for k in kinds):
       return row_kinds.same_for_outputs(op, row_kinds.WHOLE)
-    return row_kinds.same_for_outputs(op, row_kinds.Local(op.name, "is a function call whose "
-                                       "body replicate cannot read"))
+    return row_kinds.same_for_outputs(
+        op,
+        row_kinds.Local(
+            op.name, "is a function call whose "
+            "body replicate cannot read"))
   return outputs
-
-
 
 
 # Op type -> rule.
 RULES: Dict[str, Callable] = {
-    "Switch": _switch,
-    "RefSwitch": _switch,
-    "Merge": _merge,
-    "RefMerge": _merge,
-    "TensorListFromTensor": _tensor_list_from_tensor,
-    "TensorListSetItem": _tensor_list_set,
-    "TensorListPushBack": lambda op, k, c: _tensor_list_set(
-        op, [k[0], row_kinds.WHOLE, k[1]], c),
-    "TensorListGetItem": _tensor_list_get,
-    "TensorListPopBack": lambda op, k, c: [k[0], _tensor_list_get(op, k,
-                                                                  c)[0]],
-    "TensorListStack": _tensor_list_stack,
-    "TensorArrayWriteV3": _tensor_array_write,
-    "TensorArrayScatterV3": _tensor_array_scatter,
-    "TensorArrayReadV3": _tensor_array_read,
-    "TensorArrayGatherV3": _tensor_array_gather,
-    "TensorArrayConcatV3": lambda op, k, c: [
-        row_kinds.Local(op.name, "concatenates a list of rows")
-        if isinstance(k[-1], row_kinds.Listed) and k[-1].axis == 0 else
-        (row_kinds.Rows(k[-1].axis) if isinstance(k[-1], row_kinds.Listed) else row_kinds.WHOLE), row_kinds.WHOLE],
-    "If": _call,
-    "StatelessIf": _call,
-    "While": _call,
-    "StatelessWhile": _call,
-    "Case": _call,
-    "StatelessCase": _call,
-    "PartitionedCall": _call,
-    "StatefulPartitionedCall": _call,
+    "Switch":
+        _switch,
+    "RefSwitch":
+        _switch,
+    "Merge":
+        _merge,
+    "RefMerge":
+        _merge,
+    "TensorListFromTensor":
+        _tensor_list_from_tensor,
+    "TensorListSetItem":
+        _tensor_list_set,
+    "TensorListPushBack":
+        lambda op, k, c: _tensor_list_set(op, [k[0], row_kinds.WHOLE, k[1]], c),
+    "TensorListGetItem":
+        _tensor_list_get,
+    "TensorListPopBack":
+        lambda op, k, c: [k[0], _tensor_list_get(op, k, c)[0]],
+    "TensorListStack":
+        _tensor_list_stack,
+    "TensorArrayWriteV3":
+        _tensor_array_write,
+    "TensorArrayScatterV3":
+        _tensor_array_scatter,
+    "TensorArrayReadV3":
+        _tensor_array_read,
+    "TensorArrayGatherV3":
+        _tensor_array_gather,
+    "TensorArrayConcatV3":
+        lambda op, k, c: [
+            row_kinds.Local(op.name, "concatenates a list of rows")
+            if isinstance(k[-1], row_kinds.Listed) and k[-1].axis == 0 else
+            (row_kinds.Rows(k[-1].axis) if isinstance(k[-1], row_kinds.Listed)
+             else row_kinds.WHOLE), row_kinds.WHOLE
+        ],
+    "If":
+        _call,
+    "StatelessIf":
+        _call,
+    "While":
+        _call,
+    "StatelessWhile":
+        _call,
+    "Case":
+        _call,
+    "StatelessCase":
+        _call,
+    "PartitionedCall":
+        _call,
+    "StatefulPartitionedCall":
+        _call,
 }
 
-
 for op_type in ("TensorListReserve", "TensorListLength",
-              "TensorListElementShape", "TensorListResize",
-              "EmptyTensorList", "TensorArrayV3", "TensorArraySizeV3",
-              "TensorArrayCloseV3"):
+                "TensorListElementShape", "TensorListResize", "EmptyTensorList",
+                "TensorArrayV3", "TensorArraySizeV3", "TensorArrayCloseV3"):
   RULES.setdefault(op_type, _tensor_list_other)
-
 
 _unknown_logged = set()
 
@@ -175,13 +204,19 @@ def unknown(op, kinds, ctx):
     return row_kinds.same_for_outputs(op, row_kinds.SHARD)
   rows = [k for k in kinds if isinstance(k, row_kinds.Rows)]
   if any(k.axis != 0 for k in rows) or not rows:
-    return row_kinds.same_for_outputs(op, row_kinds.Local(op.name, f"is a {op.type} op, whose "
-                                       "effect on rows replicate does not "
-                                       "know"))
+    return row_kinds.same_for_outputs(
+        op,
+        row_kinds.Local(
+            op.name, f"is a {op.type} op, whose "
+            "effect on rows replicate does not "
+            "know"))
   if op.type not in _unknown_logged:
     _unknown_logged.add(op.type)
-    logging.info("replicate: %s ops are taken to compute each row from the "
-                 "same row", op.type)
-  return [row_kinds.Rows(0) if t.shape.rank != 0 else
-          row_kinds.Local(op.name, f"is a {op.type} op reducing rows to a scalar")
-          for t in op.outputs]
+    logging.info(
+        "replicate: %s ops are taken to compute each row from the "
+        "same row", op.type)
+  return [
+      row_kinds.Rows(0) if t.shape.rank != 0 else row_kinds.Local(
+          op.name, f"is a {op.type} op reducing rows to a scalar")
+      for t in op.outputs
+  ]

@@ -1,22 +1,25 @@
 """TensorFlow op types grouped by how they treat a tower's rows.
 """
 
-
-
-
-
 # ---------------------------------------------------------------- op tables
 
-REDUCTIONS = {"Sum": "sum", "Mean": "mean", "Max": "max", "Min": "min",
-               "Prod": "prod", "All": "all", "Any": "any",
-               "EuclideanNorm": "norm"}
+REDUCTIONS = {
+    "Sum": "sum",
+    "Mean": "mean",
+    "Max": "max",
+    "Min": "min",
+    "Prod": "prod",
+    "All": "all",
+    "Any": "any",
+    "EuclideanNorm": "norm"
+}
 
-
-SEGMENT_REDUCTIONS = {"UnsortedSegmentSum": "sum",
-                       "UnsortedSegmentMax": "max",
-                       "UnsortedSegmentMin": "min",
-                       "UnsortedSegmentProd": "prod"}
-
+SEGMENT_REDUCTIONS = {
+    "UnsortedSegmentSum": "sum",
+    "UnsortedSegmentMax": "max",
+    "UnsortedSegmentMin": "min",
+    "UnsortedSegmentProd": "prod"
+}
 
 # Ops computing each output element from the inputs' elements at the same
 # (broadcast) position.
@@ -39,7 +42,6 @@ StringLower StringUpper StringStrip RegexFullMatch StaticRegexFullMatch
 Bitcast BiasAdd BiasAddV1 LookupTableFindV2 LookupTableFind
 """.split())
 
-
 # Ops whose outputs keep the first input's rows on axis 0, each row computed
 # from the same row (convolutions, pooling, per-example losses, ...).
 PER_ROW = frozenset("""
@@ -59,35 +61,32 @@ CropAndResize NonMaxSuppressionV3 ImageProjectiveTransformV3 QuantizeV2
 FakeQuantWithMinMaxArgs FakeQuantWithMinMaxVars
 """.split())
 
-
 # Ops that only pass values through (each output like the same input).
 PASS_THROUGH = frozenset([
     "Identity", "IdentityN", "StopGradient", "PreventGradient", "Snapshot",
-    "CheckNumerics", "CheckNumericsV2", "EnsureShape", "DebugIdentity",
-    "Enter", "RefEnter", "Exit", "RefExit", "NextIteration",
-    "RefNextIteration", "RefIdentity", "Print"])
-
+    "CheckNumerics", "CheckNumericsV2", "EnsureShape", "DebugIdentity", "Enter",
+    "RefEnter", "Exit", "RefExit", "NextIteration", "RefNextIteration",
+    "RefIdentity", "Print"
+])
 
 # Ops whose outputs say nothing a later op computes with.
 SINKS = frozenset([
     "NoOp", "Assert", "PrintV2", "MergeSummary", "StringFormat",
     "WriteScalarSummary", "WriteHistogramSummary", "WriteImageSummary",
-    "WriteSummary", "WriteAudioSummary", "WriteRawProtoSummary"])
-
+    "WriteSummary", "WriteAudioSummary", "WriteRawProtoSummary"
+])
 
 # Summaries of a value (TensorBoard's tf.compat.v1.summary.*).
 SUMMARIES = frozenset([
     "ScalarSummary", "HistogramSummary", "ImageSummary", "AudioSummary",
-    "AudioSummaryV2", "TensorSummary", "TensorSummaryV2"])
-
+    "AudioSummaryV2", "TensorSummary", "TensorSummaryV2"
+])
 
 # Ops that run Python on their inputs: rows mixed in ways nobody can split.
 PY_FUNCS = frozenset(["PyFunc", "PyFuncStateless", "EagerPyFunc"])
 
-
-_FUSED_NORMS = frozenset(["FusedBatchNorm", "FusedBatchNormV2",
-                          "FusedBatchNormV3"])
-
+_FUSED_NORMS = frozenset(
+    ["FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3"])
 
 RANDOM_FROM_SHAPE = frozenset([
     "RandomUniform", "RandomStandardNormal", "TruncatedNormal",
@@ -95,48 +94,80 @@ RANDOM_FROM_SHAPE = frozenset([
     "StatelessTruncatedNormal", "StatelessRandomUniformInt",
     "StatelessRandomUniformV2", "StatelessRandomNormalV2",
     "StatelessTruncatedNormalV2", "StatelessRandomUniformIntV2",
-    "StatelessRandomUniformFullIntV2", "RandomGammaGrad", "Empty"])
-
+    "StatelessRandomUniformFullIntV2", "RandomGammaGrad", "Empty"
+])
 
 # Integer ops through which a shard size stays a size (each entry a
 # function of the sizes); anything else reading a size reads its value.
 _SIZE_OPS = frozenset([
-    "StridedSlice", "Slice", "Pack", "ConcatV2", "Concat", "Gather",
-    "GatherV2", "Identity", "Cast", "Mul", "AddV2", "Add", "Sub", "FloorDiv",
-    "FloorMod", "TruncateDiv", "Div", "Maximum", "Minimum", "Prod", "Sum",
-    "Reshape", "ExpandDims", "Squeeze", "BroadcastArgs", "Neg", "Abs",
-    "Unpack", "Max", "Min", "Range"])
-
+    "StridedSlice", "Slice", "Pack", "ConcatV2", "Concat", "Gather", "GatherV2",
+    "Identity", "Cast", "Mul", "AddV2", "Add", "Sub", "FloorDiv", "FloorMod",
+    "TruncateDiv", "Div", "Maximum", "Minimum", "Prod", "Sum", "Reshape",
+    "ExpandDims", "Squeeze", "BroadcastArgs", "Neg", "Abs", "Unpack", "Max",
+    "Min", "Range"
+])
 
 # (op type, input index): inputs that give an op's output its shape; a size
 # read there is the tower's own (its rows), not a value.
 SHAPE_ROLES = {
-    "Reshape": (1,), "Fill": (0,), "Tile": (1,), "BroadcastTo": (1,),
-    "Slice": (1, 2), "StridedSlice": (1, 2, 3), "Range": (0, 1, 2),
-    "Pad": (1,), "PadV2": (1,), "MirrorPad": (1,), "OneHot": (1,),
-    "UnsortedSegmentSum": (2,), "UnsortedSegmentMax": (2,),
-    "UnsortedSegmentMin": (2,), "UnsortedSegmentProd": (2,),
-    "ScatterNd": (2,), "SparseToDense": (1,), "SparseReshape": (1, 2),
-    "SparseSlice": (2, 3, 4), "SparseFillEmptyRows": (2,),
-    "SparseTensorDenseMatMul": (2,), "SparseReduceSum": (2,),
-    "SparseReduceMax": (2,), "SparseSegmentSumWithNumSegments": (3,),
+    "Reshape": (1,),
+    "Fill": (0,),
+    "Tile": (1,),
+    "BroadcastTo": (1,),
+    "Slice": (1, 2),
+    "StridedSlice": (1, 2, 3),
+    "Range": (0, 1, 2),
+    "Pad": (1,),
+    "PadV2": (1,),
+    "MirrorPad": (1,),
+    "OneHot": (1,),
+    "UnsortedSegmentSum": (2,),
+    "UnsortedSegmentMax": (2,),
+    "UnsortedSegmentMin": (2,),
+    "UnsortedSegmentProd": (2,),
+    "ScatterNd": (2,),
+    "SparseToDense": (1,),
+    "SparseReshape": (1, 2),
+    "SparseSlice": (2, 3, 4),
+    "SparseFillEmptyRows": (2,),
+    "SparseTensorDenseMatMul": (2,),
+    "SparseReduceSum": (2,),
+    "SparseReduceMax": (2,),
+    "SparseSegmentSumWithNumSegments": (3,),
     "SparseSegmentMeanWithNumSegments": (3,),
-    "SparseSegmentSqrtNWithNumSegments": (3,), "TensorListReserve": (0, 1),
-    "TensorListFromTensor": (1,), "TensorListStack": (1,),
-    "TensorListGetItem": (2,), "TensorListConcatV2": (1, 2),
-    "TensorArrayV3": (0,), "ResizeBilinear": (1,),
-    "ResizeNearestNeighbor": (1,), "ResizeBicubic": (1,), "ResizeArea": (1,),
-    "Conv2DBackpropInput": (0,), "Conv2DBackpropFilter": (1,),
-    "Conv3DBackpropInputV2": (0,), "RaggedTensorToTensor": (0,),
-    "SplitV": (1,), "SparseSlice_": (), "BroadcastArgs": (0, 1),
-    "BroadcastGradientArgs": (0, 1), "Bincount": (1,), "DenseBincount": (1,),
-    "TensorScatterUpdate": (), "SparseAdd": (2, 5),
-    "SparseDenseCwiseMul": (2,), "SparseDenseCwiseAdd": (2,),
-    "SparseDenseCwiseDiv": (2,), "SparseSoftmax": (2,),
-    "SparseSegmentSum": (), "SequenceMask": (1,), "Empty": (0,),
-    "TensorListSetItem": (), "RandomShuffle": (),
+    "SparseSegmentSqrtNWithNumSegments": (3,),
+    "TensorListReserve": (0, 1),
+    "TensorListFromTensor": (1,),
+    "TensorListStack": (1,),
+    "TensorListGetItem": (2,),
+    "TensorListConcatV2": (1, 2),
+    "TensorArrayV3": (0,),
+    "ResizeBilinear": (1,),
+    "ResizeNearestNeighbor": (1,),
+    "ResizeBicubic": (1,),
+    "ResizeArea": (1,),
+    "Conv2DBackpropInput": (0,),
+    "Conv2DBackpropFilter": (1,),
+    "Conv3DBackpropInputV2": (0,),
+    "RaggedTensorToTensor": (0,),
+    "SplitV": (1,),
+    "SparseSlice_": (),
+    "BroadcastArgs": (0, 1),
+    "BroadcastGradientArgs": (0, 1),
+    "Bincount": (1,),
+    "DenseBincount": (1,),
+    "TensorScatterUpdate": (),
+    "SparseAdd": (2, 5),
+    "SparseDenseCwiseMul": (2,),
+    "SparseDenseCwiseAdd": (2,),
+    "SparseDenseCwiseDiv": (2,),
+    "SparseSoftmax": (2,),
+    "SparseSegmentSum": (),
+    "SequenceMask": (1,),
+    "Empty": (0,),
+    "TensorListSetItem": (),
+    "RandomShuffle": (),
 }
-
 
 for _type in RANDOM_FROM_SHAPE:
   SHAPE_ROLES.setdefault(_type, (0,))

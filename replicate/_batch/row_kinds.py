@@ -2,11 +2,18 @@
 about an op (its event): the vocabulary of `_batch.rows`.
 """
 
-from typing import (Any, FrozenSet, List, NamedTuple,
-                    Optional, Sequence, Tuple, Union)
+from typing import (
+    Any,
+    FrozenSet,
+    List,
+    NamedTuple,
+    Optional,
+    Sequence,
+    Tuple,
+    Union,
+)
 
 import tensorflow as tf
-
 
 
 class _Whole:
@@ -24,7 +31,6 @@ class _Shard:
 
 
 WHOLE = _Whole()
-
 
 SHARD = _Shard()
 
@@ -68,7 +74,7 @@ class Reduction(NamedTuple):
   `combine` ('sum', 'mean', 'max', 'min', 'prod', 'all', 'any', 'norm')."""
   op: tf.Operation
   combine: str
-  axis: int          # the rows axis of the reduced input
+  axis: int  # the rows axis of the reduced input
 
 
 class SizeUse(NamedTuple):
@@ -126,8 +132,7 @@ def join(kinds: Sequence[Kind]) -> Kind:
   if len(non_whole) == 1 and not isinstance(non_whole[0], Size):
     return non_whole[0]
   if all(isinstance(k, Size) or k is WHOLE for k in distinct):
-    return Size(scalar=all(k.scalar for k in distinct
-                           if isinstance(k, Size)))
+    return Size(scalar=all(k.scalar for k in distinct if isinstance(k, Size)))
   return Local("", f"is one of {distinct} by a condition")
 
 

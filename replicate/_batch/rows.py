@@ -28,26 +28,22 @@ bodies (`tf.cond`, `tf.while_loop`, `tf.function`) are followed too; a
 reduction inside one cannot be rewired and makes its outputs `Local`.
 """
 
-from typing import (Any, Callable, Dict, Iterable, List, Optional)
+from typing import Any, Callable, Dict, Iterable, List, Optional
 
-import tensorflow as tf
 from absl import logging
+import tensorflow as tf
 
 from replicate import _tf
 from replicate._batch import flow_rules
-from replicate._batch import row_kinds
 from replicate._batch import op_types
+from replicate._batch import row_kinds
 from replicate._batch import shape_rules
 from replicate._batch import value_rules
 
-
-
 # How a run of the transfer functions treats what needs every tower.
-TOWER = "tower"   # the tower's own ops: report events, to be rewired
+TOWER = "tower"  # the tower's own ops: report events, to be rewired
 
-
-BODY = "body"     # a function body run per tower: such ops are not allowed
-
+BODY = "body"  # a function body run per tower: such ops are not allowed
 
 WHOLE_BATCH = "whole batch"  # a body run once on the whole batch: fine
 
@@ -66,8 +62,8 @@ class _Context:
   def in_function(self) -> bool:
     return self.mode != TOWER
 
-  def needs_every_tower(self, op, event: Optional[row_kinds.Event], kind: row_kinds.Kind,
-                        why: str) -> row_kinds.Kind:
+  def needs_every_tower(self, op, event: Optional[row_kinds.Event],
+                        kind: row_kinds.Kind, why: str) -> row_kinds.Kind:
     """An op needing every tower's rows: an event, or in a body a mark."""
     if self.mode == TOWER:
       if event is not None:
@@ -77,19 +73,20 @@ class _Context:
       return kind
     if self.needs_towers is None:
       self.needs_towers = op
-    return row_kinds.Local(op.name, why + " inside a tf.cond, tf.while_loop or "
-                 "tf.function body run per tower")
+    return row_kinds.Local(
+        op.name, why + " inside a tf.cond, tf.while_loop or "
+        "tf.function body run per tower")
 
   def reduce(self, op, combine: str, axis: int) -> row_kinds.Kind:
     """A batch reduction: the whole batch's value once rewired."""
     if self.per_tower(op):
       return row_kinds.SHARD
-    return self.needs_every_tower(op, row_kinds.Reduction(op, combine, axis), row_kinds.WHOLE,
-                                  "reduces rows")
+    return self.needs_every_tower(op, row_kinds.Reduction(op, combine, axis),
+                                  row_kinds.WHOLE, "reduces rows")
 
   def value_of_size(self, op, index: int) -> row_kinds.Kind:
-    return self.needs_every_tower(op, row_kinds.SizeUse(op, index), row_kinds.WHOLE,
-                                  "reads the shard's size")
+    return self.needs_every_tower(op, row_kinds.SizeUse(op, index),
+                                  row_kinds.WHOLE, "reads the shard's size")
 
   def function_kinds(self, op, kinds) -> Optional[List[row_kinds.Kind]]:
     """A call's output kinds; a body needing every tower runs once."""
@@ -109,19 +106,26 @@ class _Context:
     local = row_kinds.any_local(kinds)
     if local:
       return [local] * len(op.outputs)
-    static = [t.name for t, k in zip(op.inputs, kinds) if isinstance(k, row_kinds.Rows)
-              and t.shape.rank is not None and t.shape[k.axis] is not None]
+    static = [
+        t.name
+        for t, k in zip(op.inputs, kinds)
+        if isinstance(k, row_kinds.Rows) and t.shape.rank is not None and
+        t.shape[k.axis] is not None
+    ]
     if static:
       # Its bodies were traced for the tower's shard size: they cannot
       # run on the whole batch.
-      return [row_kinds.Local(op.name, f"has {inner.type} op {inner.name!r} in its "
-                    "body, which needs every tower's rows; replicate runs "
-                    "such a call once on the whole batch, but this one was "
-                    f"built for the shard's static size ({static[0]}): "
-                    "compute it outside the tf.cond / tf.while_loop / "
-                    "tf.function (e.g. give Keras layers a Python bool "
-                    "`training`), or batch without drop_remainder")
-              for _ in op.outputs]
+      return [
+          row_kinds.Local(
+              op.name, f"has {inner.type} op {inner.name!r} in its "
+              "body, which needs every tower's rows; replicate runs "
+              "such a call once on the whole batch, but this one was "
+              f"built for the shard's static size ({static[0]}): "
+              "compute it outside the tf.cond / tf.while_loop / "
+              "tf.function (e.g. give Keras layers a Python bool "
+              "`training`), or batch without drop_remainder")
+          for _ in op.outputs
+      ]
     whole = function_kinds(op, kinds, self.per_tower, WHOLE_BATCH)[0]
     if any(row_kinds.is_local(k) for k in whole):
       return whole
@@ -131,14 +135,18 @@ class _Context:
     return whole
 
 
-_TRANSFER: Dict[str, Callable] = {**value_rules.RULES, **shape_rules.RULES, **flow_rules.RULES}
-
+_TRANSFER: Dict[str, Callable] = {
+    **value_rules.RULES,
+    **shape_rules.RULES,
+    **flow_rules.RULES
+}
 
 # Ops writing a value into a variable: a size written is a count.
 _WRITES = frozenset([
-    "AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp",
-    "Assign", "AssignAdd", "AssignSub", "ResourceScatterAdd",
-    "ResourceScatterUpdate", "ScatterAdd", "ScatterUpdate"])
+    "AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp", "Assign",
+    "AssignAdd", "AssignSub", "ResourceScatterAdd", "ResourceScatterUpdate",
+    "ScatterAdd", "ScatterUpdate"
+])
 
 
 def _reads_size_as_value(op, index: int) -> bool:
@@ -167,22 +175,22 @@ def _size_inputs(op, kinds, ctx) -> List[row_kinds.Kind]:
     if not isinstance(kind, row_kinds.Size):
       continue
     if op.type in _READS_NO_VALUES:
-      result[index] = row_kinds.WHOLE if op.type in ("ZerosLike", "OnesLike") else kind
+      result[index] = row_kinds.WHOLE if op.type in ("ZerosLike",
+                                                     "OnesLike") else kind
     elif _reads_size_as_value(op, index):
       result[index] = ctx.value_of_size(op, index)
   return result
 
 
 # Ops that read their input's shape or type, never its values.
-_READS_NO_VALUES = frozenset(["Shape", "ShapeN", "Size", "Rank", "ZerosLike",
-                              "OnesLike"])
-
+_READS_NO_VALUES = frozenset(
+    ["Shape", "ShapeN", "Size", "Rank", "ZerosLike", "OnesLike"])
 
 _SIZE_ARITHMETIC = frozenset([
-    "Mul", "AddV2", "Add", "Sub", "FloorDiv", "FloorMod", "TruncateDiv",
-    "Div", "Maximum", "Minimum", "Neg", "Abs", "Cast", "Identity",
-    "Reshape", "ExpandDims", "Squeeze", "Prod", "Sum", "Max", "Min",
-    "BroadcastArgs"])
+    "Mul", "AddV2", "Add", "Sub", "FloorDiv", "FloorMod", "TruncateDiv", "Div",
+    "Maximum", "Minimum", "Neg", "Abs", "Cast", "Identity", "Reshape",
+    "ExpandDims", "Squeeze", "Prod", "Sum", "Max", "Min", "BroadcastArgs"
+])
 
 
 def _size_arithmetic(op, kinds) -> List[row_kinds.Kind]:
@@ -195,19 +203,21 @@ def _size_arithmetic(op, kinds) -> List[row_kinds.Kind]:
     entries = set()
     for value, kind in zip(op.inputs, kinds):
       if isinstance(kind, row_kinds.Size):
-        if kind.scalar or kind.entries is None or (
-            value.shape.rank != tensor.shape.rank):
+        if kind.scalar or kind.entries is None or (value.shape.rank
+                                                   != tensor.shape.rank):
           entries = None
           break
         entries.update(kind.entries)
-    outputs.append(row_kinds.Size(False, None if entries is None or op.type in (
-        "Reshape", "ExpandDims", "Squeeze", "BroadcastArgs") and len(
-            entries) != 1 else frozenset(entries) if entries else None))
+    outputs.append(
+        row_kinds.Size(
+            False, None if entries is None or
+            op.type in ("Reshape", "ExpandDims", "Squeeze", "BroadcastArgs") and
+            len(entries) != 1 else frozenset(entries) if entries else None))
   return outputs
 
 
-def transfer(op: tf.Operation, kinds: List[row_kinds.Kind], ctx: _Context
-             ) -> List[row_kinds.Kind]:
+def transfer(op: tf.Operation, kinds: List[row_kinds.Kind],
+             ctx: _Context) -> List[row_kinds.Kind]:
   """The kinds of `op`'s outputs given its inputs' (and the events)."""
   if not op.outputs:
     _size_inputs(op, kinds, ctx)
@@ -238,7 +248,8 @@ class TowerRows:
       (`sync_batch_norm=False`).
   """
 
-  def __init__(self, sources: Dict[Any, row_kinds.Kind],
+  def __init__(self,
+               sources: Dict[Any, row_kinds.Kind],
                per_tower: Callable[[tf.Operation], bool] = lambda op: False):
     self._kinds: Dict[Any, row_kinds.Kind] = dict(sources)
     self._per_tower = per_tower
@@ -294,8 +305,10 @@ def function_kinds(op: tf.Operation, kinds: List[row_kinds.Kind], per_tower,
     branches = [body_kinds(body, arguments) for body in bodies]
     outputs = [row_kinds.join(column) for column in zip(*branches)]
     if isinstance(kinds[0], row_kinds.Rows) or row_kinds.is_local(kinds[0]):
-      outputs = [row_kinds.Local(op.name, "branches on a value of the tower's rows")
-                 for _ in outputs]
+      outputs = [
+          row_kinds.Local(op.name, "branches on a value of the tower's rows")
+          for _ in outputs
+      ]
   elif op.type in ("While", "StatelessWhile"):
     condition, body = bodies
     carried = list(kinds)
@@ -307,11 +320,14 @@ def function_kinds(op: tf.Operation, kinds: List[row_kinds.Kind], per_tower,
       carried = joined
     tested = body_kinds(condition, carried)
     outputs = carried
-    if tested and (row_kinds.is_local(tested[0]) or isinstance(tested[0], row_kinds.Rows)):
+    if tested and (row_kinds.is_local(tested[0]) or
+                   isinstance(tested[0], row_kinds.Rows)):
       # A loop whose trip count depends on the tower's rows.
-      outputs = [row_kinds.Local(op.name, "loops as long as the tower's rows say") if
-                 not isinstance(k, (row_kinds.Rows, row_kinds.Listed)) and k is not row_kinds.WHOLE else k
-                 for k in carried]
+      outputs = [
+          row_kinds.Local(op.name, "loops as long as the tower's rows say")
+          if not isinstance(k, (row_kinds.Rows, row_kinds.Listed)) and
+          k is not row_kinds.WHOLE else k for k in carried
+      ]
   else:
     outputs = body_kinds(bodies[0], kinds)
   return outputs, (needs[0] if needs else None)
@@ -327,8 +343,10 @@ def _body_kinds(body, arguments: List[row_kinds.Kind], per_tower, mode: str):
     inputs = [kinds.get(t.ref(), row_kinds.WHOLE) for t in op.inputs]
     for tensor, kind in zip(op.outputs, transfer(op, inputs, ctx)):
       kinds.setdefault(tensor.ref(), kind)
-  outputs = [kinds.get(t.ref(), row_kinds.WHOLE) if t is not None else row_kinds.WHOLE
-             for t in body.outputs]
+  outputs = [
+      kinds.get(t.ref(), row_kinds.WHOLE) if t is not None else row_kinds.WHOLE
+      for t in body.outputs
+  ]
   return outputs, ctx.needs_towers
 
 

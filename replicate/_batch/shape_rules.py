@@ -6,13 +6,13 @@ outputs' kinds, and reports through `ctx` (`_batch.rows`) what needs every
 tower; `RULES` maps op types to rules.
 """
 
-from typing import (Any, Callable, Dict, Optional)
+from typing import Any, Callable, Dict, Optional
 
 import numpy as np
 import tensorflow as tf
 
-from replicate._batch import row_kinds
 from replicate._batch import op_types
+from replicate._batch import row_kinds
 from replicate._batch import static
 
 
@@ -42,8 +42,11 @@ def _reshape(op, kinds, ctx):
         if product == before:
           return [row_kinds.Rows(position)]
         product *= value
-    return [row_kinds.Local(op.name, f"reshapes rows cut along axis {data.axis} into "
-                  f"shape {values}")]
+    return [
+        row_kinds.Local(
+            op.name, f"reshapes rows cut along axis {data.axis} into "
+            f"shape {values}")
+    ]
   if data.axis == 0:
     return [row_kinds.Rows(0)]
   return [row_kinds.Local(op.name, f"reshapes rows cut along axis {data.axis}")]
@@ -55,8 +58,11 @@ def _transpose(op, kinds, ctx):
     return [kind]
   perm = static.static_ints(op.inputs[1])
   if perm is None:
-    return [row_kinds.Local(op.name, "transposes rows by a permutation known at run "
-                  "time")]
+    return [
+        row_kinds.Local(op.name,
+                        "transposes rows by a permutation known at run "
+                        "time")
+    ]
   return [row_kinds.Rows(perm.index(kind.axis))]
 
 
@@ -89,16 +95,17 @@ def _squeeze(op, kinds, ctx):
   dims = {static.axis_in(d, rank) for d in dims}
   if kind.axis in dims:
     return [row_kinds.Local(op.name, "squeezes the rows axis away")]
-  return [row_kinds.Rows(kind.axis - sum(1 for d in dims if d is not None and
-                               d < kind.axis))]
+  return [
+      row_kinds.Rows(kind.axis -
+                     sum(1 for d in dims if d is not None and d < kind.axis))
+  ]
 
 
 def _concat(op, kinds, ctx, axis_first=False):
   if axis_first:
     axis_tensor, values = op.inputs[0], list(zip(op.inputs[1:], kinds[1:]))
   else:
-    axis_tensor, values = op.inputs[-1], list(zip(op.inputs[:-1],
-                                                   kinds[:-1]))
+    axis_tensor, values = op.inputs[-1], list(zip(op.inputs[:-1], kinds[:-1]))
   value_kinds = [k for _, k in values]
   local = row_kinds.any_local(value_kinds)
   if local:
@@ -107,7 +114,9 @@ def _concat(op, kinds, ctx, axis_first=False):
     return [_concat_sizes(values)]
   rows = {k.axis for k in value_kinds if isinstance(k, row_kinds.Rows)}
   if not rows:
-    return [row_kinds.SHARD if row_kinds.SHARD in value_kinds else row_kinds.WHOLE]
+    return [
+        row_kinds.SHARD if row_kinds.SHARD in value_kinds else row_kinds.WHOLE
+    ]
   axis = static.static_ints(axis_tensor)
   rank = static.rank_of(op.outputs[0])
   if axis is None or len(rows) > 1:
@@ -115,7 +124,9 @@ def _concat(op, kinds, ctx, axis_first=False):
   row_axis = rows.pop()
   if static.axis_in(axis[0], rank) == row_axis and not all(
       isinstance(k, row_kinds.Rows) for k in value_kinds):
-    return [row_kinds.Local(op.name, "concatenates rows with values of no rows")]
+    return [
+        row_kinds.Local(op.name, "concatenates rows with values of no rows")
+    ]
   # Along the rows: the tower's rows in another order (each row computed
   # from its own): per-row ops and reductions are unaffected.
   return [row_kinds.Rows(row_axis)]
@@ -140,9 +151,15 @@ def _pack(op, kinds, ctx):
   if local:
     return [local]
   if any(isinstance(k, row_kinds.Size) for k in kinds):
-    if all(isinstance(k, row_kinds.Size) and k.scalar or k is row_kinds.WHOLE for k in kinds):
-      return [row_kinds.Size(False, frozenset(i for i, k in enumerate(kinds)
-                                    if isinstance(k, row_kinds.Size)))]
+    if all(
+        isinstance(k, row_kinds.Size) and k.scalar or k is row_kinds.WHOLE
+        for k in kinds):
+      return [
+          row_kinds.Size(
+              False,
+              frozenset(i for i, k in enumerate(kinds)
+                        if isinstance(k, row_kinds.Size)))
+      ]
     return [row_kinds.Size(False, None)]
   rows = {k.axis for k in kinds if isinstance(k, row_kinds.Rows)}
   if not rows:
@@ -162,15 +179,21 @@ def _unpack(op, kinds, ctx):
   kind = kinds[0]
   if isinstance(kind, row_kinds.Size):
     entries = kind.entries
-    return [row_kinds.Size(True) if entries is None or i in entries else row_kinds.WHOLE
-            for i in range(len(op.outputs))]
+    return [
+        row_kinds.Size(True)
+        if entries is None or i in entries else row_kinds.WHOLE
+        for i in range(len(op.outputs))
+    ]
   if not isinstance(kind, row_kinds.Rows):
     return row_kinds.same_for_outputs(op, kind)
   axis = static.axis_in(op.get_attr("axis"), static.rank_of(op.inputs[0]))
   if axis == kind.axis:
-    return row_kinds.same_for_outputs(op, row_kinds.Local(op.name, "unstacks the rows"))
-  return row_kinds.same_for_outputs(op, row_kinds.Rows(kind.axis - (1 if axis is not None and
-                                                  axis < kind.axis else 0)))
+    return row_kinds.same_for_outputs(
+        op, row_kinds.Local(op.name, "unstacks the rows"))
+  return row_kinds.same_for_outputs(
+      op,
+      row_kinds.Rows(kind.axis -
+                     (1 if axis is not None and axis < kind.axis else 0)))
 
 
 def _split(op, kinds, ctx):
@@ -181,8 +204,10 @@ def _split(op, kinds, ctx):
   if not isinstance(kind, row_kinds.Rows):
     return row_kinds.same_for_outputs(op, kind)
   axis = static.static_ints(axis_tensor)
-  if axis is None or static.axis_in(axis[0], static.rank_of(value)) == kind.axis:
-    return row_kinds.same_for_outputs(op, row_kinds.Local(op.name, "splits the rows"))
+  if axis is None or static.axis_in(axis[0],
+                                    static.rank_of(value)) == kind.axis:
+    return row_kinds.same_for_outputs(
+        op, row_kinds.Local(op.name, "splits the rows"))
   return row_kinds.same_for_outputs(op, kind)
 
 
@@ -190,13 +215,16 @@ def _slice(op, kinds, ctx):
   """Slice(x, begin, size): rows stay where the rows axis is whole."""
   kind = kinds[0]
   if isinstance(kind, row_kinds.Size):
-    return [_sliced_size(kind, static.static_ints(op.inputs[1]),
-                         static.static_ints(op.inputs[2]))]
+    return [
+        _sliced_size(kind, static.static_ints(op.inputs[1]),
+                     static.static_ints(op.inputs[2]))
+    ]
   if not isinstance(kind, row_kinds.Rows):
     return [kind]
   begin = _entry(op.inputs[1], kind.axis)
   size = _entry(op.inputs[2], kind.axis)
-  if begin == 0 and (size == -1 or kinds[2] != row_kinds.WHOLE and size is None):
+  if begin == 0 and (size == -1 or
+                     kinds[2] != row_kinds.WHOLE and size is None):
     return [kind]
   return [row_kinds.Local(op.name, "slices part of the rows")]
 
@@ -216,8 +244,11 @@ def _sliced_size(kind: row_kinds.Size, begin, size) -> row_kinds.Kind:
     return row_kinds.Size(False, None)
   start = begin[0]
   stop = None if size[0] == -1 else start + size[0]
-  picked = {e - start for e in kind.entries
-            if e >= start and (stop is None or e < stop)}
+  picked = {
+      e - start
+      for e in kind.entries
+      if e >= start and (stop is None or e < stop)
+  }
   return row_kinds.Size(False, frozenset(picked)) if picked else row_kinds.WHOLE
 
 
@@ -242,10 +273,11 @@ def _picked_rows(op, kinds, ctx) -> row_kinds.Kind:
   """Rows picked by their position in the batch (`x[0]`, `x[:2]`,
   `tf.gather(x, 0)`): the whole batch's, picked once."""
   local = row_kinds.any_local(kinds)
-  if local or any(isinstance(k, (row_kinds.Size, row_kinds.Listed)) for k in kinds[1:]):
+  if local or any(
+      isinstance(k, (row_kinds.Size, row_kinds.Listed)) for k in kinds[1:]):
     return local or row_kinds.Local(op.name, "picks rows by the shard's size")
-  return ctx.needs_every_tower(op, row_kinds.Mixing(op, (row_kinds.WHOLE,)), row_kinds.WHOLE,
-                               "picks rows by position")
+  return ctx.needs_every_tower(op, row_kinds.Mixing(op, (row_kinds.WHOLE,)),
+                               row_kinds.WHOLE, "picks rows by position")
 
 
 def _strided_mapping(op, rank) -> Optional[Dict[int, Any]]:
@@ -256,17 +288,19 @@ def _strided_mapping(op, rank) -> Optional[Dict[int, Any]]:
   if strides is None:
     return None
   n = len(strides)
-  masks = {name: op.get_attr(name) for name in (
-      "begin_mask", "end_mask", "ellipsis_mask", "new_axis_mask",
-      "shrink_axis_mask")}
+  masks = {
+      name: op.get_attr(name)
+      for name in ("begin_mask", "end_mask", "ellipsis_mask", "new_axis_mask",
+                   "shrink_axis_mask")
+  }
   mapping, in_dim, out_dim = {}, 0, 0
   for i in range(n):
     bit = 1 << i
     if masks["ellipsis_mask"] & bit:
       if rank is None:
         return None
-      following = sum(1 for j in range(i + 1, n)
-                      if not masks["new_axis_mask"] & (1 << j))
+      following = sum(
+          1 for j in range(i + 1, n) if not masks["new_axis_mask"] & (1 << j))
       for _ in range(rank - in_dim - following):
         mapping[in_dim] = out_dim
         in_dim += 1
@@ -279,13 +313,13 @@ def _strided_mapping(op, rank) -> Optional[Dict[int, Any]]:
       mapping[in_dim] = "shrunk"
       in_dim += 1
       continue
-    whole_begin = masks["begin_mask"] & bit or (
-        begin is not None and begin[i] == 0)
+    whole_begin = masks["begin_mask"] & bit or (begin is not None and
+                                                begin[i] == 0)
     whole_end = masks["end_mask"] & bit
     if strides[i] == 1 and whole_begin and whole_end:
       mapping[in_dim] = out_dim
-    elif strides[i] == 1 and whole_begin and end is not None and (
-        end[i] >= 2**31 - 1):
+    elif strides[i] == 1 and whole_begin and end is not None and (end[i]
+                                                                  >= 2**31 - 1):
       mapping[in_dim] = out_dim
     else:
       mapping[in_dim] = "partial"
@@ -320,8 +354,10 @@ def _strided_size(op, kind: row_kinds.Size) -> row_kinds.Kind:
   stop = length if op.get_attr("end_mask") & 1 else min(end[0], length)
   if stop < 0:
     stop += length
-  picked = [i for i, e in enumerate(range(start, stop, strides[0]))
-            if e in kind.entries]
+  picked = [
+      i for i, e in enumerate(range(start, stop, strides[0]))
+      if e in kind.entries
+  ]
   return row_kinds.Size(False, frozenset(picked)) if picked else row_kinds.WHOLE
 
 
@@ -345,8 +381,8 @@ def _pad(op, kinds, ctx):
   if not isinstance(kind, row_kinds.Rows):
     return [kind]
   paddings = tf.get_static_value(op.inputs[1])
-  if paddings is not None and list(np.reshape(paddings[kind.axis], [-1])) == [
-      0, 0]:
+  if paddings is not None and list(np.reshape(paddings[kind.axis],
+                                              [-1])) == [0, 0]:
     return [kind]
   return [row_kinds.Local(op.name, "pads the rows axis")]
 
@@ -356,7 +392,8 @@ def _broadcast_to(op, kinds, ctx):
   if row_kinds.is_local(data):
     return [data]
   if isinstance(data, row_kinds.Rows):
-    out_rank, in_rank = static.rank_of(op.outputs[0]), static.rank_of(op.inputs[0])
+    out_rank, in_rank = static.rank_of(op.outputs[0]), static.rank_of(
+        op.inputs[0])
     if out_rank is None or in_rank is None:
       return [data]
     return [row_kinds.Rows(out_rank - in_rank + data.axis)]
@@ -378,8 +415,8 @@ def _from_shape(op, kinds, ctx):
   """Ops whose output has the shape their first input gives."""
   shape = kinds[0]
   if isinstance(shape, row_kinds.Size):
-    return row_kinds.same_for_outputs(op, row_kinds.Rows(min(shape.entries)
-                                      if shape.entries else 0))
+    return row_kinds.same_for_outputs(
+        op, row_kinds.Rows(min(shape.entries) if shape.entries else 0))
   local = row_kinds.any_local(kinds)
   return row_kinds.same_for_outputs(op, local or row_kinds.WHOLE)
 
@@ -393,13 +430,14 @@ def _range(op, kinds, ctx):
 
 def _shape(op, kinds, ctx):
   outputs = []
-  for tensor, kind in zip(op.inputs, kinds):
+  for kind in kinds:
     if isinstance(kind, row_kinds.Rows):
       outputs.append(row_kinds.Size(False, frozenset([kind.axis])))
     elif isinstance(kind, row_kinds.Listed):
       outputs.append(row_kinds.Size(False, frozenset([kind.axis])))
     elif row_kinds.is_local(kind):
-      outputs.append(row_kinds.Local(op.name, "is the shape of a per-tower value"))
+      outputs.append(
+          row_kinds.Local(op.name, "is the shape of a per-tower value"))
     else:
       outputs.append(row_kinds.WHOLE)
   return outputs
@@ -437,7 +475,9 @@ def _gather(op, kinds, ctx):
   if isinstance(params, row_kinds.Rows):
     if params.axis == axis:
       if row_kinds.is_local(indices):
-        return [row_kinds.Local(op.name, "gathers rows by positions of the tower")]
+        return [
+            row_kinds.Local(op.name, "gathers rows by positions of the tower")
+        ]
       return [_picked_rows(op, kinds, ctx)]
     index_rank = static.rank_of(op.inputs[1])
     if params.axis < (axis or 0):
@@ -448,7 +488,10 @@ def _gather(op, kinds, ctx):
   local = row_kinds.any_local([params, indices])
   if local:
     return [local]
-  return [row_kinds.SHARD if row_kinds.SHARD in (params, indices) else row_kinds.WHOLE]
+  return [
+      row_kinds.SHARD if row_kinds.SHARD in (params,
+                                             indices) else row_kinds.WHOLE
+  ]
 
 
 def _gathered_size(op, params: row_kinds.Size) -> row_kinds.Kind:
@@ -456,7 +499,8 @@ def _gathered_size(op, params: row_kinds.Size) -> row_kinds.Kind:
   if params.entries is None or indices is None:
     return row_kinds.Size(static.rank_of(op.outputs[0]) == 0, None)
   if static.rank_of(op.outputs[0]) == 0:
-    return row_kinds.Size(True) if indices[0] in params.entries else row_kinds.WHOLE
+    return row_kinds.Size(
+        True) if indices[0] in params.entries else row_kinds.WHOLE
   picked = [i for i, e in enumerate(indices) if e in params.entries]
   return row_kinds.Size(False, frozenset(picked)) if picked else row_kinds.WHOLE
 
@@ -467,7 +511,8 @@ def _gather_nd(op, kinds, ctx):
     return [row_kinds.Rows(0)]
   if isinstance(params, row_kinds.Rows):
     batch_dims = op.get_attr("batch_dims") if "batch_dims" in [
-        a.name for a in op.op_def.attr] else 0
+        a.name for a in op.op_def.attr
+    ] else 0
     if batch_dims and params.axis == 0:
       return [row_kinds.Rows(0)]
     return [row_kinds.Local(op.name, "gathers rows by position")]
@@ -479,7 +524,10 @@ def _resource_gather(op, kinds, ctx):
   indices = kinds[1]
   if isinstance(indices, row_kinds.Rows):
     return [row_kinds.Rows(indices.axis + op.get_attr("batch_dims"))]
-  return [indices if row_kinds.is_local(indices) or indices is row_kinds.SHARD else row_kinds.WHOLE]
+  return [
+      indices if row_kinds.is_local(indices) or indices is row_kinds.SHARD else
+      row_kinds.WHOLE
+  ]
 
 
 def _scatter_nd(op, kinds, ctx):
@@ -492,8 +540,6 @@ def _scatter_nd(op, kinds, ctx):
   if isinstance(indices, row_kinds.Rows) or isinstance(updates, row_kinds.Rows):
     return [ctx.reduce(op, "sum", 0)]
   return [row_kinds.WHOLE]
-
-
 
 
 # Op type -> rule.
@@ -528,7 +574,6 @@ RULES: Dict[str, Callable] = {
     "ResourceGather": _resource_gather,
     "ScatterNd": _scatter_nd,
 }
-
 
 for op_type in op_types.RANDOM_FROM_SHAPE:
   RULES.setdefault(op_type, _from_shape)

@@ -4,20 +4,20 @@ A rule needs the axes, sizes and positions an op is given; these are
 folded from the few ops shape arithmetic uses, without running the graph.
 """
 
-from typing import (List, Optional)
+from typing import List, Optional
 
 import numpy as np
 import tensorflow as tf
 
 from replicate import _graph
 
-
 # Ops a small integer vector built from constants may go through.
 _FOLDABLE = frozenset([
     "Const", "Identity", "Tile", "ConcatV2", "Concat", "Pack", "Squeeze",
     "ExpandDims", "Reshape", "Cast", "Fill", "Range", "AddV2", "Add", "Sub",
-    "Mul", "StridedSlice", "Slice", "Neg", "Maximum", "Minimum", "Prod",
-    "Sum", "ZerosLike", "OnesLike"])
+    "Mul", "StridedSlice", "Slice", "Neg", "Maximum", "Minimum", "Prod", "Sum",
+    "ZerosLike", "OnesLike"
+])
 
 
 def _folded_ints(tensor, limit: int = 32) -> Optional[List[int]]:
@@ -67,15 +67,19 @@ def partial_ints(tensor, depth: int = 0) -> Optional[List[Optional[int]]]:
   if op.type in ("Mul", "AddV2", "Add", "Sub") and length is not None:
     parts = []
     for part in op.inputs:
-      found = (static_ints(part) if part.shape.rank == 0 else
-               partial_ints(part, depth + 1))
+      found = (
+          static_ints(part) if part.shape.rank == 0 else partial_ints(
+              part, depth + 1))
       if found is None:
         return None
       parts.append(found * length if len(found) == 1 else found)
-    apply = {"Mul": lambda a, b: a * b, "Sub": lambda a, b: a - b}.get(
-        op.type, lambda a, b: a + b)
-    return [None if a is None or b is None else apply(a, b)
-            for a, b in zip(*parts)]
+    apply = {
+        "Mul": lambda a, b: a * b,
+        "Sub": lambda a, b: a - b
+    }.get(op.type, lambda a, b: a + b)
+    return [
+        None if a is None or b is None else apply(a, b) for a, b in zip(*parts)
+    ]
   if op.type == "Pack":
     return [(static_ints(t) or [None])[0] for t in op.inputs]
   if op.type in ("ConcatV2", "Concat"):

@@ -13,6 +13,7 @@ collections (summaries, update ops, ...), with everything they depend on.
 from typing import Any, Iterable, Set
 
 import tensorflow as tf
+
 from replicate import _graph
 
 # How deep inside a spec's objects (hooks, export outputs, scaffold) tensors
@@ -57,8 +58,9 @@ def _roots(graph: tf.Graph, specs: Iterable[Any]) -> list:
   return found
 
 
-def run_by_the_step(graph: tf.Graph, specs: Iterable[Any],
-                    extra: Iterable[Any] = ()) -> Set[str]:
+def run_by_the_step(
+    graph: tf.Graph, specs: Iterable[Any],
+    extra: Iterable[Any] = ()) -> Set[str]:
   """Names of the ops that what the step fetches depends on (see above).
 
   `extra`: more tensors (nests) the step fetches.
@@ -67,5 +69,4 @@ def run_by_the_step(graph: tf.Graph, specs: Iterable[Any],
   found, seen = [], set()
   _ops_in(list(extra), 0, seen, found)
   pending.extend(found)
-  return {op.name
-          for op in _graph.walk(pending, _graph.input_and_control_ops)}
+  return {op.name for op in _graph.walk(pending, _graph.input_and_control_ops)}

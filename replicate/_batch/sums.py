@@ -57,8 +57,8 @@ def real_sum(values, valid):
 
   `valid[i]` is tower i's flag (True, False or a bool tensor; see `gate`).
   """
-  return tf.add_n([gate(value, ok) for value, ok in zip(values, valid)
-                   if ok is not False])
+  return tf.add_n(
+      [gate(value, ok) for value, ok in zip(values, valid) if ok is not False])
 
 
 def share_in(fraction, dtype: tf.DType) -> tf.Tensor:

@@ -6,12 +6,12 @@ outputs' kinds, and reports through `ctx` (`_batch.rows`) what needs every
 tower; `RULES` maps op types to rules.
 """
 
-from typing import (Callable, Dict, Sequence)
+from typing import Callable, Dict, Sequence
 
 import tensorflow as tf
 
-from replicate._batch import row_kinds
 from replicate._batch import op_types
+from replicate._batch import row_kinds
 from replicate._batch import static
 
 
@@ -31,13 +31,15 @@ def _elementwise(op, kinds: Sequence[row_kinds.Kind]) -> row_kinds.Kind:
       else:
         axes.add(kind.axis)
   if len(axes) > 1:
-    return row_kinds.Local(op.name, f"combines rows cut along axes {sorted(axes)}")
+    return row_kinds.Local(op.name,
+                           f"combines rows cut along axes {sorted(axes)}")
   if axes:
     return row_kinds.Rows(axes.pop())
   return row_kinds.SHARD if shard else row_kinds.WHOLE
 
 
 # ------------------------------------------------------- transfer functions
+
 
 def _reduction(op, kinds, ctx):
   data, axes = op.inputs[0], op.inputs[1]
@@ -65,12 +67,21 @@ def _reduction(op, kinds, ctx):
 def _arg_reduction(op, kinds, ctx):
   kind = kinds[0]
   if not isinstance(kind, row_kinds.Rows):
-    return [kind if row_kinds.is_local(kind) or kind is row_kinds.SHARD else row_kinds.WHOLE]
+    return [
+        kind if row_kinds.is_local(kind) or kind is row_kinds.SHARD else
+        row_kinds.WHOLE
+    ]
   axis = static.static_ints(op.inputs[1])
-  if axis is None or static.axis_in(axis[0], static.rank_of(op.inputs[0])) == kind.axis:
-    return [row_kinds.Local(op.name, "takes the position of an extremum over rows")]
-  return [row_kinds.Rows(kind.axis - (1 if axis[0] % (static.rank_of(op.inputs[0]) or 1)
-                            < kind.axis else 0))]
+  if axis is None or static.axis_in(axis[0], static.rank_of(
+      op.inputs[0])) == kind.axis:
+    return [
+        row_kinds.Local(op.name, "takes the position of an extremum over rows")
+    ]
+  return [
+      row_kinds.Rows(kind.axis -
+                     (1 if axis[0] %
+                      (static.rank_of(op.inputs[0]) or 1) < kind.axis else 0))
+  ]
 
 
 def _segment_reduction(op, kinds, ctx):
@@ -80,11 +91,14 @@ def _segment_reduction(op, kinds, ctx):
   local = row_kinds.any_local([data, ids])
   if local:
     return [local]
-  if isinstance(data, row_kinds.Rows) and data.axis == 0 or isinstance(ids, row_kinds.Rows):
+  if isinstance(data, row_kinds.Rows) and data.axis == 0 or isinstance(
+      ids, row_kinds.Rows):
     return [ctx.reduce(op, op_types.SEGMENT_REDUCTIONS[op.type], 0)]
   if isinstance(data, row_kinds.Rows):
     return [row_kinds.Rows(data.axis)]
-  return [row_kinds.SHARD if row_kinds.SHARD in (data, ids) else row_kinds.WHOLE]
+  return [
+      row_kinds.SHARD if row_kinds.SHARD in (data, ids) else row_kinds.WHOLE
+  ]
 
 
 def _sorted_segment(op, kinds, ctx):
@@ -108,14 +122,19 @@ def _matmul(op, kinds, ctx):
   if a_rows is not None and b_rows is not None:
     if a_contracted and b_contracted:
       return [ctx.reduce(op, "sum", a_rows)]
-    return [row_kinds.Local(op.name, "multiplies rows by rows (e.g. a batch times its "
-                  "own transpose)")]
+    return [
+        row_kinds.Local(
+            op.name, "multiplies rows by rows (e.g. a batch times its "
+            "own transpose)")
+    ]
   if a_rows is not None:
     return [row_kinds.Rows(0)] if not a_contracted else [
-        row_kinds.Local(op.name, "contracts rows with a tensor without rows")]
+        row_kinds.Local(op.name, "contracts rows with a tensor without rows")
+    ]
   if b_rows is not None:
     return [row_kinds.Rows(1)] if not b_contracted else [
-        row_kinds.Local(op.name, "contracts rows with a tensor without rows")]
+        row_kinds.Local(op.name, "contracts rows with a tensor without rows")
+    ]
   return [row_kinds.SHARD if row_kinds.SHARD in (a, b) else row_kinds.WHOLE]
 
 
@@ -135,7 +154,9 @@ def _batch_matmul(op, kinds, ctx):
         return [row_kinds.Local(op.name, "multiplies along the rows axis")]
       axes.add(out_rank - rank + kind.axis)
   if len(axes) != 1:
-    return [row_kinds.Local(op.name, "multiplies rows cut along different axes")]
+    return [
+        row_kinds.Local(op.name, "multiplies rows cut along different axes")
+    ]
   return [row_kinds.Rows(axes.pop())]
 
 
@@ -145,8 +166,11 @@ def _einsum(op, kinds, ctx):
     return [local]
   equation = op.get_attr("equation").decode().replace(" ", "")
   if "..." in equation or "->" not in equation:
-    return [row_kinds.first_rows(kinds) and row_kinds.Local(op.name, "einsum with ellipsis over "
-                                          "rows") or row_kinds.WHOLE]
+    return [
+        row_kinds.first_rows(kinds) and
+        row_kinds.Local(op.name, "einsum with ellipsis over "
+                        "rows") or row_kinds.WHOLE
+    ]
   inputs, output = equation.split("->")
   letters = inputs.split(",")
   batch = set()
@@ -162,7 +186,9 @@ def _einsum(op, kinds, ctx):
   letter = batch.pop()
   carriers = [k for k, spec in zip(kinds, letters) if letter in spec]
   if not all(isinstance(k, row_kinds.Rows) for k in carriers):
-    return [row_kinds.Local(op.name, "einsum of rows with a tensor without rows")]
+    return [
+        row_kinds.Local(op.name, "einsum of rows with a tensor without rows")
+    ]
   if letter in output:
     return [row_kinds.Rows(output.index(letter))]
   rows_inputs = [k for k in kinds if isinstance(k, row_kinds.Rows)]
@@ -192,31 +218,36 @@ def _one_hot(op, kinds, ctx):
 
 def _along_axis_input(axis_index: int, what: str):
   """Ops working along one axis given as an input (cumsum, reverse, ...)."""
+
   def rule(op, kinds, ctx):
     kind = kinds[0]
     if not isinstance(kind, row_kinds.Rows):
-      return row_kinds.same_for_outputs(op, kind if row_kinds.is_local(kind) or kind is row_kinds.SHARD
-                               else row_kinds.WHOLE)
+      return row_kinds.same_for_outputs(
+          op, kind if row_kinds.is_local(kind) or kind is row_kinds.SHARD else
+          row_kinds.WHOLE)
     axes = static.static_ints(op.inputs[axis_index])
     rank = static.rank_of(op.inputs[0])
     if axes is None or kind.axis in {static.axis_in(a, rank) for a in axes}:
       return row_kinds.same_for_outputs(op, row_kinds.Local(op.name, what))
     return row_kinds.same_for_outputs(op, kind)
+
   return rule
 
 
 def _last_axis(what: str):
   """Ops working along the last axis (softmax, top_k)."""
+
   def rule(op, kinds, ctx):
     kind = kinds[0]
     if not isinstance(kind, row_kinds.Rows):
       local = row_kinds.any_local(kinds)
-      return row_kinds.same_for_outputs(op, local or (kind if kind is row_kinds.SHARD
-                                             else row_kinds.WHOLE))
+      return row_kinds.same_for_outputs(
+          op, local or (kind if kind is row_kinds.SHARD else row_kinds.WHOLE))
     rank = static.rank_of(op.inputs[0])
     if rank is None or kind.axis == rank - 1:
       return row_kinds.same_for_outputs(op, row_kinds.Local(op.name, what))
     return row_kinds.same_for_outputs(op, kind)
+
   return rule
 
 
@@ -227,15 +258,19 @@ def _per_row(op, kinds, ctx):
     return row_kinds.same_for_outputs(op, local)
   rows = row_kinds.first_rows(kinds)
   if rows is None:
-    return row_kinds.same_for_outputs(op, row_kinds.SHARD if row_kinds.SHARD in kinds else row_kinds.WHOLE)
-  return row_kinds.same_for_outputs(op, row_kinds.Rows(0) if rows.axis == 0 else rows)
+    return row_kinds.same_for_outputs(
+        op, row_kinds.SHARD if row_kinds.SHARD in kinds else row_kinds.WHOLE)
+  return row_kinds.same_for_outputs(
+      op,
+      row_kinds.Rows(0) if rows.axis == 0 else rows)
 
 
 def _fused_norm(op, kinds, ctx):
   kind = kinds[0]
   if not isinstance(kind, row_kinds.Rows):
-    return row_kinds.same_for_outputs(op, kind if row_kinds.is_local(kind) or kind is row_kinds.SHARD
-                             else row_kinds.WHOLE)
+    return row_kinds.same_for_outputs(
+        op, kind if row_kinds.is_local(kind) or kind is row_kinds.SHARD else
+        row_kinds.WHOLE)
   rank = static.rank_of(op.inputs[0])
   channel = 1 if op.get_attr("data_format").decode().startswith("NC") else (
       None if rank is None else rank - 1)
@@ -246,32 +281,40 @@ def _fused_norm(op, kinds, ctx):
   if not op.get_attr("is_training"):
     return [kind] + [row_kinds.WHOLE] * (len(op.outputs) - 1)
   if kind.axis != 0:
-    return row_kinds.same_for_outputs(op, row_kinds.Local(op.name, "normalises over an axis "
-                                       "that is not the batch's"))
+    return row_kinds.same_for_outputs(
+        op,
+        row_kinds.Local(op.name, "normalises over an axis "
+                        "that is not the batch's"))
   if ctx.per_tower(op):
     return [kind] + [row_kinds.SHARD] * (len(op.outputs) - 1)
-  statistics = ctx.needs_every_tower(op, row_kinds.FusedNorm(op), row_kinds.WHOLE,
+  statistics = ctx.needs_every_tower(op, row_kinds.FusedNorm(op),
+                                     row_kinds.WHOLE,
                                      "normalises with batch statistics")
-  return [kind if statistics is row_kinds.WHOLE else statistics] + [statistics] * (
-      len(op.outputs) - 1)
+  return [kind if statistics is row_kinds.WHOLE else statistics
+         ] + [statistics] * (
+             len(op.outputs) - 1)
 
 
 def _py_func(op, kinds, ctx):
-  if all(not isinstance(k, (row_kinds.Rows, row_kinds.Local, row_kinds.Size, row_kinds.Listed)) and k is not row_kinds.SHARD
+  if all(not isinstance(k, (row_kinds.Rows, row_kinds.Local, row_kinds.Size,
+                            row_kinds.Listed)) and k is not row_kinds.SHARD
          for k in kinds):
     return row_kinds.same_for_outputs(op, row_kinds.WHOLE)
   local = row_kinds.any_local(kinds)
   if local:
     return row_kinds.same_for_outputs(op, local)
-  return row_kinds.same_for_outputs(op, ctx.needs_every_tower(
-      op, row_kinds.Mixing(op, tuple([row_kinds.WHOLE] * len(op.outputs))), row_kinds.WHOLE,
-      "runs Python on the rows"))
+  return row_kinds.same_for_outputs(
+      op,
+      ctx.needs_every_tower(
+          op, row_kinds.Mixing(op, tuple([row_kinds.WHOLE] * len(op.outputs))),
+          row_kinds.WHOLE, "runs Python on the rows"))
 
 
 def _unique(op, kinds, ctx):
   kind = kinds[0]
   if not isinstance(kind, row_kinds.Rows):
-    return row_kinds.same_for_outputs(op, kind if row_kinds.is_local(kind) else row_kinds.WHOLE)
+    return row_kinds.same_for_outputs(
+        op, kind if row_kinds.is_local(kind) else row_kinds.WHOLE)
   outputs = [row_kinds.Local(op.name, "is the set of the tower's values"), kind]
   outputs += [row_kinds.Local(op.name, "counts the tower's values")] * (
       len(op.outputs) - 2)
@@ -287,13 +330,19 @@ def _dynamic_stitch(op, kinds, ctx):
 def _dynamic_partition(op, kinds, ctx):
   if all(k is row_kinds.WHOLE for k in kinds):
     return row_kinds.same_for_outputs(op, row_kinds.WHOLE)
-  return row_kinds.same_for_outputs(op, row_kinds.Local(op.name, "partitions the rows"))
+  return row_kinds.same_for_outputs(
+      op, row_kinds.Local(op.name, "partitions the rows"))
 
 
 def _sparse_fill_empty_rows(op, kinds, ctx):
   if all(k is row_kinds.WHOLE for k in kinds):
     return row_kinds.same_for_outputs(op, row_kinds.WHOLE)
-  return [row_kinds.Rows(0), row_kinds.Rows(0), row_kinds.Rows(0), row_kinds.Rows(0)][:len(op.outputs)]
+  return [
+      row_kinds.Rows(0),
+      row_kinds.Rows(0),
+      row_kinds.Rows(0),
+      row_kinds.Rows(0)
+  ][:len(op.outputs)]
 
 
 def _sparse_reshape(op, kinds, ctx):
@@ -309,7 +358,8 @@ def _sparse_to_dense(op, kinds, ctx):
   local = row_kinds.any_local(kinds)
   if local:
     return [local]
-  if isinstance(kinds[0], row_kinds.Rows) or isinstance(kinds[2], row_kinds.Rows):
+  if isinstance(kinds[0], row_kinds.Rows) or isinstance(kinds[2],
+                                                        row_kinds.Rows):
     return [ctx.reduce(op, "sum", 0)]
   return [row_kinds.WHOLE]
 
@@ -327,7 +377,8 @@ def _sparse_segment(op, kinds, ctx):
 
 def _sparse_dense_matmul(op, kinds, ctx):
   a_indices, a_values, a_shape, b = kinds
-  sparse_rows = isinstance(a_shape, row_kinds.Size) or isinstance(a_values, row_kinds.Rows)
+  sparse_rows = isinstance(a_shape, row_kinds.Size) or isinstance(
+      a_values, row_kinds.Rows)
   adjoint_a = op.get_attr("adjoint_a")
   if sparse_rows:
     if isinstance(b, row_kinds.Rows):
@@ -349,17 +400,25 @@ def _sparse_reduce(op, kinds, ctx):
   axes = static.static_ints(op.inputs[3])
   rank = op.inputs[2].shape.num_elements()
   if axes is None:
-    return row_kinds.same_for_outputs(op, row_kinds.Local(op.name, "reduces a sparse tensor "
-                                       "along run-time axes"))
+    return row_kinds.same_for_outputs(
+        op,
+        row_kinds.Local(op.name, "reduces a sparse tensor "
+                        "along run-time axes"))
   reduced = {static.axis_in(a, rank) for a in axes}
   if 0 in reduced:
     combine = "sum" if "Sum" in op.type else "max"
     if op.type.endswith("Sparse"):
-      return row_kinds.same_for_outputs(op, row_kinds.Local(op.name, "reduces sparse rows to a "
-                                         "sparse value"))
+      return row_kinds.same_for_outputs(
+          op,
+          row_kinds.Local(op.name, "reduces sparse rows to a "
+                          "sparse value"))
     return [ctx.reduce(op, combine, 0)]
   if op.type.endswith("Sparse"):
-    return [row_kinds.Rows(0), row_kinds.Rows(0), row_kinds.Size(False, frozenset([0]))]
+    return [
+        row_kinds.Rows(0),
+        row_kinds.Rows(0),
+        row_kinds.Size(False, frozenset([0]))
+    ]
   return [row_kinds.Rows(0)]
 
 
@@ -383,8 +442,10 @@ def _sparse_rows(op, kinds, ctx):
 def _ctc(op, kinds, ctx):
   if all(k is row_kinds.WHOLE for k in kinds):
     return row_kinds.same_for_outputs(op, row_kinds.WHOLE)
-  return [row_kinds.Rows(0), row_kinds.Rows(1)][:len(op.outputs)] + [row_kinds.Rows(0)] * max(
-      0, len(op.outputs) - 2)
+  return [
+      row_kinds.Rows(0), row_kinds.Rows(1)
+  ][:len(op.outputs)] + [row_kinds.Rows(0)] * max(0,
+                                                  len(op.outputs) - 2)
 
 
 def _reverse_sequence(op, kinds, ctx):
@@ -414,13 +475,19 @@ def _bias_add_grad(op, kinds, ctx):
   """A bias's gradient sums every axis but the channels'."""
   kind = kinds[0]
   if not isinstance(kind, row_kinds.Rows):
-    return [kind if row_kinds.is_local(kind) or kind is row_kinds.SHARD else row_kinds.WHOLE]
+    return [
+        kind if row_kinds.is_local(kind) or kind is row_kinds.SHARD else
+        row_kinds.WHOLE
+    ]
   rank = static.rank_of(op.inputs[0])
-  nchw = op.type == "BiasAddGrad" and (
-      op.get_attr("data_format") in (b"NCHW", "NCHW"))
+  nchw = op.type == "BiasAddGrad" and (op.get_attr("data_format")
+                                       in (b"NCHW", "NCHW"))
   channels = 1 if nchw else (None if rank is None else rank - 1)
   if channels is None or kind.axis == channels:
-    return [row_kinds.Local(op.name, "sums a bias's gradient of rows of unknown rank")]
+    return [
+        row_kinds.Local(op.name,
+                        "sums a bias's gradient of rows of unknown rank")
+    ]
   return [ctx.reduce(op, "sum", kind.axis)]
 
 
@@ -430,114 +497,173 @@ def _summary(op, kinds, ctx):
   if local:
     return [local]
   if any(isinstance(k, (row_kinds.Rows, row_kinds.Size)) for k in kinds):
-    return [ctx.needs_every_tower(op, row_kinds.Mixing(op, (row_kinds.WHOLE,)), row_kinds.WHOLE,
-                                  "summarises rows")]
+    return [
+        ctx.needs_every_tower(op, row_kinds.Mixing(op, (row_kinds.WHOLE,)),
+                              row_kinds.WHOLE, "summarises rows")
+    ]
   return [row_kinds.WHOLE]
-
-
 
 
 # Op type -> rule.
 RULES: Dict[str, Callable] = {
-    "MatMul": _matmul,
-    "BatchMatMul": _batch_matmul,
-    "BatchMatMulV2": _batch_matmul,
-    "BatchMatMulV3": _batch_matmul,
-    "Einsum": _einsum,
-    "Where": _where,
-    "OneHot": _one_hot,
-    "ArgMax": _arg_reduction,
-    "ArgMin": _arg_reduction,
-    "Cumsum": _along_axis_input(1, "accumulates along the rows"),
-    "Cumprod": _along_axis_input(1, "accumulates along the rows"),
-    "CumulativeLogsumexp": _along_axis_input(1, "accumulates along the "
-                                             "rows"),
-    "ReverseV2": _along_axis_input(1, "reverses the rows"),
-    "Roll": _along_axis_input(2, "rolls the rows"),
-    "Softmax": _last_axis("normalises over the rows"),
-    "LogSoftmax": _last_axis("normalises over the rows"),
-    "TopKV2": _last_axis("sorts the rows"),
-    "TopK": _last_axis("sorts the "
-                                                               "rows"),
-    "RandomShuffle": lambda op, k, c: [
-        row_kinds.Local(op.name, "shuffles the rows") if row_kinds.is_rows(k[0]) else
-        (k[0] if row_kinds.is_local(k[0]) else row_kinds.WHOLE)],
-    "SegmentSum": _sorted_segment,
-    "SegmentMean": _sorted_segment,
-    "SegmentMax": _sorted_segment,
-    "SegmentMin": _sorted_segment,
-    "SegmentProd": _sorted_segment,
-    "BiasAddGrad": _bias_add_grad,
-    "BiasAddGradV1": _bias_add_grad,
-    "L2Loss": lambda op, k, c: (
-        [c.reduce(op, "sum", k[0].axis)] if row_kinds.is_rows(k[0]) else
-        [k[0] if row_kinds.is_local(k[0]) or k[0] is row_kinds.SHARD else row_kinds.WHOLE]),
-    "Unique": _unique,
-    "UniqueV2": _unique,
-    "UniqueWithCounts": _unique,
-    "DynamicStitch": _dynamic_stitch,
-    "ParallelDynamicStitch": _dynamic_stitch,
-    "DynamicPartition": _dynamic_partition,
-    "SparseFillEmptyRows": _sparse_fill_empty_rows,
-    "SparseReshape": _sparse_reshape,
-    "SparseToDense": _sparse_to_dense,
-    "SparseSegmentSum": _sparse_segment,
-    "SparseSegmentMean": _sparse_segment,
-    "SparseSegmentSqrtN": _sparse_segment,
-    "SparseSegmentSumWithNumSegments": _sparse_segment,
-    "SparseSegmentMeanWithNumSegments": _sparse_segment,
-    "SparseSegmentSqrtNWithNumSegments": _sparse_segment,
-    "SparseTensorDenseMatMul": _sparse_dense_matmul,
-    "SparseReduceSum": _sparse_reduce,
-    "SparseReduceMax": _sparse_reduce,
-    "SparseReduceSumSparse": _sparse_reduce,
-    "SparseReduceMaxSparse": _sparse_reduce,
-    "SparseSlice": _sparse_rows,
-    "SparseAdd": _sparse_rows,
-    "SparseReorder": _sparse_rows,
-    "SparseSoftmax": _sparse_rows,
-    "SparseDenseCwiseMul": _sparse_rows,
-    "SparseDenseCwiseAdd": _sparse_rows,
-    "SparseDenseCwiseDiv": _sparse_rows,
-    "SparseCross": _sparse_rows,
-    "SparseCrossV2": _sparse_rows,
-    "SparseCrossHashed": _sparse_rows,
-    "CTCLoss": _ctc,
-    "CTCLossV2": _ctc,
-    "ReverseSequence": _reverse_sequence,
-    "FusedBatchNorm": _fused_norm,
-    "FusedBatchNormV2": _fused_norm,
-    "FusedBatchNormV3": _fused_norm,
+    "MatMul":
+        _matmul,
+    "BatchMatMul":
+        _batch_matmul,
+    "BatchMatMulV2":
+        _batch_matmul,
+    "BatchMatMulV3":
+        _batch_matmul,
+    "Einsum":
+        _einsum,
+    "Where":
+        _where,
+    "OneHot":
+        _one_hot,
+    "ArgMax":
+        _arg_reduction,
+    "ArgMin":
+        _arg_reduction,
+    "Cumsum":
+        _along_axis_input(1, "accumulates along the rows"),
+    "Cumprod":
+        _along_axis_input(1, "accumulates along the rows"),
+    "CumulativeLogsumexp":
+        _along_axis_input(1, "accumulates along the "
+                          "rows"),
+    "ReverseV2":
+        _along_axis_input(1, "reverses the rows"),
+    "Roll":
+        _along_axis_input(2, "rolls the rows"),
+    "Softmax":
+        _last_axis("normalises over the rows"),
+    "LogSoftmax":
+        _last_axis("normalises over the rows"),
+    "TopKV2":
+        _last_axis("sorts the rows"),
+    "TopK":
+        _last_axis("sorts the "
+                   "rows"),
+    "RandomShuffle":
+        lambda op, k, c: [
+            row_kinds.Local(op.name, "shuffles the rows")
+            if row_kinds.is_rows(k[0]) else
+            (k[0] if row_kinds.is_local(k[0]) else row_kinds.WHOLE)
+        ],
+    "SegmentSum":
+        _sorted_segment,
+    "SegmentMean":
+        _sorted_segment,
+    "SegmentMax":
+        _sorted_segment,
+    "SegmentMin":
+        _sorted_segment,
+    "SegmentProd":
+        _sorted_segment,
+    "BiasAddGrad":
+        _bias_add_grad,
+    "BiasAddGradV1":
+        _bias_add_grad,
+    "L2Loss":
+        lambda op, k, c: ([c.reduce(op, "sum", k[0].axis)]
+                          if row_kinds.is_rows(k[0]) else [
+                              k[0] if row_kinds.is_local(k[0]) or k[0] is
+                              row_kinds.SHARD else row_kinds.WHOLE
+                          ]),
+    "Unique":
+        _unique,
+    "UniqueV2":
+        _unique,
+    "UniqueWithCounts":
+        _unique,
+    "DynamicStitch":
+        _dynamic_stitch,
+    "ParallelDynamicStitch":
+        _dynamic_stitch,
+    "DynamicPartition":
+        _dynamic_partition,
+    "SparseFillEmptyRows":
+        _sparse_fill_empty_rows,
+    "SparseReshape":
+        _sparse_reshape,
+    "SparseToDense":
+        _sparse_to_dense,
+    "SparseSegmentSum":
+        _sparse_segment,
+    "SparseSegmentMean":
+        _sparse_segment,
+    "SparseSegmentSqrtN":
+        _sparse_segment,
+    "SparseSegmentSumWithNumSegments":
+        _sparse_segment,
+    "SparseSegmentMeanWithNumSegments":
+        _sparse_segment,
+    "SparseSegmentSqrtNWithNumSegments":
+        _sparse_segment,
+    "SparseTensorDenseMatMul":
+        _sparse_dense_matmul,
+    "SparseReduceSum":
+        _sparse_reduce,
+    "SparseReduceMax":
+        _sparse_reduce,
+    "SparseReduceSumSparse":
+        _sparse_reduce,
+    "SparseReduceMaxSparse":
+        _sparse_reduce,
+    "SparseSlice":
+        _sparse_rows,
+    "SparseAdd":
+        _sparse_rows,
+    "SparseReorder":
+        _sparse_rows,
+    "SparseSoftmax":
+        _sparse_rows,
+    "SparseDenseCwiseMul":
+        _sparse_rows,
+    "SparseDenseCwiseAdd":
+        _sparse_rows,
+    "SparseDenseCwiseDiv":
+        _sparse_rows,
+    "SparseCross":
+        _sparse_rows,
+    "SparseCrossV2":
+        _sparse_rows,
+    "SparseCrossHashed":
+        _sparse_rows,
+    "CTCLoss":
+        _ctc,
+    "CTCLossV2":
+        _ctc,
+    "ReverseSequence":
+        _reverse_sequence,
+    "FusedBatchNorm":
+        _fused_norm,
+    "FusedBatchNormV2":
+        _fused_norm,
+    "FusedBatchNormV3":
+        _fused_norm,
 }
-
 
 for op_type in op_types.REDUCTIONS:
   RULES[op_type] = _reduction
 
-
 for op_type in op_types.SEGMENT_REDUCTIONS:
   RULES[op_type] = _segment_reduction
-
 
 for op_type in op_types.ELEMENTWISE:
   RULES.setdefault(op_type, lambda op, k, c: [_elementwise(op, k)])
 
-
 for op_type in op_types.PER_ROW:
   RULES.setdefault(op_type, _per_row)
-
 
 for op_type in op_types.PASS_THROUGH:
   RULES[op_type] = _pass_through
 
-
 for op_type in op_types.SINKS:
   RULES[op_type] = _sink
 
-
 for op_type in op_types.SUMMARIES:
   RULES[op_type] = _summary
-
 
 for op_type in op_types.PY_FUNCS:
   RULES[op_type] = _py_func

@@ -1,1 +1,2 @@
-"""Batch normalization in training: the whole batch's statistics, or each tower's own."""
+"""Batch normalization in training: the whole batch's statistics, or each
+tower's own."""

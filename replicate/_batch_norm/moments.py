@@ -6,12 +6,12 @@ large sums) into the batch's, and the gradients through the statistics the
 kernel does not give are written out.
 """
 
-
 import numpy as np
 import tensorflow as tf
 
-from replicate._batch import sums
 from replicate import _context
+from replicate._batch import sums
+
 
 def shard_count(x, axes):
   """Values per statistic in this tower's shard: a float where static."""
@@ -39,8 +39,14 @@ def kernel_moments(x, data_format: str, epsilon: float):
   with tf.compat.v1.get_default_graph().gradient_override_map(
       {"FusedBatchNormV3": _KERNEL_MOMENTS_GRADIENT}):
     moments = tf.raw_ops.FusedBatchNormV3(
-        x=x, scale=ones, offset=ones, mean=empty, variance=empty,
-        epsilon=epsilon, data_format=data_format, is_training=True)
+        x=x,
+        scale=ones,
+        offset=ones,
+        mean=empty,
+        variance=empty,
+        epsilon=epsilon,
+        data_format=data_format,
+        is_training=True)
   return tf.stack([moments.batch_mean, moments.batch_variance])
 
 
@@ -57,15 +63,20 @@ def _kernel_moments_gradient(op, unused_dy, dmean, dcorrected, *unused):
   channel = 1 if data_format.startswith("NC") else x.shape.rank - 1
   axes = [a for a in range(x.shape.rank) if a != channel]
   count = shard_count(x, axes)
-  bessel = (max(count - 1.0, 1.0) if isinstance(count, float) else
-            tf.maximum(count - 1.0, 1.0))
+  bessel = (
+      max(count - 1.0, 1.0) if isinstance(count, float) else tf.maximum(
+          count - 1.0, 1.0))
   dmean = zero_if_none(dmean, mean)
   dcorrected = zero_if_none(dcorrected, mean)
   dx, _, _ = tf.compat.v1.nn.fused_batch_norm(
-      x, dcorrected * (2.0 / bessel), dmean / count, mean=mean,
-      variance=tf.constant(np.full(x.shape[channel], 1.0 - epsilon),
-                           x.dtype),
-      epsilon=epsilon, data_format=data_format, is_training=False)
+      x,
+      dcorrected * (2.0 / bessel),
+      dmean / count,
+      mean=mean,
+      variance=tf.constant(np.full(x.shape[channel], 1.0 - epsilon), x.dtype),
+      epsilon=epsilon,
+      data_format=data_format,
+      is_training=False)
   return dx, None, None, None, None
 
 
@@ -89,7 +100,8 @@ def merged(replication, shards, head, args, corrected=False):
   variance (see `kernel_moments`), times n_i - 1 here. Returns `head`'s
   outputs.
   """
-  kept = [(shard, ok) for shard, ok in zip(shards, replication.validity)
+  kept = [(shard, ok)
+          for shard, ok in zip(shards, replication.validity)
           if ok is not False]
   rank = kept[0][0][0].shape.rank - 1
   counts = [shard[1] for shard, _ in kept]
@@ -102,25 +114,23 @@ def merged(replication, shards, head, args, corrected=False):
     counts = np.reshape(np.array(counts, np.float64), [-1] + [1] * rank)
     weights = tf.constant(counts / count, dtype)
     m2_weights = tf.constant(
-        (np.maximum(counts - 1.0, 0.0) if corrected else np.ones_like(counts))
-        / count, dtype)
+        (np.maximum(counts - 1.0, 0.0) if corrected else np.ones_like(counts)) /
+        count, dtype)
   else:
     oks = [ok for _, ok in kept]
-    counts = [sums.gate(tf.cast(c, dtype), ok)
-              for c, ok in zip(counts, oks)]
+    counts = [sums.gate(tf.cast(c, dtype), ok) for c, ok in zip(counts, oks)]
     stats = [sums.gate(t, ok) for t, ok in zip(stats, oks)]
     counts = tf.reshape(tf.stack(counts), [-1] + [1] * rank)
     count = tf.reduce_sum(counts)
     weights = counts / count
-    m2_weights = (tf.maximum(counts - 1.0, 0.0) if corrected else
-                  tf.ones_like(counts)) / count
+    m2_weights = (tf.maximum(counts - 1.0, 0.0)
+                  if corrected else tf.ones_like(counts)) / count
   stacked = stats[0][None] if len(stats) == 1 else tf.stack(stats)
 
   means, m2s = tf.unstack(stacked, axis=1)
   mean = tf.reduce_sum(weights * means, 0)
   distance = means - mean
-  variance = tf.reduce_sum(m2s * m2_weights + weights * tf.square(distance),
-                           0)
+  variance = tf.reduce_sum(m2s * m2_weights + weights * tf.square(distance), 0)
   outputs, backward = head(mean, variance, count, *args)
 
   def grad(*doutputs):
@@ -153,8 +163,8 @@ def _with_gradient(outputs, inputs, backward):
   graph = outputs[0].graph
   with graph.gradient_override_map({"IdentityN": _WRITTEN_OUT_GRADIENT}):
     passed = tf.raw_ops.IdentityN(input=outputs + inputs)
-  _context.graph_store(graph, _BACKWARDS)[passed[0].op.name] = (
-      backward, len(outputs))
+  _context.graph_store(graph,
+                       _BACKWARDS)[passed[0].op.name] = (backward, len(outputs))
   return passed[:len(outputs)]
 
 

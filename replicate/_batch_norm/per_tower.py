@@ -2,9 +2,9 @@
 
 With synchronised batch norm off, a tower's batch normalization uses its
 shard's statistics: fewer waits between devices, not one device's result.
-Every reduction is otherwise the whole batch's (`_meet.rewiring`), so the moments
-batch norm takes (`tf.nn.moments`, `tf.nn.weighted_moments`, which Keras'
-and tf-slim's non-fused layers call) are marked while they are built:
+Every reduction is otherwise the whole batch's (`_meet.rewiring`), so the
+moments batch norm takes (`tf.nn.moments`, `tf.nn.weighted_moments`, which
+Keras' and tf-slim's non-fused layers call) are marked while they are built:
 their reductions stay the tower's (`_batch.rows.SHARD`), and the moving
 statistics written from them are combined by their aggregation (MEAN, see
 `_merge.state`). Fused kernels in training stay the tower's by their type.
@@ -22,6 +22,7 @@ _NAMES = ("moments", "weighted_moments")
 
 
 def _recording(original: Callable) -> Callable:
+
   @functools.wraps(original)
   def statistics(*args, **kwargs):
     replication = _context.current_replication()
@@ -34,6 +35,7 @@ def _recording(original: Callable) -> Callable:
     replication.per_tower_ops.update(
         op.name for op in graph.get_operations()[start:graph.version])
     return result
+
   return statistics
 
 
@@ -45,8 +47,7 @@ def _install() -> _tf.Patched:
   return patched
 
 
-_PATCHES = _tf.Patches("tf.nn batch statistics kept per tower",
-                            _install)
+_PATCHES = _tf.Patches("tf.nn batch statistics kept per tower", _install)
 
 
 def per_tower(replication: _context.Replication):

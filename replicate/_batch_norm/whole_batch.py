@@ -25,18 +25,19 @@ Two ways, both one device's result:
   that kernel does not give are written out (`moments.merged`).
 """
 
-import weakref
 from typing import List, Sequence, Tuple
+import weakref
 
-import tensorflow as tf
 from absl import logging
+import tensorflow as tf
 
 from replicate import _context
 from replicate._batch_norm import moments
 
-def whole_batch(replication: _context.Replication, op: tf.Operation,
-                shards: Sequence[tf.Tensor]
-                ) -> Tuple[List[tf.Tensor], List[tf.Tensor]]:
+
+def whole_batch(
+    replication: _context.Replication, op: tf.Operation,
+    shards: Sequence[tf.Tensor]) -> Tuple[List[tf.Tensor], List[tf.Tensor]]:
   """Each tower's rows and the batch statistics, for kernel `op` (tower 0's).
 
   `shards`: every tower's input of the kernel. Returns (each tower's
@@ -87,10 +88,15 @@ def _on_concatenation(replication, kernel: moments.Kernel, shards):
   with tf.device(replication.hub):
     whole, place = _concatenated(replication, shards)
     outputs = tf.raw_ops.FusedBatchNormV3(
-        x=whole, scale=kernel.scale, offset=kernel.offset, mean=kernel.mean,
-        variance=kernel.variance, epsilon=kernel.epsilon,
+        x=whole,
+        scale=kernel.scale,
+        offset=kernel.offset,
+        mean=kernel.mean,
+        variance=kernel.variance,
+        epsilon=kernel.epsilon,
         exponential_avg_factor=kernel.factor,
-        data_format=kernel.data_format, is_training=True)
+        data_format=kernel.data_format,
+        is_training=True)
     rows = place(outputs.y)
   store = _context.graph_store(replication.graph, _WHOLE_OUTPUTS)
   for tower_rows in rows:
@@ -102,27 +108,31 @@ def _concatenated(replication, shards):
   """The batch's rows from every tower's shard, and how to give them back.
 
   Returns (the batch, place): `place(outputs of the batch)` -> each tower's
-  rows of them. A tower computing on a phantom row (see _prepare.split) adds no row
-  to the batch; it gets the batch's last row (its phantom row's original).
+  rows of them. A tower computing on a phantom row (see _prepare.split) adds no
+  row to the batch; it gets the batch's last row (its phantom row's original).
   """
   validity = replication.validity
   kept = [x for x, ok in zip(shards, validity) if ok is not False]
-  rows = [x.shape[0] if x.shape[0] is not None else tf.shape(x)[0]
-          for x in kept]
+  rows = [
+      x.shape[0] if x.shape[0] is not None else tf.shape(x)[0] for x in kept
+  ]
   whole = kept[0] if len(kept) == 1 else tf.concat(kept, 0)
   real = whole
   if any(ok is not True and ok is not False for ok in validity):
     # Dynamic shards: towers past the batch's last row read a phantom row.
-    batch = tf.cast(tf.add_n([tf.cast(s, tf.int64) for s, ok in
-                              zip(replication.sizes, validity)
-                              if ok is not False]), tf.int32)
+    batch = tf.cast(
+        tf.add_n([
+            tf.cast(s, tf.int64)
+            for s, ok in zip(replication.sizes, validity)
+            if ok is not False
+        ]), tf.int32)
     real = whole[:batch]
 
   def place(outputs):
     if real is not whole:
       phantoms = tf.shape(whole)[0] - tf.shape(real)[0]
-      tile = tf.concat([[phantoms], tf.ones([outputs.shape.rank - 1],
-                                            tf.int32)], 0)
+      tile = tf.concat(
+          [[phantoms], tf.ones([outputs.shape.rank - 1], tf.int32)], 0)
       # Only a batch smaller than the towers has phantom rows: the others
       # pass the outputs on uncopied.
       outputs = tf.cond(
@@ -131,8 +141,7 @@ def _concatenated(replication, shards):
           lambda: outputs)
     parts = [outputs] if len(kept) == 1 else tf.split(outputs, rows, 0)
     parts = iter(parts)
-    return [next(parts) if ok is not False else outputs[-1:]
-            for ok in validity]
+    return [next(parts) if ok is not False else outputs[-1:] for ok in validity]
 
   return real, place
 
@@ -159,8 +168,8 @@ def relu_once(replication: _context.Replication, rows: Sequence[tf.Tensor]):
   with tf.device(replication.hub):
     activated = place(tf.nn.relu(whole))
   return [(index, (relu, tower_rows))
-          for index, (tower_relus, tower_rows) in enumerate(
-              zip(relus, activated))
+          for index, (tower_relus,
+                      tower_rows) in enumerate(zip(relus, activated))
           for relu in tower_relus]
 
 
@@ -171,7 +180,8 @@ def _through_hub(replication, kernel: moments.Kernel, shards):
   stats = []
   for index, x in enumerate(inputs):
     with tf.device(replication.placed[index]):
-      stats.append((moments.kernel_moments(x, kernel.data_format, kernel.epsilon),
+      stats.append((moments.kernel_moments(x, kernel.data_format,
+                                           kernel.epsilon),
                     moments.shard_count(x, kernel.axes)))
   epsilon = kernel.epsilon
 
@@ -202,14 +212,19 @@ def _through_hub(replication, kernel: moments.Kernel, shards):
 
   with tf.device(replication.hub):
     scale, offset, mean, variance, corrected = moments.merged(
-        replication, stats, head, (kernel.scale, kernel.offset),
-        corrected=True)
+        replication, stats, head, (kernel.scale, kernel.offset), corrected=True)
   rows = []
   for index, (x, shard) in enumerate(zip(inputs, shards)):
     with tf.device(replication.placed[index]):
       y, _, _ = tf.compat.v1.nn.fused_batch_norm(
-          x, scale, offset, mean=mean, variance=variance, epsilon=epsilon,
-          data_format=kernel.data_format, is_training=False)
+          x,
+          scale,
+          offset,
+          mean=mean,
+          variance=variance,
+          epsilon=epsilon,
+          data_format=kernel.data_format,
+          is_training=False)
       rows.append(y if y.dtype == shard.dtype else tf.cast(y, shard.dtype))
   if kernel.factor != 1.0:
     with tf.device(replication.hub):

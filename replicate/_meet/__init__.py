@@ -1,1 +1,2 @@
-"""Meetings: the calls that need every tower (optimizer calls, gradients, collectives, batch reductions), built once after the last tower."""
+"""Meetings: the calls that need every tower (optimizer calls, gradients,
+collectives, batch reductions), built once after the last tower."""

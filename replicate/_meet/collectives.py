@@ -15,10 +15,10 @@ from typing import Any, List
 
 import tensorflow as tf
 
-from replicate._batch import sums
 from replicate import _context
-from replicate._meet import meetings
 from replicate._batch import row_kinds
+from replicate._batch import sums
+from replicate._meet import meetings
 from replicate._meet import rewiring
 
 
@@ -31,8 +31,8 @@ def _tower_replication(what: str):
       of a tower, where other towers' values cannot be reached.
   """
   replication = _context.current_replication()
-  if replication is None or replication.num_towers == 1 or (
-      replication.tower is None):
+  if replication is None or replication.num_towers == 1 or (replication.tower
+                                                            is None):
     return None
   graph = tf.compat.v1.get_default_graph()
   if graph is not replication.graph:
@@ -83,7 +83,9 @@ def batch_sum(x):
 
   components = [_as_summable(t) for t in _flat(x)]
   flat = replication.meetings.meet(
-      "replicate.batch_sum", components, build,
+      "replicate.batch_sum",
+      components,
+      build,
       lambda value: tf.nest.pack_sequence_as(
           x, [meetings.tensor_spec(t) for t in value]),
       signature=[t.dtype.name for t in components])
@@ -110,8 +112,8 @@ def _as_summable(value):
 def _concat(parts):
   if isinstance(parts[0], tf.SparseTensor):
     # Shards of a variable-length feature differ in width (see _prepare.split).
-    return tf.sparse.concat(axis=0, sp_inputs=list(parts),
-                            expand_nonconcat_dims=True)
+    return tf.sparse.concat(
+        axis=0, sp_inputs=list(parts), expand_nonconcat_dims=True)
   return tf.concat(list(parts), axis=0)
 
 
@@ -165,16 +167,20 @@ def batch_concat(x):
 
   components = [_as_concatenable(t) for t in _flat(x)]
   return replication.meetings.meet(
-      "replicate.batch_concat", components, build,
-      lambda value: tf.nest.pack_sequence_as(
-          x, [_concat_spec(t) for t in value]),
+      "replicate.batch_concat",
+      components,
+      build,
+      lambda value: tf.nest.pack_sequence_as(x,
+                                             [_concat_spec(t) for t in value]),
       signature=[t.dtype.name for t in components])
 
 
 def _concat_spec(tensor):
   if isinstance(tensor, tf.SparseTensor):
-    return meetings.SparseSpec(tensor.shape.rank or tf.compat.dimension_value(
-        tensor.dense_shape.shape[0]), tensor.values.dtype)
+    return meetings.SparseSpec(
+        tensor.shape.rank or
+        tf.compat.dimension_value(tensor.dense_shape.shape[0]),
+        tensor.values.dtype)
   if isinstance(tensor, tf.RaggedTensor):
     raise ValueError(
         f"replicate.batch_concat got a {type(tensor).__name__}; concatenate "

@@ -8,10 +8,10 @@ applies gradients like the v1 TowerOptimizer.
 
 import tensorflow as tf
 
-from replicate._meet import optimizer_calls
-from replicate._meet import meetings
-from replicate._meet import routing
 from replicate import _tf
+from replicate._meet import meetings
+from replicate._meet import optimizer_calls
+from replicate._meet import routing
 from replicate._meet import transforms
 
 _KerasOptimizer = tf.keras.optimizers.legacy.Optimizer
@@ -39,11 +39,13 @@ def _colocated_gradients(optimizer, loss, variables, grad_loss=None):
   scales = hasattr(optimizer, "get_scaled_loss")
   if scales:
     loss = optimizer.get_scaled_loss(loss)
-  grads = tf.compat.v1.gradients(loss, variables, grad_ys=grad_loss,
-                                 colocate_gradients_with_ops=True)
+  grads = tf.compat.v1.gradients(
+      loss, variables, grad_ys=grad_loss, colocate_gradients_with_ops=True)
   if scales:
     grads = optimizer.get_unscaled_gradients(grads)
-  return [g for g, _ in optimizer_calls.one_device_slices(zip(grads, variables))]
+  return [
+      g for g, _ in optimizer_calls.one_device_slices(zip(grads, variables))
+  ]
 
 
 class KerasTowerOptimizer(_tf.TracksWrapped, _KerasOptimizer):
@@ -65,7 +67,8 @@ class KerasTowerOptimizer(_tf.TracksWrapped, _KerasOptimizer):
   # Its calls do their own meeting (see _meet.routing).
   _replicate_routes_itself = True
 
-  def __init__(self, optimizer: _KerasOptimizer,
+  def __init__(self,
+               optimizer: _KerasOptimizer,
                gradient_transform: transforms.GradientTransforms = None):
     super().__init__(name=_tf.optimizer_name(_innermost(optimizer)))
     self._wrapped_keras = optimizer
@@ -102,8 +105,7 @@ class KerasTowerOptimizer(_tf.TracksWrapped, _KerasOptimizer):
       return grads
 
     return optimizer_calls.whole_batch_gradients(
-        loss, compute, params, pairs=False,
-        call="TowerOptimizer.get_gradients")
+        loss, compute, params, pairs=False, call="TowerOptimizer.get_gradients")
 
   def get_updates(self, loss, params):
     """The wrapped optimizer's own `get_updates`, once, on the whole batch.
@@ -119,9 +121,12 @@ class KerasTowerOptimizer(_tf.TracksWrapped, _KerasOptimizer):
       if optimizer_calls.replicated() is None:
         with routing.direct():
           return optimizer.get_updates(loss, params)
-      return routing.once("TowerOptimizer.get_updates", loss, params,
-                           lambda whole: optimizer.get_updates(whole, params),
-                           spec=[meetings.OP])
+      return routing.once(
+          "TowerOptimizer.get_updates",
+          loss,
+          params,
+          lambda whole: optimizer.get_updates(whole, params),
+          spec=[meetings.OP])
     grads = self.get_gradients(loss, params)
     return [self.apply_gradients(zip(grads, tf.nest.flatten(params)))]
 
@@ -137,8 +142,8 @@ class KerasTowerOptimizer(_tf.TracksWrapped, _KerasOptimizer):
     if optimizer_calls.replicated() is None:
       if not self._transforms.active:
         with routing.direct():
-          return optimizer.minimize(loss, var_list, grad_loss=grad_loss,
-                                    name=name, tape=tape)
+          return optimizer.minimize(
+              loss, var_list, grad_loss=grad_loss, name=name, tape=tape)
       with routing.direct():
         grads_and_vars = _tf.keras_compute_gradients(
             optimizer, loss, var_list=var_list, grad_loss=grad_loss, tape=tape)
@@ -152,12 +157,18 @@ class KerasTowerOptimizer(_tf.TracksWrapped, _KerasOptimizer):
       return routing.once(
           "TowerOptimizer.minimize", loss, var_list,
           lambda whole: optimizer.minimize(
-              whole, var_list, grad_loss=grad_loss, name=name,
+              whole,
+              var_list,
+              grad_loss=grad_loss,
+              name=name,
               tape=routing.GraphTape()))
     grads = optimizer_calls.whole_batch_gradients(
-        loss, lambda whole_loss, _: _colocated_gradients(
-            optimizer, whole_loss, var_list, grad_loss), var_list,
-        pairs=False, call="TowerOptimizer.get_gradients")
+        loss,
+        lambda whole_loss, _: _colocated_gradients(optimizer, whole_loss,
+                                                   var_list, grad_loss),
+        var_list,
+        pairs=False,
+        call="TowerOptimizer.get_gradients")
     return self.apply_gradients(zip(grads, var_list), name=name)
 
   def apply_gradients(self, grads_and_vars, name=None, **kwargs):
@@ -168,7 +179,8 @@ class KerasTowerOptimizer(_tf.TracksWrapped, _KerasOptimizer):
       with routing.direct():
         return optimizer.apply_gradients(pairs, name=name, **kwargs)
 
-    return optimizer_calls.transform_and_apply(grads_and_vars, self._transforms, apply)
+    return optimizer_calls.transform_and_apply(grads_and_vars, self._transforms,
+                                               apply)
 
   def _tracked_optimizer(self):
     """What checkpoints see in this wrapper's place (see `_meet.tracking`)."""
@@ -200,9 +212,11 @@ class KerasTowerOptimizer(_tf.TracksWrapped, _KerasOptimizer):
     serialisable to JSON: `gradient_transform` is Python code.
     """
     optimizer = self._wrapped_keras
-    return {"optimizer_class": type(optimizer),
-            "optimizer_config": optimizer.get_config(),
-            "gradient_transform": self._gradient_transform}
+    return {
+        "optimizer_class": type(optimizer),
+        "optimizer_config": optimizer.get_config(),
+        "gradient_transform": self._gradient_transform
+    }
 
   @classmethod
   def from_config(cls, config, custom_objects=None):

@@ -11,8 +11,8 @@ another, tower 0 last (see `_towers.build`), so such a call is a meeting:
 2. Tower 0 reaches the same call last. The calls are compared (the same
    kind, the same variables, in the same order in every tower, else a
    ValueError naming them); the batch reductions built so far are made
-   the whole batch's (`_meet.rewiring`), so that the losses are; then the meeting
-   is built once, in tower 0's own scopes and control dependencies, as
+   the whole batch's (`_meet.rewiring`), so that the losses are; then the
+   meeting is built once, in tower 0's own scopes and control dependencies, as
    the call is on one device, and tower 0 gets the real result.
 3. Every other tower's stand-ins are wired to its share of the result: the
    placeholder's readers read the result; the NoOp runs after it.
@@ -27,12 +27,12 @@ result is expected to have, and are converted where it differs.
 
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence
 
-import tensorflow as tf
 from absl import logging
+import tensorflow as tf
 
 from replicate import _context
-from replicate._batch import row_kinds
 from replicate import _tf
+from replicate._batch import row_kinds
 
 
 class OpSpec(NamedTuple):
@@ -67,8 +67,8 @@ class _Call(NamedTuple):
   kind: str
   signature: Any
   value: Any
-  standins: Any      # towers built before tower 0: what they were handed
-  entries: Any       # and what to wire
+  standins: Any  # towers built before tower 0: what they were handed
+  entries: Any  # and what to wire
 
 
 class Meetings:
@@ -77,13 +77,17 @@ class Meetings:
   def __init__(self, replication: _context.Replication):
     self._replication = replication
     self._calls: Dict[int, List[_Call]] = {
-        i: [] for i in range(replication.num_towers)}
+        i: [] for i in range(replication.num_towers)
+    }
     # A stand-in's placeholder -> the tensors its tower brought the call.
     self._brought: Dict[tf.Operation, List[tf.Tensor]] = {}
 
-  def meet(self, kind: str, value: Any,
+  def meet(self,
+           kind: str,
+           value: Any,
            build: Callable[[List[Any]], List[Any]],
-           spec: Callable[[Any], Spec], signature: Any = None) -> Any:
+           spec: Callable[[Any], Spec],
+           signature: Any = None) -> Any:
     """This tower's result of the meeting `kind`.
 
     Args:
@@ -103,8 +107,10 @@ class Meetings:
       with replication.library():
         standins, entries = _standins(spec(value), kind, replication)
       calls.append(_Call(kind, signature, value, standins, entries))
-      brought = [t for t in tf.nest.flatten(value, expand_composites=True)
-                 if isinstance(t, tf.Tensor)]
+      brought = [
+          t for t in tf.nest.flatten(value, expand_composites=True)
+          if isinstance(t, tf.Tensor)
+      ]
       for entry in entries:
         if entry.holder is not None:
           self._brought[entry.holder.op] = brought
@@ -112,8 +118,10 @@ class Meetings:
     others = self._others_at(position, kind, signature)
     calls.append(_Call(kind, signature, value, None, None))
     replication.rewiring.advance()
-    values = [value if i == 0 else others[i].value
-              for i in range(replication.num_towers)]
+    values = [
+        value if i == 0 else others[i].value
+        for i in range(replication.num_towers)
+    ]
     replication.meeting_depth += 1
     try:
       with replication.library():
@@ -122,15 +130,13 @@ class Meetings:
       replication.meeting_depth -= 1
     with replication.library():
       for i in range(1, replication.num_towers):
-        _wire(others[i].standins, others[i].entries, results[i],
-              replication)
+        _wire(others[i].standins, others[i].entries, results[i], replication)
         _pair_rows(replication, results[0], others[i].standins, i)
     logging.info("replicate: %s met the %d towers", kind,
                  replication.num_towers)
     return results[0]
 
-  def _others_at(self, position: int, kind: str, signature) -> Dict[int,
-                                                                    _Call]:
+  def _others_at(self, position: int, kind: str, signature) -> Dict[int, _Call]:
     """Every other tower's call at `position`; they must match tower 0's."""
     others = {}
     for index in range(1, self._replication.num_towers):
@@ -239,10 +245,10 @@ def _standins(spec: Spec, kind: str, replication):
       return tensor(leaf.shape, leaf.dtype, leaf.kind)
     if isinstance(leaf, SlicesSpec):
       values = tensor(leaf.values, leaf.dtype, row_kinds.WHOLE)
-      indices = tensor(tf.TensorShape([leaf.values[0]]), tf.int64,
-                       row_kinds.WHOLE)
-      shape = (None if leaf.dense_shape is None else
-               tf.constant(leaf.dense_shape, tf.int64))
+      indices = tensor(
+          tf.TensorShape([leaf.values[0]]), tf.int64, row_kinds.WHOLE)
+      shape = (None if leaf.dense_shape is None else tf.constant(
+          leaf.dense_shape, tf.int64))
       return tf.IndexedSlices(values, indices, shape)
     if isinstance(leaf, SparseSpec):
       return tf.SparseTensor(
@@ -271,8 +277,8 @@ def _pairs(standin, real, out: List[Any]):
   if isinstance(standin, (tf.Tensor, tf.Operation)):
     out.append((standin, real))
   elif isinstance(standin, tf.SparseTensor):
-    parts = ([real.indices, real.values, real.dense_shape]
-             if isinstance(real, tf.SparseTensor) else [None] * 3)
+    parts = ([real.indices, real.values, real.dense_shape] if isinstance(
+        real, tf.SparseTensor) else [None] * 3)
     for s, r in zip([standin.indices, standin.values, standin.dense_shape],
                     parts):
       out.append((s, r))
@@ -300,11 +306,12 @@ def _wire(standins, entries: Sequence[_Entry], result, replication):
   _pairs(standins, result, pairs)
   for standin, real in pairs:
     if isinstance(standin, tf.Operation):
-      targets = [getattr(r, "op", r) for r in (
-          real if isinstance(real, (list, tuple)) else [real])]
+      targets = [
+          getattr(r, "op", r)
+          for r in (real if isinstance(real, (list, tuple)) else [real])
+      ]
       for target in targets:
-        if isinstance(target, tf.Operation) and (
-            target.graph is standin.graph):
+        if isinstance(target, tf.Operation) and (target.graph is standin.graph):
           _tf.add_control_input(standin, target)
       continue
     holder = holders.get(id(standin))
@@ -343,8 +350,9 @@ def _compatible(real, holder: tf.Tensor, replication):
       real = tf.cast(real, holder.dtype)
     if not real.shape.is_compatible_with(holder.shape):
       real = tf.compat.v1.placeholder_with_default(
-          real, tf.TensorShape(None) if holder.shape.rank is None
-          else [None] * holder.shape.rank)
+          real,
+          tf.TensorShape(None) if holder.shape.rank is None else [None] *
+          holder.shape.rank)
   return real
 
 

@@ -1,13 +1,12 @@
 """Optimizer calls across towers: one device's gradients, one update.
 
-`compute_gradients` (and Keras' `get_gradients`) is a meeting (`_meet.meetings`):
-tower 0, the last tower to make the call, differentiates the whole
-batch's loss once, each gradient op on its forward op's device, and every
-tower gets that one device's gradient. Code between `compute_gradients`
-and `apply_gradients` (clipping, multipliers, summaries) then computes
-what it would on one device. `apply_gradients` is a meeting too: tower 0
-applies its gradients once, in its own scopes, and every tower gets that
-update as its own.
+`compute_gradients` (and Keras' `get_gradients`) is a meeting
+(`_meet.meetings`): tower 0, the last tower to make the call, differentiates the
+whole batch's loss once, each gradient op on its forward op's device, and every
+tower gets that one device's gradient. Code between `compute_gradients` and
+`apply_gradients` (clipping, multipliers, summaries) then computes what it would
+on one device. `apply_gradients` is a meeting too: tower 0 applies its gradients
+once, in its own scopes, and every tower gets that update as its own.
 
 The whole batch's loss is tower 0's own: every batch reduction a tower
 builds has the whole batch's value (`_meet.rewiring`), so a loss computed from
@@ -21,12 +20,12 @@ from typing import Any, Callable, List, Optional, Sequence
 import tensorflow as tf
 
 from replicate import _context
-from replicate._meet import meetings as _meetings
-from replicate._batch import row_kinds
-from replicate import _tf
-from replicate._meet import transforms as _transforms
-from replicate._meet import rewiring
 from replicate import _graph
+from replicate import _tf
+from replicate._batch import row_kinds
+from replicate._meet import meetings as _meetings
+from replicate._meet import rewiring
+from replicate._meet import transforms as _transforms
 
 _COMPUTE = "TowerOptimizer.compute_gradients"
 _APPLY = "TowerOptimizer.apply_gradients"
@@ -61,8 +60,7 @@ def meeting_scope(replication: _context.Replication, pure: bool = False):
   inside = in_control_flow(replication)
   with contextlib.ExitStack() as stack:
     if pure and inside:
-      stack.enter_context(_context.outside(replication,
-                                           graph.get_name_scope()))
+      stack.enter_context(_context.outside(replication, graph.get_name_scope()))
     stack.enter_context(replication.unshared_creation())
     if pure or not inside:
       # Inside a function body the ops stay where its caller places them.
@@ -83,8 +81,10 @@ def whole_batch_loss(replication, losses: Sequence[Any], call: str):
   if row_kinds.shares_value(kind):
     return loss
   if isinstance(kind, row_kinds.Rows) and kind.axis == 0:
-    parts = [tf.convert_to_tensor(replication.rewiring.counterpart(loss, i))
-             for i in range(replication.num_towers)]
+    parts = [
+        tf.convert_to_tensor(replication.rewiring.counterpart(loss, i))
+        for i in range(replication.num_towers)
+    ]
     with _context.outside(replication, "whole_batch_loss"), \
         tf.device(replication.hub):
       return tf.concat(rewiring.real_rows(parts, replication), 0)
@@ -151,8 +151,9 @@ def _variable_gradient_spec(variable, ancestors):
   readers = [op for op in _readers(handle) if op in ancestors]
   if not readers:
     return None
-  if all(op.type in ("ResourceGather", "Gather", "GatherV2") and
-         op.inputs[0] is not None for op in readers):
+  if all(
+      op.type in ("ResourceGather", "Gather",
+                  "GatherV2") and op.inputs[0] is not None for op in readers):
     shape = variable.shape
     return _meetings.SlicesSpec(
         tf.TensorShape([None]).concatenate(shape[1:]),
@@ -170,9 +171,10 @@ def _readers(tensor) -> List[tf.Operation]:
     if op.type in ("Identity", "ReadVariableOp") and not (
         op.type == "Identity" and op.inputs[0].dtype == tf.resource):
       consumers = op.outputs[0].consumers()
-      gathers = [c for c in consumers
-                 if c.type in ("Gather", "GatherV2") and c.inputs[0] is
-                 op.outputs[0]]
+      gathers = [
+          c for c in consumers
+          if c.type in ("Gather", "GatherV2") and c.inputs[0] is op.outputs[0]
+      ]
       others = [c for c in consumers if c not in gathers]
       readers.extend(gathers)
       if others:
@@ -187,16 +189,20 @@ def ancestors(tensors, limit: int = 200000) -> set:
   what the tower brought to them."""
   replication = _context.current_replication()
   meetings = getattr(replication, "meetings", None)
+
   def sources(op: tf.Operation) -> List[tf.Operation]:
     found = _graph.input_ops(op)
     if meetings is not None and op.type == "Placeholder":
       found.extend(t.op for t in meetings.brought(op))
     return found
+
   return set(_graph.walk([t.op for t in tensors], sources, limit))
 
 
-def whole_batch_gradients(loss, compute: Callable[[Any, bool], Any],
-                          variables=None, pairs: bool = True,
+def whole_batch_gradients(loss,
+                          compute: Callable[[Any, bool], Any],
+                          variables=None,
+                          pairs: bool = True,
                           call: str = _COMPUTE):
   """`compute(loss)` on one device; in a tower, on the whole batch's loss.
 
@@ -219,9 +225,11 @@ def whole_batch_gradients(loss, compute: Callable[[Any, bool], Any],
   if replication is None:
     return compute(loss, False)
   names = None if variables is None else [
-      v.op.name for v in tf.nest.flatten(variables)]
-  listed = (tf.nest.flatten(variables) if variables is not None else
-            _trainable_variables())
+      v.op.name for v in tf.nest.flatten(variables)
+  ]
+  listed = (
+      tf.nest.flatten(variables)
+      if variables is not None else _trainable_variables())
 
   def build(values):
     whole = whole_batch_loss(replication, [v for v in values], call)
@@ -236,9 +244,8 @@ def whole_batch_gradients(loss, compute: Callable[[Any, bool], Any],
 
 
 def _trainable_variables():
-  return (tf.compat.v1.trainable_variables() +
-          tf.compat.v1.get_collection(
-              tf.compat.v1.GraphKeys.TRAINABLE_RESOURCE_VARIABLES))
+  return (tf.compat.v1.trainable_variables() + tf.compat.v1.get_collection(
+      tf.compat.v1.GraphKeys.TRAINABLE_RESOURCE_VARIABLES))
 
 
 def one_device_slices(grads_and_vars):
@@ -252,8 +259,8 @@ def one_device_slices(grads_and_vars):
   Lookups of ids as given keep every row, as on one device.
   """
   return [(_transforms.merge_duplicate_rows(grad)
-           if isinstance(grad, tf.IndexedSlices) and _looks_up_unique_ids(
-               variable) else grad, variable)
+           if isinstance(grad, tf.IndexedSlices) and
+           _looks_up_unique_ids(variable) else grad, variable)
           for grad, variable in grads_and_vars]
 
 
@@ -261,8 +268,10 @@ def _looks_up_unique_ids(variable) -> bool:
   handle = _handle(variable)
   if handle is None:
     return False
-  gathers = [op for op in _readers(handle)
-             if op.type in ("ResourceGather", "Gather", "GatherV2")]
+  gathers = [
+      op for op in _readers(handle)
+      if op.type in ("ResourceGather", "Gather", "GatherV2")
+  ]
   return bool(gathers) and all(
       _source_type(op.inputs[1]) == "Unique" for op in gathers)
 
@@ -273,7 +282,8 @@ def _source_type(tensor) -> str:
   return tensor.op.type
 
 
-def transform_and_apply(grads_and_vars, transforms: "_transforms.Pipeline",
+def transform_and_apply(grads_and_vars,
+                        transforms: "_transforms.Pipeline",
                         apply_fn: Callable[[Any], Any],
                         call: str = _APPLY):
   """An apply_gradients call: the transforms, then `apply_fn`, once.
@@ -294,32 +304,33 @@ def transform_and_apply(grads_and_vars, transforms: "_transforms.Pipeline",
   names = [v.op.name for g, v in grads_and_vars if g is not None]
 
   def build(values):
-    pairs = [(_resolved(replication, grad), variable)
-             for grad, variable in values[0]]
+    pairs = [
+        (_resolved(replication, grad), variable) for grad, variable in values[0]
+    ]
     for grad, variable in pairs:
       if grad is None:
         continue
       for part in _components(grad):
         kind = replication.rewiring.kind(part)
         if not row_kinds.shares_value(kind):
-          raise ValueError(not_whole_batch(
-              part, kind, f"the gradient of {variable.op.name} handed to "
-              f"{call}"))
+          raise ValueError(
+              not_whole_batch(
+                  part, kind, f"the gradient of {variable.op.name} handed to "
+                  f"{call}"))
     with meeting_scope(replication):
       result = apply_fn(transforms(transforms.prepare(pairs)))
     replication.apply_calls += 1
     return [result] * len(values)
 
-  return replication.meetings.meet(call, grads_and_vars, build,
-                                   lambda value: _meetings.OP,
-                                   signature=names)
+  return replication.meetings.meet(
+      call, grads_and_vars, build, lambda value: _meetings.OP, signature=names)
 
 
 def _resolved(replication, grad):
   if isinstance(grad, tf.IndexedSlices):
-    return tf.IndexedSlices(replication.rewiring.resolve(grad.values),
-                            replication.rewiring.resolve(grad.indices),
-                            grad.dense_shape)
+    return tf.IndexedSlices(
+        replication.rewiring.resolve(grad.values),
+        replication.rewiring.resolve(grad.indices), grad.dense_shape)
   return replication.rewiring.resolve(grad)
 
 

@@ -8,14 +8,13 @@ whole batch's loss. While towers are built (`routed`), the public
 `tf.gradients` / `tf.compat.v1.gradients` and `tf.GradientTape.gradient`
 called in a tower are a meeting (`_meet.meetings`): tower 0, the last to make
 the call, differentiates once what one device would: each of its `ys`
-that is one device's value (a loss: see `_meet.rewiring`) as it is, each with rows
-as every tower's rows (with their `grad_ys`), each gradient op colocated
-with its forward op. Every tower gets the gradient with respect to each of
-its `xs`: for a shared variable one device's gradient, for a tensor of the
-tower (an activation, its inputs) that tower's rows of one device's
-gradient. TensorFlow's own calls (optimizers call `gradients.gradients`, a
-module function this leaves alone) and the library's pass straight
-through.
+that is one device's value (a loss: see `_meet.rewiring`) as it is, each with
+rows as every tower's rows (with their `grad_ys`), each gradient op colocated
+with its forward op. Every tower gets the gradient with respect to each of its
+`xs`: for a shared variable one device's gradient, for a tensor of the tower (an
+activation, its inputs) that tower's rows of one device's gradient. TensorFlow's
+own calls (optimizers call `gradients.gradients`, a module function this leaves
+alone) and the library's pass straight through.
 """
 
 import functools
@@ -25,11 +24,11 @@ from typing import Any, List
 import tensorflow as tf
 
 from replicate import _context
-from replicate._meet import optimizer_calls
-from replicate._meet import meetings
 from replicate import _tf
-from replicate._meet import routing
 from replicate._batch import row_kinds
+from replicate._meet import meetings
+from replicate._meet import optimizer_calls
+from replicate._meet import routing
 
 _ORIGINAL_V1 = tf.compat.v1.gradients
 _ORIGINAL_V2 = tf.gradients
@@ -82,8 +81,9 @@ def _whole_batch(replication, calls):
       grad_ys.append(first["grad_ys"][k] if first["grad_ys"] else None)
       continue
     if not isinstance(kind, row_kinds.Rows):
-      raise ValueError(optimizer_calls.not_whole_batch(
-          y0, kind, "the tensor differentiated by tf.gradients"))
+      raise ValueError(
+          optimizer_calls.not_whole_batch(
+              y0, kind, "the tensor differentiated by tf.gradients"))
     for index, call in enumerate(calls):
       valid = replication.is_valid(index)
       if valid is False:
@@ -104,8 +104,11 @@ def _whole_batch(replication, calls):
   xs = [rewiring.resolve(x) for x in union.values()]
   with optimizer_calls.meeting_scope(replication, pure=True):
     grads = _ORIGINAL_V1(
-        ys, xs, grad_ys=grad_ys if any(g is not None for g in grad_ys)
-        else None, name=first["name"], colocate_gradients_with_ops=True,
+        ys,
+        xs,
+        grad_ys=grad_ys if any(g is not None for g in grad_ys) else None,
+        name=first["name"],
+        colocate_gradients_with_ops=True,
         gate_gradients=first["gate_gradients"],
         aggregation_method=first["aggregation_method"],
         stop_gradients=list(stops.values()) or None,
@@ -118,19 +121,21 @@ def _whole_batch(replication, calls):
     elif grad is not None and not isinstance(grad, tf.IndexedSlices):
       rewiring.declare(grad, row_kinds.Like(x))
     by_key[_key(x)] = grad
-  return [[_phantom_zeros(replication, index, x, by_key[_key(x)])
-           for x in call["xs"]] for index, call in enumerate(calls)]
+  return [[
+      _phantom_zeros(replication, index, x, by_key[_key(x)]) for x in call["xs"]
+  ] for index, call in enumerate(calls)]
 
 
 def _phantom_zeros(replication, index: int, x, grad):
-  """Zeros for a tensor of a tower computing on a phantom row (see `_prepare.split`).
+  """Zeros for a tensor of a tower computing on a phantom row (see
+  `_prepare.split`).
 
   Such a tower adds nothing to the whole batch's value, so its tensors have
   no gradient; it still gets zeros, as the towers holding examples get
   tensors, so that its model_fn builds as theirs do.
   """
-  if grad is None and isinstance(x, tf.Tensor) and (
-      replication.is_valid(index) is False):
+  if grad is None and isinstance(x, tf.Tensor) and (replication.is_valid(index)
+                                                    is False):
     return tf.zeros_like(x)
   return grad
 
@@ -141,9 +146,10 @@ def _spec(call):
   specs = []
   for x in call["xs"]:
     if isinstance(x, tf.Variable):
-      specs.append(optimizer_calls.gradient_spec(call["ys"][0], [x], False)[0]
-                   if len(call["ys"]) == 1 else
-                   meetings.TensorSpec(x.shape, x.dtype.base_dtype))
+      specs.append(
+          optimizer_calls.gradient_spec(call["ys"][0], [x], False
+                                       )[0] if len(call["ys"]) ==
+          1 else meetings.TensorSpec(x.shape, x.dtype.base_dtype))
     elif isinstance(x, tf.Tensor) and x.op in ancestors:
       specs.append(meetings.TensorSpec(x.shape, x.dtype, row_kinds.Like(x)))
     else:
@@ -162,12 +168,17 @@ def _routed(original):
     arguments = _bound(original, args, kwargs)
     ys = [tf.convert_to_tensor(y) for y in tf.nest.flatten(arguments["ys"])]
     grad_ys = arguments["grad_ys"]
-    call = dict(arguments, ys=ys, xs=tf.nest.flatten(arguments["xs"]),
-                grad_ys=None if grad_ys is None else tf.nest.flatten(grad_ys),
-                stop_gradients=tf.nest.flatten(
-                    arguments.get("stop_gradients") or []))
+    call = dict(
+        arguments,
+        ys=ys,
+        xs=tf.nest.flatten(arguments["xs"]),
+        grad_ys=None if grad_ys is None else tf.nest.flatten(grad_ys),
+        stop_gradients=tf.nest.flatten(arguments.get("stop_gradients") or []))
     grads = replication.meetings.meet(
-        _KIND, call, functools.partial(_whole_batch, replication), _spec,
+        _KIND,
+        call,
+        functools.partial(_whole_batch, replication),
+        _spec,
         signature=(len(ys), len(call["xs"])))
     return grads
 
@@ -183,26 +194,38 @@ def _routed_tape(original):
   """
 
   @functools.wraps(original)
-  def gradient(self, target, sources, output_gradients=None,
+  def gradient(self,
+               target,
+               sources,
+               output_gradients=None,
                unconnected_gradients=tf.UnconnectedGradients.NONE):
     replication = routing.routes()
     if replication is None:
       return original(self, target, sources, output_gradients,
                       unconnected_gradients)
     targets = [tf.convert_to_tensor(t) for t in tf.nest.flatten(target)]
-    call = dict(ys=targets, xs=tf.nest.flatten(sources), stop_gradients=[],
-                grad_ys=None if output_gradients is None else
-                tf.nest.flatten(output_gradients),
-                name="gradients", gate_gradients=False,
-                aggregation_method=None,
-                unconnected_gradients=unconnected_gradients)
+    call = dict(
+        ys=targets,
+        xs=tf.nest.flatten(sources),
+        stop_gradients=[],
+        grad_ys=None
+        if output_gradients is None else tf.nest.flatten(output_gradients),
+        name="gradients",
+        gate_gradients=False,
+        aggregation_method=None,
+        unconnected_gradients=unconnected_gradients)
     grads = replication.meetings.meet(
-        _TAPE_KIND, call, functools.partial(_whole_batch, replication),
-        _spec, signature=(len(targets), len(call["xs"])))
+        _TAPE_KIND,
+        call,
+        functools.partial(_whole_batch, replication),
+        _spec,
+        signature=(len(targets), len(call["xs"])))
     # A variable the tape never saw read has no gradient from it.
     watched = {v.ref() for v in self.watched_variables()}
-    grads = [None if isinstance(x, tf.Variable) and x.ref() not in watched
-             else grad for x, grad in zip(call["xs"], grads)]
+    grads = [
+        None if isinstance(x, tf.Variable) and x.ref() not in watched else grad
+        for x, grad in zip(call["xs"], grads)
+    ]
     return tf.nest.pack_sequence_as(sources, grads)
 
   return gradient
@@ -214,8 +237,8 @@ def _install() -> _tf.Patched:
     function = module.__dict__.get("gradients")
     if function is _ORIGINAL_V1 or function is _ORIGINAL_V2:
       originals.append(_tf.patch(module, "gradients", _routed(function)))
-  originals.append(_tf.patch(tf.GradientTape, "gradient",
-                             _routed_tape(_ORIGINAL_TAPE)))
+  originals.append(
+      _tf.patch(tf.GradientTape, "gradient", _routed_tape(_ORIGINAL_TAPE)))
   return originals
 
 

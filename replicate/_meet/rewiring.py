@@ -1,15 +1,14 @@
 """The whole batch's values of the towers' batch reductions, by construction.
 
-Every op that reduces over the batch's rows (`_batch.rows`: sums, means, extrema,
-products, norms, a matmul contracting the rows, segment sums, ...) gets,
-in every tower, the whole batch's value: each tower's partial (the same op
-on the tower's rows; the tower's own op where it built one, a copy of tower
-0's where it did not) is combined once on the consolidation device, and
-every reader of the op's output in every tower reads the combination. A
-mean combines the partial sums and counts. What is computed from such
-values (ratios, scaled terms, masked means, a loss, a metric's update) is
-then one device's in every tower, whatever its algebraic form: nothing is
-recognised by pattern.
+Every op that reduces over the batch's rows (`_batch.rows`: sums, means,
+extrema, products, norms, a matmul contracting the rows, segment sums, ...)
+gets, in every tower, the whole batch's value: each tower's partial (the same op
+on the tower's rows; the tower's own op where it built one, a copy of tower 0's
+where it did not) is combined once on the consolidation device, and every reader
+of the op's output in every tower reads the combination. A mean combines the
+partial sums and counts. What is computed from such values (ratios, scaled
+terms, masked means, a loss, a metric's update) is then one device's in every
+tower, whatever its algebraic form: nothing is recognised by pattern.
 
 So are the other events `_batch.rows` reports: a shard's size read as a value
 gets the whole batch's size (its arithmetic copied onto it); an op that
@@ -28,23 +27,28 @@ import collections
 import re
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from absl import logging
 import numpy as np
 import tensorflow as tf
-from absl import logging
 
+from replicate import _context
+from replicate import _graph
+from replicate import _tf
+from replicate._batch import row_kinds
+from replicate._batch import rows as _rows
 from replicate._batch import sums as _sums
 from replicate._batch_norm import whole_batch
-from replicate import _context
-from replicate._batch import rows as _rows
-from replicate._batch import row_kinds
-from replicate import _tf
-from replicate import _graph
 
 _SUFFIX = re.compile(r"_\d+$")
 # The inputs of a reduction that hold the reduced rows.
-_DATA_INPUTS = {"UnsortedSegmentSum": (0, 1), "UnsortedSegmentMax": (0, 1),
-                "UnsortedSegmentMin": (0, 1), "UnsortedSegmentProd": (0, 1),
-                "ScatterNd": (0, 1), "SparseToDense": (0, 2)}
+_DATA_INPUTS = {
+    "UnsortedSegmentSum": (0, 1),
+    "UnsortedSegmentMax": (0, 1),
+    "UnsortedSegmentMin": (0, 1),
+    "UnsortedSegmentProd": (0, 1),
+    "ScatterNd": (0, 1),
+    "SparseToDense": (0, 2)
+}
 
 
 def _normalized(relative: str) -> str:
@@ -85,7 +89,7 @@ class Rewiring:
   # ------------------------------------------------------------ analysis
 
   def kind(self, tensor, index: int = 0):
-    """The kind (`_batch.rows`) of tower `index`'s `tensor` as analysed so far."""
+    """The kind (`_batch.row_kinds`) of tower `index`'s `tensor` so far."""
     analysis = self._analyses.get(index)
     return row_kinds.WHOLE if analysis is None else analysis.kind(tensor)
 
@@ -121,13 +125,11 @@ class Rewiring:
   def _analysis(self, index: int) -> _rows.TowerRows:
     if index not in self._analyses:
       replication = self._replication
-      sources = _rows.sources_of_inputs(
-          replication.inputs[index] if index < len(replication.inputs)
-          else ())
+      sources = _rows.sources_of_inputs(replication.inputs[index] if index <
+                                        len(replication.inputs) else ())
       if replication.meetings is not None:
         sources.update(replication.meetings.standin_kinds(index))
-      self._analyses[index] = _rows.TowerRows(sources,
-                                              replication.is_per_tower)
+      self._analyses[index] = _rows.TowerRows(sources, replication.is_per_tower)
     return self._analyses[index]
 
   def _start(self):
@@ -146,8 +148,8 @@ class Rewiring:
         if op.name.startswith(prefix):
           # Keras layers built in a Keras model carry the scope they were
           # declared in too (dnn/tower_1/hiddenlayer_0/...).
-          relative = "/".join(part for part in op.name[len(prefix):].split(
-              "/") if part != own)
+          relative = "/".join(
+              part for part in op.name[len(prefix):].split("/") if part != own)
           index_.add(op, relative)
       self._indexes[index] = index_
       flat = tf.nest.flatten(replication.inputs[index], expand_composites=True)
@@ -258,8 +260,8 @@ class Rewiring:
     if row_kinds.shares_value(self.kind(tensor0)):
       return tensor0
     op0 = tensor0.op
-    if op0.type in ("Placeholder", "VarHandleOp", "VariableV2") or (
-        not op0.inputs):
+    if op0.type in ("Placeholder", "VarHandleOp",
+                    "VariableV2") or (not op0.inputs):
       raise ValueError(
           f"Tower {index} has no counterpart of tower 0's {tensor0.name}, "
           "which holds tower 0's rows; every tower must build the same "
@@ -270,9 +272,11 @@ class Rewiring:
       self._tensors[index][t0.ref()] = t
     return copy.outputs[tensor0.value_index]
 
-  def _copy(self, op: tf.Operation, inputs: Sequence[tf.Tensor],
-            device: Optional[str], name: Optional[str] = None
-            ) -> tf.Operation:
+  def _copy(self,
+            op: tf.Operation,
+            inputs: Sequence[tf.Tensor],
+            device: Optional[str],
+            name: Optional[str] = None) -> tf.Operation:
     attrs = {k: v for k, v in op.node_def.attr.items() if k != "_class"}
     if "output_shapes" in attrs:
       # A call copied onto other rows: its outputs' sizes are not the
@@ -281,8 +285,10 @@ class Rewiring:
           op.get_attr("output_shapes"))
     with tf.device(device):
       return op.graph.create_op(
-          op.type, list(inputs), [t.dtype for t in op.outputs],
-          name=name or op.name.replace("/", "_") + "_part", attrs=attrs)
+          op.type,
+          list(inputs), [t.dtype for t in op.outputs],
+          name=name or op.name.replace("/", "_") + "_part",
+          attrs=attrs)
 
   # ------------------------------------------------------------ events
 
@@ -312,23 +318,22 @@ class Rewiring:
         partials = []
         for index in range(replication.num_towers):
           own = self._towers_op(op0, index) if index else op0
-          if own is not None and self._inputs_are_counterparts(op0, own,
-                                                              index):
+          if own is not None and self._inputs_are_counterparts(op0, own, index):
             partials.append(own.outputs[0])
           else:
-            partials.append(self._copy(
-                op0, [self.counterpart(t, index) for t in op0.inputs],
-                replication.placed[index]).outputs[0])
+            partials.append(
+                self._copy(op0,
+                           [self.counterpart(t, index) for t in op0.inputs],
+                           replication.placed[index]).outputs[0])
         whole = _combine(event.combine, partials, replication.validity)
     self._rewire_everywhere(op0, 0, whole)
     logging.vlog(1, "replicate: %s (%s over rows) is the whole batch's",
                  op0.name, event.combine)
 
   def _inputs_are_counterparts(self, op0, op, index) -> bool:
-    return index == 0 or all(
-        self._tensors[index].get(t0.ref(), t0) is t or
-        row_kinds.shares_value(self.kind(t0))
-        for t0, t in zip(op0.inputs, op.inputs))
+    return index == 0 or all(self._tensors[index].get(t0.ref(), t0) is t or
+                             row_kinds.shares_value(self.kind(t0))
+                             for t0, t in zip(op0.inputs, op.inputs))
 
   def _mean(self, op0, axis):
     """Sum of the towers' partial sums over the sum of their counts."""
@@ -386,18 +391,25 @@ class Rewiring:
     kind = self.kind(tensor0)
     with tf.name_scope(_scope(op, "whole_batch")):
       if op.type in ("Shape", "ShapeN", "Size") and isinstance(
-          self.kind(op.inputs[tensor0.value_index if op.type == "ShapeN"
-                              else 0]), (row_kinds.Rows, row_kinds.Listed)):
+          self.kind(
+              op.inputs[tensor0.value_index if op.type == "ShapeN" else 0]),
+          (row_kinds.Rows, row_kinds.Listed)):
         whole = self._whole_shape(op, tensor0)
       elif not op.inputs or not any(
           isinstance(self.kind(t), row_kinds.Size) for t in op.inputs):
         whole = self._whole_source_size(tensor0, kind)
       else:
-        inputs = [self.whole_size(t) if isinstance(self.kind(t), row_kinds.Size)
-                  else t for t in op.inputs]
-        whole = self._copy(op, inputs, replication.hub,
-                           name=op.name.replace("/", "_") + "_whole"
-                           ).outputs[tensor0.value_index]
+        inputs = [
+            self.whole_size(t)
+            if isinstance(self.kind(t), row_kinds.Size) else t
+            for t in op.inputs
+        ]
+        whole = self._copy(
+            op,
+            inputs,
+            replication.hub,
+            name=op.name.replace("/", "_") +
+            "_whole").outputs[tensor0.value_index]
     self._sizes[key] = whole
     return whole
 
@@ -423,14 +435,17 @@ class Rewiring:
   def _whole_source_size(self, tensor0, kind):
     """A size the tower was handed: a sparse shard's dense shape."""
     replication = self._replication
-    if not isinstance(kind, row_kinds.Size) or kind.scalar or (
-        kind.entries != frozenset([0])):
+    if not isinstance(kind, row_kinds.Size) or kind.scalar or (kind.entries
+                                                               != frozenset([0
+                                                                            ])):
       raise ValueError(
           f"{tensor0.name} is computed from the tower's shard size in a way "
           "replicate cannot make the whole batch's; compute counts with "
           "tf.shape / tf.size of the batch's tensors.")
-    parts = [self.counterpart(tensor0, index)[0]
-             for index in range(replication.num_towers)]
+    parts = [
+        self.counterpart(tensor0, index)[0]
+        for index in range(replication.num_towers)
+    ]
     total = _combine("sum", parts, replication.validity)
     return tf.concat([[total], tensor0[1:]], 0)
 
@@ -442,8 +457,10 @@ class Rewiring:
     for tensor in op0.inputs:
       kind = self.kind(tensor)
       if isinstance(kind, row_kinds.Rows):
-        parts = [self.counterpart(tensor, index)
-                 for index in range(replication.num_towers)]
+        parts = [
+            self.counterpart(tensor, index)
+            for index in range(replication.num_towers)
+        ]
         whole, placing = concatenated(replication, parts, kind.axis)
         place = place or placing
         inputs.append(whole)
@@ -457,10 +474,12 @@ class Rewiring:
             "once on the whole batch) but reads a value of each tower's own "
             f"({tensor.name}: {kind}); compute it from the batch's rows, or "
             "run the model_fn unreplicated.")
-    once = self._copy(op0, inputs, replication.hub,
-                      name=op0.name.replace("/", "_") + "_whole_batch")
-    for position, (output, kind) in enumerate(zip(once.outputs,
-                                                  event.kinds)):
+    once = self._copy(
+        op0,
+        inputs,
+        replication.hub,
+        name=op0.name.replace("/", "_") + "_whole_batch")
+    for position, (output, kind) in enumerate(zip(once.outputs, event.kinds)):
       if isinstance(kind, row_kinds.Rows) and place is not None:
         rows = place(output, kind.axis)
         self._replace(op0.outputs[position], rows[0])
@@ -471,16 +490,20 @@ class Rewiring:
           self._tensors[index][op0.outputs[position].ref()] = rows[index]
       else:
         self._rewire_everywhere(op0, position, output)
-    logging.info("replicate: %s (%s) runs once on the whole batch",
-                 op0.name, op0.type)
+    logging.info("replicate: %s (%s) runs once on the whole batch", op0.name,
+                 op0.type)
 
   def _fused_norm(self, event: row_kinds.FusedNorm):
     replication = self._replication
     op0 = event.op
-    ops = [op0] + [self._towers_op(op0, index)
-                   for index in range(1, replication.num_towers)]
-    inputs = [self.counterpart(op0.inputs[0], index)
-              for index in range(replication.num_towers)]
+    ops = [op0] + [
+        self._towers_op(op0, index)
+        for index in range(1, replication.num_towers)
+    ]
+    inputs = [
+        self.counterpart(op0.inputs[0], index)
+        for index in range(replication.num_towers)
+    ]
     rows, statistics = whole_batch.whole_batch(replication, op0, inputs)
     for index, (op, tower_rows) in enumerate(zip(ops, rows)):
       if op is None:
@@ -495,8 +518,7 @@ class Rewiring:
         for position, value in enumerate(statistics, start=1):
           substitute(op.outputs[position], value)
       self._tensors[index][op0.outputs[0].ref()] = tower_rows
-    for index, (relu, tower_relu) in whole_batch.relu_once(replication,
-                                                           rows):
+    for index, (relu, tower_relu) in whole_batch.relu_once(replication, rows):
       if index == 0:
         self._replace(relu.outputs[0], tower_relu)
       else:
@@ -513,8 +535,7 @@ def substitute(tensor: tf.Tensor, replacement: tf.Tensor):
   op = tensor.op
   if op.control_inputs:
     with tf.device(op.device), tf.control_dependencies(op.control_inputs):
-      replacement = tf.identity(replacement,
-                                name=op.name + "_whole_batch_read")
+      replacement = tf.identity(replacement, name=op.name + "_whole_batch_read")
   keep = _readers_within(replacement)
   _tf.rewire(tensor, replacement, keep)
   return replacement, keep
@@ -550,10 +571,12 @@ def _readers_within(tensor: tf.Tensor) -> List[tf.Operation]:
   rewired): those reads stay. Found as `tensor`'s ancestors within the
   combination (ops built by `_combine`, a few levels).
   """
+
   def within(op: tf.Operation) -> List[tf.Operation]:
     if "whole_batch" in op.name or op.name.endswith("_part"):
       return _graph.input_ops(op)
     return []
+
   return list(_graph.walk([tensor.op], within, limit=4096))
 
 
@@ -561,17 +584,25 @@ def _combine(how: str, values: Sequence[tf.Tensor], validity) -> tf.Tensor:
   """The towers' partial `values` combined, towers on phantom rows left out."""
   kept = [(v, ok) for v, ok in zip(values, validity) if ok is not False]
   if how in ("sum", "norm"):
-    gated = [_sums.gate(tf.square(v) if how == "norm" else v, ok)
-             for v, ok in kept]
+    gated = [
+        _sums.gate(tf.square(v) if how == "norm" else v, ok) for v, ok in kept
+    ]
     total = gated[0] if len(gated) == 1 else tf.add_n(gated)
     return tf.sqrt(total) if how == "norm" else total
-  neutral = {"max": _lowest, "min": _highest, "prod": lambda d: 1,
-             "all": lambda d: True, "any": lambda d: False}[how]
+  neutral = {
+      "max": _lowest,
+      "min": _highest,
+      "prod": lambda d: 1,
+      "all": lambda d: True,
+      "any": lambda d: False
+  }[how]
   combined = None
   for value, ok in kept:
     if ok is not True:
-      value = tf.where(ok, value, tf.fill(tf.shape(value), tf.constant(
-          neutral(value.dtype), value.dtype)))
+      value = tf.where(
+          ok, value,
+          tf.fill(
+              tf.shape(value), tf.constant(neutral(value.dtype), value.dtype)))
     if combined is None:
       combined = value
     elif how == "max":
@@ -607,16 +638,15 @@ def concatenated(replication, parts: Sequence[tf.Tensor], axis: int = 0):
   counts = []
   kept = []
   for part, valid in zip(parts, validity):
-    size = tf.compat.dimension_value(part.shape[axis]) if (
-        part.shape.rank is not None) else None
+    size = tf.compat.dimension_value(
+        part.shape[axis]) if (part.shape.rank is not None) else None
     size = tf.shape(part)[axis] if size is None else size
     if valid is False:
       counts.append(0)
       continue
     if valid is not True:
       size = tf.where(valid, size, 0)
-      extent = tf.tensor_scatter_nd_update(
-          tf.shape(part), [[axis]], [size])
+      extent = tf.tensor_scatter_nd_update(tf.shape(part), [[axis]], [size])
       part = tf.slice(part, tf.zeros_like(extent), extent)
     counts.append(size)
     kept.append(part)
@@ -625,7 +655,8 @@ def concatenated(replication, parts: Sequence[tf.Tensor], axis: int = 0):
   def place(output, out_axis: int):
     sizes = [c for c, ok in zip(counts, validity) if ok is not False]
     pieces = iter([output] if len(sizes) == 1 else tf.split(
-        output, tf.stack([tf.cast(c, tf.int64) for c in sizes]) if any(
+        output,
+        tf.stack([tf.cast(c, tf.int64) for c in sizes]) if any(
             isinstance(c, tf.Tensor) for c in sizes) else sizes, out_axis))
     rows = []
     for ok in validity:
@@ -639,7 +670,8 @@ def concatenated(replication, parts: Sequence[tf.Tensor], axis: int = 0):
   return whole, place
 
 
-def real_rows(tensors: Sequence[tf.Tensor], replication,
+def real_rows(tensors: Sequence[tf.Tensor],
+              replication,
               examples: bool = False) -> List[tf.Tensor]:
   """The towers' rows (axis 0) without those computed on phantom rows.
 
@@ -654,17 +686,18 @@ def real_rows(tensors: Sequence[tf.Tensor], replication,
     elif valid is not False and examples:
       size = tf.cast(replication.size(index), tf.int64)
       if isinstance(tensor, tf.SparseTensor):
-        kept.append(tf.sparse.slice(
-            tensor, tf.zeros_like(tensor.dense_shape),
-            tf.concat([[size], tensor.dense_shape[1:]], 0)))
+        kept.append(
+            tf.sparse.slice(tensor, tf.zeros_like(tensor.dense_shape),
+                            tf.concat([[size], tensor.dense_shape[1:]], 0)))
       else:
         kept.append(tensor[:size])
     elif valid is not False:
       if isinstance(tensor, tf.SparseTensor):
-        kept.append(tf.sparse.slice(
-            tensor, tf.zeros_like(tensor.dense_shape),
-            tf.concat([[tf.where(valid, tensor.dense_shape[0], 0)],
-                       tensor.dense_shape[1:]], 0)))
+        kept.append(
+            tf.sparse.slice(
+                tensor, tf.zeros_like(tensor.dense_shape),
+                tf.concat([[tf.where(valid, tensor.dense_shape[0], 0)],
+                           tensor.dense_shape[1:]], 0)))
       else:
         kept.append(tensor[:tf.where(valid, tf.shape(tensor)[0], 0)])
   return kept

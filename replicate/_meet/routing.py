@@ -4,9 +4,9 @@ An optimizer's `minimize` (v1) or `get_updates` / `minimize` (Keras) is
 called once per step on one device, with the whole batch's loss. In towers
 every tower makes the call; it is a meeting (`_meet.meetings`): tower 0, the
 last to make it, makes the optimizer's own call once, with the whole
-batch's loss (its own: see `_meet.optimizer_calls`), in its own scopes, and every tower
-gets that update. `compute_gradients` / `get_gradients` give every tower
-one device's gradients and `apply_gradients` applies tower 0's once (see
+batch's loss (its own: see `_meet.optimizer_calls`), in its own scopes, and
+every tower gets that update. `compute_gradients` / `get_gradients` give every
+tower one device's gradients and `apply_gradients` applies tower 0's once (see
 `_meet.optimizer_calls`).
 
 While towers are built (`routed`), the base classes' methods
@@ -30,9 +30,9 @@ import tensorflow as tf
 
 from replicate import _context
 from replicate import _graph
-from replicate._meet import optimizer_calls
-from replicate._meet import meetings
 from replicate import _tf
+from replicate._meet import meetings
+from replicate._meet import optimizer_calls
 from replicate._meet import transforms
 
 _V1 = tf.compat.v1.train.Optimizer
@@ -93,8 +93,12 @@ def meeting_scope(replication: _context.Replication):
     yield
 
 
-def once(kind: str, loss, variables, call: Callable[[Any], Any],
-         spec=meetings.OP, split=None):
+def once(kind: str,
+         loss,
+         variables,
+         call: Callable[[Any], Any],
+         spec=meetings.OP,
+         split=None):
   """`call(whole_batch_loss)` once, by tower 0; every tower gets its result.
 
   Args:
@@ -111,7 +115,8 @@ def once(kind: str, loss, variables, call: Callable[[Any], Any],
   """
   replication = optimizer_calls.replicated()
   names = None if variables is None else [
-      v.op.name for v in tf.nest.flatten(variables)]
+      v.op.name for v in tf.nest.flatten(variables)
+  ]
 
   def build(values):
     whole = optimizer_calls.whole_batch_loss(replication, values, kind)
@@ -128,8 +133,8 @@ def once(kind: str, loss, variables, call: Callable[[Any], Any],
     replication.apply_calls += 1
     return [result] * len(values)
 
-  return replication.meetings.meet(kind, loss, build, lambda value: spec,
-                                   signature=names)
+  return replication.meetings.meet(
+      kind, loss, build, lambda value: spec, signature=names)
 
 
 class GraphTape:
@@ -151,14 +156,20 @@ class GraphTape:
 
   def gradient(self, target, sources, output_gradients=None, **unused):
     sources = tf.nest.flatten(sources)
-    grads = tf.compat.v1.gradients(target, sources, grad_ys=output_gradients,
-                                   colocate_gradients_with_ops=True)
+    grads = tf.compat.v1.gradients(
+        target,
+        sources,
+        grad_ys=output_gradients,
+        colocate_gradients_with_ops=True)
     return _one_device_grads(grads, sources)
 
 
 def _one_device_grads(grads, variables):
-  """`grads`, sparse rows as one device's (optimizer_calls.one_device_slices)."""
-  return [g for g, _ in optimizer_calls.one_device_slices(zip(grads, variables))]
+  """`grads`, sparse rows as one device's (see
+  `optimizer_calls.one_device_slices`)."""
+  return [
+      g for g, _ in optimizer_calls.one_device_slices(zip(grads, variables))
+  ]
 
 
 def call_with_loss(method, args, kwargs, loss, **replace):
@@ -181,8 +192,8 @@ def call_with_loss(method, args, kwargs, loss, **replace):
     return method(**dict(kwargs, loss=loss))
   bound.arguments[parameters[0].name] = loss
   for name, value in replace.items():
-    if name in signature.parameters and (
-        signature.parameters[name].kind in named):
+    if name in signature.parameters and (signature.parameters[name].kind
+                                         in named):
       bound.arguments[name] = value
   return method(*bound.args, **bound.kwargs)
 
@@ -200,6 +211,7 @@ def _kind(optimizer, method: str) -> str:
 
 # Routes: (original method, optimizer, args after self, kwargs) -> result.
 
+
 def v1_minimize_steps(optimizer, args, kwargs):
   """(compute, apply): what v1 Optimizer.minimize(*args, **kwargs) does."""
   bound = inspect.signature(_V1.minimize).bind(optimizer, *args, **kwargs)
@@ -208,10 +220,12 @@ def v1_minimize_steps(optimizer, args, kwargs):
 
   def compute(whole):
     return optimizer.compute_gradients(
-        whole, var_list=call["var_list"],
+        whole,
+        var_list=call["var_list"],
         gate_gradients=call["gate_gradients"],
         aggregation_method=call["aggregation_method"],
-        colocate_gradients_with_ops=True, grad_loss=call["grad_loss"])
+        colocate_gradients_with_ops=True,
+        grad_loss=call["grad_loss"])
 
   def apply(grads_and_vars):
     return optimizer.apply_gradients(
@@ -224,11 +238,13 @@ def _v1_minimize(original, optimizer, args, kwargs):
   bound = functools.partial(original, optimizer)
   loss = args[0] if args else kwargs.get("loss")
   var_list = argument(args, kwargs, "var_list", 2)
-  return once(_kind(optimizer, "minimize"), loss, var_list,
-              lambda whole: call_with_loss(
-                  bound, args, kwargs, whole,
-                  colocate_gradients_with_ops=True),
-              split=v1_minimize_steps(optimizer, args, kwargs))
+  return once(
+      _kind(optimizer, "minimize"),
+      loss,
+      var_list,
+      lambda whole: call_with_loss(
+          bound, args, kwargs, whole, colocate_gradients_with_ops=True),
+      split=v1_minimize_steps(optimizer, args, kwargs))
 
 
 def _v1_compute_gradients(original, optimizer, args, kwargs):
@@ -240,8 +256,9 @@ def _v1_compute_gradients(original, optimizer, args, kwargs):
 
   def compute(whole, unused_replicated):
     with meeting_scope(replication):
-      return optimizer_calls.one_device_slices(call_with_loss(
-          bound, args, kwargs, whole, colocate_gradients_with_ops=True))
+      return optimizer_calls.one_device_slices(
+          call_with_loss(
+              bound, args, kwargs, whole, colocate_gradients_with_ops=True))
 
   return optimizer_calls.whole_batch_gradients(
       loss, compute, var_list, call=_kind(optimizer, "compute_gradients"))
@@ -250,10 +267,13 @@ def _v1_compute_gradients(original, optimizer, args, kwargs):
 def _v1_compute_pass(original, optimizer, args, kwargs):
   if not _colocates():
     return original(optimizer, *args, **kwargs)
-  return optimizer_calls.one_device_slices(call_with_loss(
-      functools.partial(original, optimizer), args, kwargs,
-      args[0] if args else kwargs.get("loss"),
-      colocate_gradients_with_ops=True))
+  return optimizer_calls.one_device_slices(
+      call_with_loss(
+          functools.partial(original, optimizer),
+          args,
+          kwargs,
+          args[0] if args else kwargs.get("loss"),
+          colocate_gradients_with_ops=True))
 
 
 def _apply_gradients(original, optimizer, args, kwargs):
@@ -272,9 +292,12 @@ def _keras_get_updates(original, optimizer, args, kwargs):
   bound = functools.partial(original, optimizer)
   loss = args[0] if args else kwargs.get("loss")
   params = argument(args, kwargs, "params", 1)
-  return once(_kind(optimizer, "get_updates"), loss, params,
-              lambda whole: call_with_loss(bound, args, kwargs, whole),
-              spec=[meetings.OP])
+  return once(
+      _kind(optimizer, "get_updates"),
+      loss,
+      params,
+      lambda whole: call_with_loss(bound, args, kwargs, whole),
+      spec=[meetings.OP])
 
 
 def _keras_get_gradients(original, optimizer, args, kwargs):
@@ -289,7 +312,10 @@ def _keras_get_gradients(original, optimizer, args, kwargs):
       return call_with_loss(bound, args, kwargs, whole)
 
   return optimizer_calls.whole_batch_gradients(
-      loss, compute, params, pairs=False,
+      loss,
+      compute,
+      params,
+      pairs=False,
       call=_kind(optimizer, "get_gradients"))
 
 
@@ -305,8 +331,8 @@ def _colocated_keras_gradients(optimizer, loss, params):
   """What Keras' OptimizerV2.get_gradients computes, colocated."""
   # `_name` is Keras' private optimizer name; its get_gradients uses it too.
   with tf.name_scope(_tf.optimizer_name(optimizer) + "/gradients"):
-    grads = tf.compat.v1.gradients(loss, params,
-                                   colocate_gradients_with_ops=True)
+    grads = tf.compat.v1.gradients(
+        loss, params, colocate_gradients_with_ops=True)
   optimizer_calls.require_gradients(grads, params)
   return _one_device_grads(grads, params)
 
@@ -326,35 +352,40 @@ def _keras_minimize(original, optimizer, args, kwargs):
   positional = list(args[2:])
   if len(positional) >= 3:  # grad_loss, name, tape
     positional = positional[:2]
-  return once(_kind(optimizer, "minimize"), loss, var_list,
-              lambda whole: original(optimizer, whole, var_list, *positional,
-                                     tape=GraphTape(), **rest))
+  return once(
+      _kind(optimizer, "minimize"), loss, var_list, lambda whole: original(
+          optimizer, whole, var_list, *positional, tape=GraphTape(), **rest))
 
 
 _BASE_GET_GRADIENTS = _KERAS.__dict__["get_gradients"]
 
 # method name -> (route in towers, call elsewhere or None for the original)
 _ROUTES = {
-    _V1: {"minimize": (_v1_minimize, None),
-          "compute_gradients": (_v1_compute_gradients, _v1_compute_pass),
-          "apply_gradients": (_apply_gradients, None)},
-    _KERAS: {"get_updates": (_keras_get_updates, None),
-             "get_gradients": (_keras_get_gradients,
-                               _keras_get_gradients_pass),
-             "minimize": (_keras_minimize, None),
-             "apply_gradients": (_apply_gradients, None)},
+    _V1: {
+        "minimize": (_v1_minimize, None),
+        "compute_gradients": (_v1_compute_gradients, _v1_compute_pass),
+        "apply_gradients": (_apply_gradients, None)
+    },
+    _KERAS: {
+        "get_updates": (_keras_get_updates, None),
+        "get_gradients": (_keras_get_gradients, _keras_get_gradients_pass),
+        "minimize": (_keras_minimize, None),
+        "apply_gradients": (_apply_gradients, None)
+    },
 }
 
 
 def _routed_method(original, route, elsewhere):
+
   @functools.wraps(original)
   def method(self, *args, **kwargs):
-    if not getattr(self, "_replicate_routes_itself", False) and (
-        routes() is not None):
+    if not getattr(self, "_replicate_routes_itself", False) and (routes()
+                                                                 is not None):
       return route(original, self, args, kwargs)
     if elsewhere is not None:
       return elsewhere(original, self, args, kwargs)
     return original(self, *args, **kwargs)
+
   return method
 
 
@@ -365,19 +396,22 @@ def _iterations_property(original: property) -> property:
   an optimizer instance shared by the towers has it after tower 0's.
   `_iterations` is Keras' private attribute behind the property.
   """
+
   def setter(self, variable):
     if getattr(self, "_iterations", None) is variable:
       return
     original.fset(self, variable)
+
   return property(original.fget, setter, original.fdel, original.__doc__)
 
 
 def _subclasses(base: type) -> List[type]:
   seen = _graph.walk([base], lambda cls: cls.__subclasses__())
-  return [c for c in seen
-          if not c.__dict__.get("_replicate_routes_itself", False) and
-          not any(b.__dict__.get("_replicate_routes_itself", False)
-                  for b in c.__mro__)]
+  return [
+      c for c in seen
+      if not c.__dict__.get("_replicate_routes_itself", False) and not any(
+          b.__dict__.get("_replicate_routes_itself", False) for b in c.__mro__)
+  ]
 
 
 def _install() -> _tf.Patched:
@@ -387,12 +421,12 @@ def _install() -> _tf.Patched:
       for name, (route, elsewhere) in methods.items():
         original = cls.__dict__.get(name)
         if inspect.isfunction(original):
-          originals.append(_tf.patch(
-              cls, name, _routed_method(original, route, elsewhere)))
+          originals.append(
+              _tf.patch(cls, name, _routed_method(original, route, elsewhere)))
   iterations = _KERAS.__dict__.get("iterations")
   if isinstance(iterations, property):
-    originals.append(_tf.patch(_KERAS, "iterations",
-                               _iterations_property(iterations)))
+    originals.append(
+        _tf.patch(_KERAS, "iterations", _iterations_property(iterations)))
   return originals
 
 

@@ -3,8 +3,8 @@
 `compute_gradients` hands every tower the gradients of the whole batch's
 loss and `apply_gradients` applies tower 0's once, in the scopes tower 0
 made the call in, so that slot variables are named as without replication
-(see `_meet.optimizer_calls`). Keras legacy optimizers (which the v2 canned estimators
-require) get the Keras flavour in `_meet.keras_optimizer`.
+(see `_meet.optimizer_calls`). Keras legacy optimizers (which the v2 canned
+estimators require) get the Keras flavour in `_meet.keras_optimizer`.
 """
 
 from typing import Any, Callable, Union
@@ -12,9 +12,9 @@ from typing import Any, Callable, Union
 import tensorflow as tf
 
 from replicate import _context
+from replicate import _tf
 from replicate._meet import optimizer_calls
 from replicate._meet import routing
-from replicate import _tf
 from replicate._meet import transforms
 from replicate._meet.keras_optimizer import KerasTowerOptimizer
 
@@ -69,8 +69,7 @@ class _EitherFlavour(type):
         cls is TowerOptimizer and issubclass(subclass, KerasTowerOptimizer))
 
 
-class TowerOptimizer(_tf.TracksWrapped, _Optimizer,
-                     metaclass=_EitherFlavour):
+class TowerOptimizer(_tf.TracksWrapped, _Optimizer, metaclass=_EitherFlavour):
   """Wraps an optimizer: its own calls, once per step, on the whole batch.
 
   `replicate_model_fn` routes plain optimizers itself (see `_meet.routing`); the
@@ -149,8 +148,9 @@ class TowerOptimizer(_tf.TracksWrapped, _Optimizer,
       return KerasTowerOptimizer(optimizer_or_optimizer_fn, *args, **kwargs)
     return super().__new__(cls)
 
-  def __init__(self, optimizer_or_optimizer_fn: Union[
-      _Optimizer, _KerasOptimizer, Callable[[], Any]],
+  def __init__(self,
+               optimizer_or_optimizer_fn: Union[_Optimizer, _KerasOptimizer,
+                                                Callable[[], Any]],
                gradient_transform: transforms.GradientTransforms = None):
     self._wrapped = _PerGraph(
         optimizer_or_optimizer_fn, (_Optimizer, _KerasOptimizer),
@@ -158,8 +158,8 @@ class TowerOptimizer(_tf.TracksWrapped, _Optimizer,
         "Optimizer")
     self._gradient_transform = gradient_transform
     self._transforms = transforms.Pipeline(gradient_transform)
-    name = ("TowerOptimizer" if self._wrapped.is_lazy
-            else optimizer_or_optimizer_fn.get_name())
+    name = ("TowerOptimizer"
+            if self._wrapped.is_lazy else optimizer_or_optimizer_fn.get_name())
     super().__init__(use_locking=False, name=name)
 
   @staticmethod
@@ -223,15 +223,23 @@ class TowerOptimizer(_tf.TracksWrapped, _Optimizer,
         return optimizer.minimize(loss, *args, **kwargs)
     var_list = routing.argument(args, kwargs, "var_list", 1)
     return routing.once(
-        "TowerOptimizer.minimize", loss, var_list,
+        "TowerOptimizer.minimize",
+        loss,
+        var_list,
         lambda whole: routing.call_with_loss(
-            optimizer.minimize, (loss,) + args, kwargs, whole,
+            optimizer.minimize, (loss,) + args,
+            kwargs,
+            whole,
             colocate_gradients_with_ops=True),
         split=routing.v1_minimize_steps(optimizer, (loss,) + args, kwargs))
 
-  def compute_gradients(self, loss, var_list=None, gate_gradients=_GATE_OP,
+  def compute_gradients(self,
+                        loss,
+                        var_list=None,
+                        gate_gradients=_GATE_OP,
                         aggregation_method=None,
-                        colocate_gradients_with_ops=False, grad_loss=None):
+                        colocate_gradients_with_ops=False,
+                        grad_loss=None):
     """One device's gradients of the whole batch's loss, in every tower.
 
     In a replicated tower the towers' losses are combined into the whole
@@ -243,7 +251,9 @@ class TowerOptimizer(_tf.TracksWrapped, _Optimizer,
     def compute(whole_loss, replicated):
       with routing.direct():
         grads_and_vars = optimizer.compute_gradients(
-            whole_loss, var_list=var_list, gate_gradients=gate_gradients,
+            whole_loss,
+            var_list=var_list,
+            gate_gradients=gate_gradients,
             aggregation_method=aggregation_method,
             colocate_gradients_with_ops=(replicated or
                                          colocate_gradients_with_ops),
@@ -262,7 +272,8 @@ class TowerOptimizer(_tf.TracksWrapped, _Optimizer,
       with routing.direct():
         return optimizer.apply_gradients(pairs, global_step, name)
 
-    return optimizer_calls.transform_and_apply(grads_and_vars, self._transforms, apply)
+    return optimizer_calls.transform_and_apply(grads_and_vars, self._transforms,
+                                               apply)
 
   def _tracked_optimizer(self):
     """What checkpoints see in this wrapper's place (see `_meet.tracking`)."""

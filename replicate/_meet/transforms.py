@@ -83,8 +83,9 @@ class Pipeline:
     """
     if not self._transforms:
       return grads_and_vars
-    return [(merge_duplicate_rows(g), v) for g, v in grads_and_vars
-            if g is not None]
+    return [
+        (merge_duplicate_rows(g), v) for g, v in grads_and_vars if g is not None
+    ]
 
   def __call__(self, grads_and_vars):
     """Applies the transforms in order to the (summed) gradients."""

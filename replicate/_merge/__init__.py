@@ -1,1 +1,2 @@
-"""One EstimatorSpec from the towers: state writes, metrics, summaries, hooks, predictions, exports."""
+"""One EstimatorSpec from the towers: state writes, metrics, summaries, hooks,
+predictions, exports."""

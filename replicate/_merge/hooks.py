@@ -87,8 +87,8 @@ def whole_batch_swaps(tower_spec, merged: Dict[str, Any]) -> Dict[str, Any]:
   return swaps
 
 
-def wrap_hooks(hooks: Optional[Sequence[_SessionRunHook]],
-               swaps: Dict[str, Any]):
+def wrap_hooks(hooks: Optional[Sequence[_SessionRunHook]], swaps: Dict[str,
+                                                                       Any]):
   """Each hook wrapped to fetch the whole batch's tensors (see above)."""
   if not hooks or not swaps:
     return hooks

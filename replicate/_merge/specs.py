@@ -13,20 +13,19 @@ order, those computed on phantom rows (see `_prepare.split`) left out.
 import re
 from typing import Any, Dict, List, Sequence
 
-import tensorflow as tf
 from absl import logging
+import tensorflow as tf
 
 from replicate import _context
-from replicate._meet import optimizer_calls
-from replicate._merge import hooks
 from replicate._batch import row_kinds
-from replicate._prepare import split
-from replicate._merge import tpu as _tpu
+from replicate._meet import optimizer_calls
 from replicate._meet import rewiring as _rewiring
+from replicate._merge import hooks
+from replicate._merge import tpu as _tpu
+from replicate._prepare import split
 
 _ModeKeys = tf.estimator.ModeKeys
 _export = tf.estimator.export
-
 
 # What TensorFlow accepts as an op name (its own check, in ops.py); a name
 # with an empty path segment ('a//b', 'a/') would leave the merge's scope.
@@ -44,8 +43,9 @@ def concat_name(key) -> str:
   TensorFlow makes repeated names unique, so two keys may share a name.
   """
   name = f"concat_{key}"
-  if isinstance(key, str) and _OP_NAME.fullmatch(name) and (
-      "//" not in name and not name.endswith("/")):
+  if isinstance(key,
+                str) and _OP_NAME.fullmatch(name) and ("//" not in name and
+                                                       not name.endswith("/")):
     return name
   parts = key if isinstance(key, tuple) else (key,)
   return "concat_" + _INVALID_RUN.sub("_", "_".join(str(p) for p in parts))
@@ -80,17 +80,17 @@ def _merged(tensors: Sequence[Any], path: str, name: str,
     raise ValueError(optimizer_calls.not_whole_batch(first, kind, path))
   parts = _rewiring.real_rows(tensors, replication, examples=True)
   if isinstance(first, tf.SparseTensor):
-    return tf.sparse.concat(axis=0, sp_inputs=parts,
-                            expand_nonconcat_dims=True)
+    return tf.sparse.concat(axis=0, sp_inputs=parts, expand_nonconcat_dims=True)
   if isinstance(first, tf.RaggedTensor):
     return tf.concat(parts, axis=0, name=name)
-  merged = tf.concat(split.padded_to_widest(
-      [tf.convert_to_tensor(t) for t in parts]), axis=0, name=name)
-  if all(isinstance(s, int) for s in replication.sizes) and (
-      merged.shape.rank):
+  merged = tf.concat(
+      split.padded_to_widest([tf.convert_to_tensor(t) for t in parts]),
+      axis=0,
+      name=name)
+  if all(isinstance(s, int) for s in replication.sizes) and (merged.shape.rank):
     # The batch's size, known when built (the shards hide theirs).
-    merged.set_shape([sum(replication.sizes)] + [None] * (
-        merged.shape.rank - 1))
+    merged.set_shape([sum(replication.sizes)] + [None] *
+                     (merged.shape.rank - 1))
   return merged
 
 
@@ -106,12 +106,12 @@ def concat_predictions(predictions: Sequence[Any],
   if predictions[0] is None:
     return None
   if isinstance(predictions[0], dict):
-    return {key: _merged([p[key] for p in predictions],
-                         f"predictions[{key!r}]", concat_name(key),
-                         replication)
-            for key in predictions[0]}
-  return _merged(predictions, "predictions", "concat_predictions",
-                 replication)
+    return {
+        key:
+            _merged([p[key] for p in predictions], f"predictions[{key!r}]",
+                    concat_name(key), replication) for key in predictions[0]
+    }
+  return _merged(predictions, "predictions", "concat_predictions", replication)
 
 
 def _concat_export_output(outputs: Sequence[Any], path: str,
@@ -128,11 +128,12 @@ def _concat_export_output(outputs: Sequence[Any], path: str,
         value=_merged([o.value for o in outputs], f"{path}.value",
                       "concat_value", replication))
   if isinstance(first, _export.PredictOutput):
-    return _export.PredictOutput(
-        {key: _merged([o.outputs[key] for o in outputs],
-                      f"{path}.outputs[{key!r}]", concat_name(key),
-                      replication)
-         for key in first.outputs})
+    return _export.PredictOutput({
+        key:
+            _merged([o.outputs[key]
+                     for o in outputs], f"{path}.outputs[{key!r}]",
+                    concat_name(key), replication) for key in first.outputs
+    })
   raise ValueError(
       f"Export output {first!r} of type {type(first).__name__} cannot be "
       "merged across towers; use a PredictOutput, RegressionOutput or "
@@ -144,9 +145,12 @@ def concat_export_outputs(export_outputs: Sequence[Dict[str, Any]],
   """Concatenates every tower's export outputs, key by key (see above)."""
   if export_outputs[0] is None:
     return None
-  return {key: _concat_export_output([e[key] for e in export_outputs],
-                                     f"export_outputs[{key!r}]", replication)
-          for key in export_outputs[0]}
+  return {
+      key:
+          _concat_export_output([e[key] for e in export_outputs],
+                                f"export_outputs[{key!r}]", replication)
+      for key in export_outputs[0]
+  }
 
 
 def check_same_metrics(specs):
@@ -181,8 +185,9 @@ def _whole_loss(loss: tf.Tensor, replication: _context.Replication):
     return loss
   if isinstance(kind, row_kinds.Size):
     return replication.rewiring.whole_size(loss)
-  raise ValueError(optimizer_calls.not_whole_batch(
-      loss, kind, "the loss the model_fn returned"))
+  raise ValueError(
+      optimizer_calls.not_whole_batch(loss, kind,
+                                      "the loss the model_fn returned"))
 
 
 def _whole_summaries(replication: _context.Replication):
@@ -217,8 +222,10 @@ def merge_specs(mode, specs: List[Any], replication: _context.Replication):
   check_same_metrics(specs)
   with _context.outside(replication, "merge_towers"), \
       tf.device(replication.hub):
-    fields = {"predictions": concat_predictions([s.predictions for s in specs],
-                                                replication)}
+    fields = {
+        "predictions":
+            concat_predictions([s.predictions for s in specs], replication)
+    }
     loss = getattr(specs[0], "loss", None)
     if mode != _ModeKeys.PREDICT and isinstance(loss, tf.Tensor):
       fields["loss"] = _whole_loss(loss, replication)
@@ -227,13 +234,15 @@ def merge_specs(mode, specs: List[Any], replication: _context.Replication):
           [s.export_outputs for s in specs], replication)
     if mode == _ModeKeys.EVAL and not tpu and specs[0].eval_metric_ops:
       fields["eval_metric_ops"] = {
-          key: ((_resolved(replication, metric[0]), metric[1])
-                if isinstance(metric, tuple) else metric)
-          for key, metric in specs[0].eval_metric_ops.items()}
+          key: ((_resolved(replication, metric[0]),
+                 metric[1]) if isinstance(metric, tuple) else metric
+               ) for key, metric in specs[0].eval_metric_ops.items()
+      }
     if tpu:
-      fields.update(_tpu.merge_host_calls(
-          specs, lambda tensors, path, name: _merged(
-              tensors, path, concat_name(name), replication)))
+      fields.update(
+          _tpu.merge_host_calls(
+              specs, lambda tensors, path, name: _merged(
+                  tensors, path, concat_name(name), replication)))
   _whole_summaries(replication)
   swaps = dict(replication.rewiring.replacements())
   swaps.update(hooks.whole_batch_swaps(specs[0], fields))

@@ -17,14 +17,14 @@ makes the towers' writes to one variable the one write of one device:
   moving variance), SUM, ONLY_FIRST_REPLICA; NONE takes a running maximum
   or minimum over the towers, else a ValueError asks for an aggregation.
 
-A tower that computed on a phantom row (see _prepare.split) adds nothing. Tower 0's
-write op carries the value; later towers' writes go to a throwaway
-variable (dense) or write no rows (scatter) and run after tower 0's, so
-whatever a tower ordered after its write sees the new state; tower 0's
-waits for every tower's written value, so whatever a tower ordered before
-its write sees the state before it. Initializers (`init_from_checkpoint`
-included) are never touched, and a trainable variable updated by an
-optimizer the towers could not share is an error.
+A tower that computed on a phantom row (see _prepare.split) adds nothing. Tower
+0's write op carries the value; later towers' writes go to a throwaway variable
+(dense) or write no rows (scatter) and run after tower 0's, so whatever a tower
+ordered after its write sees the new state; tower 0's waits for every tower's
+written value, so whatever a tower ordered before its write sees the state
+before it. Initializers (`init_from_checkpoint` included) are never touched, and
+a trainable variable updated by an optimizer the towers could not share is an
+error.
 """
 
 import collections
@@ -32,15 +32,15 @@ import enum
 import functools
 from typing import Dict, List, NamedTuple, Optional, Sequence
 
+from absl import logging
 import numpy as np
 import tensorflow as tf
-from absl import logging
 
-from replicate._batch import sums
-from replicate._batch import row_kinds
-from replicate._batch import step_ops
 from replicate import _graph
 from replicate import _tf
+from replicate._batch import row_kinds
+from replicate._batch import step_ops
+from replicate._batch import sums
 from replicate._context import Replication
 from replicate._merge.variance import add_between_shard_variance
 
@@ -51,16 +51,20 @@ class _Kind(enum.Enum):
   VALUE = "assign"
   ADD = "assign_add"
   SUB = "assign_sub"
-  SCATTER_ADD = "scatter_add"     # rows added (or subtracted): linear
-  SCATTER = "scatter"             # rows replaced or combined otherwise
+  SCATTER_ADD = "scatter_add"  # rows added (or subtracted): linear
+  SCATTER = "scatter"  # rows replaced or combined otherwise
   SLICE = "strided_slice_assign"
 
 
 _KINDS = {
-    "AssignVariableOp": _Kind.VALUE, "Assign": _Kind.VALUE,
-    "AssignAddVariableOp": _Kind.ADD, "AssignAdd": _Kind.ADD,
-    "AssignSubVariableOp": _Kind.SUB, "AssignSub": _Kind.SUB,
-    "ResourceStridedSliceAssign": _Kind.SLICE, "StridedSliceAssign": _Kind.SLICE,
+    "AssignVariableOp": _Kind.VALUE,
+    "Assign": _Kind.VALUE,
+    "AssignAddVariableOp": _Kind.ADD,
+    "AssignAdd": _Kind.ADD,
+    "AssignSubVariableOp": _Kind.SUB,
+    "AssignSub": _Kind.SUB,
+    "ResourceStridedSliceAssign": _Kind.SLICE,
+    "StridedSliceAssign": _Kind.SLICE,
 }
 for _name in ("Add", "Sub", "NdAdd", "NdSub"):
   _KINDS["ResourceScatter" + _name] = _KINDS["Scatter" + _name] = (
@@ -105,7 +109,9 @@ def combine_state_writes(replication: Replication, specs: Sequence = ()):
   """
   variables = _state_variables(replication)
   skip = _initializer_ops(variables.values())
-  writes = [_tower_writes(ops, variables, skip) for ops in replication.tower_ops]
+  writes = [
+      _tower_writes(ops, variables, skip) for ops in replication.tower_ops
+  ]
   sinks = _Sinks()
   order = _Order(replication.graph, replication.tower_ops, writes)
   for key in sorted({k for tower in writes for k in tower}):
@@ -120,11 +126,12 @@ def _state_variables(replication: Replication) -> Dict[str, tf.Variable]:
 
   Global and local variables, and those tower 0 created in no collection
   (a Keras metric's, until an EstimatorSpec adds them to LOCAL_VARIABLES):
-  every tower writes the same one, since towers share them (`_towers.build.sharing`).
+  every tower writes the same one, since towers share them (`_towers.sharing`).
   """
   variables = {}
-  created = (replication.created[replication.creator].values()
-             if replication.created else ())
+  created = (
+      replication.created[replication.creator].values()
+      if replication.created else ())
   for variable in (*tf.compat.v1.global_variables(),
                    *tf.compat.v1.local_variables(), *created):
     handle = getattr(variable, "handle", None)
@@ -173,17 +180,17 @@ def _check_writes_in_functions(replication: Replication, variables, skip,
           continue
       else:
         if run is None:
-          run = step_ops.run_by_the_step(
-              replication.graph, specs[:1],
-              [s.predictions for s in specs[1:]])
+          run = step_ops.run_by_the_step(replication.graph, specs[:1],
+                                         [s.predictions for s in specs[1:]])
         if op.name not in run:
           continue
       if run is None:
-        run = step_ops.run_by_the_step(
-            replication.graph, specs[:1], [s.predictions for s in specs[1:]])
+        run = step_ops.run_by_the_step(replication.graph, specs[:1],
+                                       [s.predictions for s in specs[1:]])
       if op.name not in run:
-        logging.info("replicate: %s %s writes %s inside a function no step "
-                     "runs; left alone", op.type, op.name, variable.op.name)
+        logging.info(
+            "replicate: %s %s writes %s inside a function no step "
+            "runs; left alone", op.type, op.name, variable.op.name)
         continue
       raise ValueError(
           f"{op.type} op {op.name!r} writes variable {variable.op.name!r} "
@@ -305,8 +312,12 @@ def _combine(replication: Replication, group: List[Optional[_Write]],
     how = _combine_by_aggregation(replication, group, present, aggregation)
   for write in group[1:]:
     if write is not None:
-      _follow(write, group[0], sinks, order,
-              values=not row_kinds.shares_value(kind))
+      _follow(
+          write,
+          group[0],
+          sinks,
+          order,
+          values=not row_kinds.shares_value(kind))
   logging.info("replicate: %d writes to %s (%s) made one: %s", len(present),
                name, first.kind.value, how)
 
@@ -341,8 +352,7 @@ def _skip_identities(tensor: tf.Tensor) -> tf.Tensor:
   return tensor
 
 
-def _difference(a: tf.Tensor, b: tf.Tensor, budget: List[int]
-                ) -> Optional[str]:
+def _difference(a: tf.Tensor, b: tf.Tensor, budget: List[int]) -> Optional[str]:
   """How tower values `a` and `b` are computed differently, or None.
 
   None also where looking further would cost more than `budget[0]` ops:
@@ -360,8 +370,7 @@ def _difference(a: tf.Tensor, b: tf.Tensor, budget: List[int]
   if op_a.type == "Const":
     value_a = tf.make_ndarray(op_a.get_attr("value"))
     value_b = tf.make_ndarray(op_b.get_attr("value"))
-    if value_a.shape != value_b.shape or not np.array_equal(value_a,
-                                                            value_b):
+    if value_a.shape != value_b.shape or not np.array_equal(value_a, value_b):
       return f"constant {op_a.name} is {value_a}, {op_b.name} is {value_b}"
     return None
   if len(op_a.inputs) != len(op_b.inputs):
@@ -377,10 +386,10 @@ def _combine_by_aggregation(replication, group, present, aggregation) -> str:
   """Each tower's own value, combined by the variable's aggregation."""
   first = present[0]
   name = first.variable.op.name
-  extremum = (_running_extremum(present) if aggregation == _Aggregation.NONE
-              else None)
-  if (aggregation in (_Aggregation.SUM, _Aggregation.MEAN) or extremum) and (
-      len(present) != len(group)):
+  extremum = (
+      _running_extremum(present) if aggregation == _Aggregation.NONE else None)
+  if (aggregation in (_Aggregation.SUM, _Aggregation.MEAN) or
+      extremum) and (len(present) != len(group)):
     raise ValueError(
         f"Variable {name!r} (aggregation {aggregation.name}) is written by "
         f"towers {[i for i, w in enumerate(group) if w]} only; every tower "
@@ -463,8 +472,9 @@ def _computed_alike(a: tf.Tensor, b: tf.Tensor, budget: List[int]) -> bool:
       return False
   elif op_a.op_def.is_stateful:
     return False
-  attrs = [{k: v for k, v in op.node_def.attr.items() if not k.startswith("_")}
-           for op in (op_a, op_b)]
+  attrs = [{
+      k: v for k, v in op.node_def.attr.items() if not k.startswith("_")
+  } for op in (op_a, op_b)]
   return attrs[0] == attrs[1] and all(
       _computed_alike(x, y, budget) for x, y in zip(op_a.inputs, op_b.inputs))
 
@@ -599,8 +609,8 @@ def _set_rows(write: _Write, indices: tf.Tensor, updates: tf.Tensor):
   # other's shape: give both a shape with an unknown number of rows.
   indices = tf.compat.v1.placeholder_with_default(
       indices, [None] if depth is None else [None, depth])
-  updates = tf.compat.v1.placeholder_with_default(
-      updates, [None] + row_shape.as_list())
+  updates = tf.compat.v1.placeholder_with_default(updates,
+                                                  [None] + row_shape.as_list())
   _tf.update_input(write.op, 1, indices)
   _tf.update_input(write.op, 2, updates)
 
@@ -641,8 +651,8 @@ def _check_same_in_every_tower(replication, group: List[Optional[_Write]]):
          "(minimum) needs none when written as tf.maximum(old value, "
          "tf.reduce_max(x)) (tf.minimum, tf.reduce_min)")
   kind = _written_kind(replication, write)
-  cause = (f": op {kind.op!r} {kind.why}" if isinstance(kind, row_kinds.Local)
-           and kind.op else "")
+  cause = (f": op {kind.op!r} {kind.why}"
+           if isinstance(kind, row_kinds.Local) and kind.op else "")
   raise ValueError(
       f"Tower 0 writes {name!r} ({write.op.type} {write.op.name!r}) with a "
       f"value computed from its own shard of the batch{cause}, and {name!r} "
@@ -650,8 +660,11 @@ def _check_same_in_every_tower(replication, group: List[Optional[_Write]]):
       f"writes cannot be made one device's; {fix}.")
 
 
-def _follow(write: _Write, first: _Write, sinks: "_Sinks",
-            order: "_Order", values: bool = True):
+def _follow(write: _Write,
+            first: _Write,
+            sinks: "_Sinks",
+            order: "_Order",
+            values: bool = True):
   """Makes a later tower's write run after tower 0's and change nothing.
 
   On one device every read the model makes before its write (batch
@@ -670,9 +683,10 @@ def _follow(write: _Write, first: _Write, sinks: "_Sinks",
   if write.kind in (_Kind.SCATTER_ADD, _Kind.SCATTER):
     depth, row_shape = _row_layout(write)
     with tf.name_scope("no_rows"), tf.device(write.variable.device):
-      _set_rows(write, tf.zeros([0] if depth is None else [0, depth],
-                                op.inputs[1].dtype),
-                tf.zeros([0] + row_shape.as_list(), op.inputs[2].dtype))
+      _set_rows(
+          write,
+          tf.zeros([0] if depth is None else [0, depth], op.inputs[1].dtype),
+          tf.zeros([0] + row_shape.as_list(), op.inputs[2].dtype))
   else:
     _tf.update_input(op, 0, sinks.get(write))
   # A ref write's output is the variable: its readers get the combined one.
@@ -689,8 +703,9 @@ class _Order:
 
   def __init__(self, graph: tf.Graph, tower_ops: Sequence[Sequence],
                writes: Sequence[Dict]):
-    self._tower_of = {op: index for index, ops in enumerate(tower_ops)
-                      for op in ops}
+    self._tower_of = {
+        op: index for index, ops in enumerate(tower_ops) for op in ops
+    }
     self._writes = writes
     self._control_outputs = collections.defaultdict(list)
     for op in graph.get_operations():
@@ -702,9 +717,10 @@ class _Order:
     there precedes (outside tf.cond / tf.while_loop bodies, which cannot be
     ordered from outside)."""
     tower = self._tower_of.get(write.op)
-    reads = [op for op in self._readers(_source(write.op.inputs[0]))
-             if self._tower_of.get(op) == tower and
-             not _tf.op_in_v1_control_flow(op)]
+    reads = [
+        op for op in self._readers(_source(write.op.inputs[0]))
+        if self._tower_of.get(op) == tower and not _tf.op_in_v1_control_flow(op)
+    ]
     if not reads:
       return []
     name = write.variable.op.name
@@ -721,15 +737,16 @@ class _Order:
       for consumer in tensor.consumers():
         if consumer.type in _FORWARDING:
           pending.extend(consumer.outputs)
-        elif consumer.type not in _KINDS and not _call_writes(consumer,
-                                                               tensor):
+        elif consumer.type not in _KINDS and not _call_writes(consumer, tensor):
           found.append(consumer)
     return found
 
   def _after(self, op: tf.Operation) -> set:
+
     def later(current: tf.Operation) -> List[tf.Operation]:
       return _graph.consumer_ops(current) + list(
           self._control_outputs.get(current, []))
+
     return set(_graph.walk(later(op), later))
 
 
@@ -745,8 +762,8 @@ class _Sinks:
     variable = write.variable
     dtype = write.op.inputs[0].dtype
     is_ref = dtype != dtype.base_dtype
-    key = (variable.device, variable.dtype.base_dtype, tuple(
-        variable.shape.as_list()), is_ref)
+    key = (variable.device, variable.dtype.base_dtype,
+           tuple(variable.shape.as_list()), is_ref)
     if key not in self._sinks:
       self._sinks[key] = self._make(*key)
     return self._sinks[key]
@@ -757,6 +774,8 @@ class _Sinks:
     with tf.device(device):
       sink = tf.compat.v1.Variable(
           lambda: tf.zeros(shape, dtype),
-          trainable=False, collections=[tf.compat.v1.GraphKeys.LOCAL_VARIABLES],
-          use_resource=not is_ref, name=f"replicate_sink/{name}")
+          trainable=False,
+          collections=[tf.compat.v1.GraphKeys.LOCAL_VARIABLES],
+          use_resource=not is_ref,
+          name=f"replicate_sink/{name}")
     return sink.op.outputs[0] if is_ref else sink.handle

@@ -16,8 +16,8 @@ Under TPUEstimator, `params['batch_size']` is the batch the model_fn sees
 
 from typing import Any, Dict, List, Sequence
 
-import tensorflow as tf
 from absl import logging
+import tensorflow as tf
 
 from replicate._prepare import split
 
@@ -63,9 +63,9 @@ def tower_params(params, config, index: int, num_towers: int):
     return params
   sizes = split.shard_sizes(batch_size, num_towers)
   if index == 0:
-    logging.info("replicate: TPUEstimator's params['batch_size'] %d given to "
-                 "%d towers as their shards' sizes %s", batch_size,
-                 num_towers, sizes)
+    logging.info(
+        "replicate: TPUEstimator's params['batch_size'] %d given to "
+        "%d towers as their shards' sizes %s", batch_size, num_towers, sizes)
   params[_BATCH_SIZE] = max(sizes[index], min(batch_size, 1))
   return params
 
@@ -108,8 +108,11 @@ def _merge_host_call(calls, name: str, merge):
   """(fn, tensors) with each tensor merged across the towers."""
   fn, first = calls[0]
   keys = list(first) if isinstance(first, dict) else range(len(first))
-  merged = [merge([c[1][key] for c in calls], f"{name}[1][{key!r}]",
-                  f"{name}_{key}") for key in keys]
+  merged = [
+      merge([c[1][key]
+             for c in calls], f"{name}[1][{key!r}]", f"{name}_{key}")
+      for key in keys
+  ]
   if isinstance(first, dict):
     return (fn, dict(zip(keys, merged)))
   return (fn, merged)
@@ -134,6 +137,7 @@ def merge_host_calls(specs: Sequence[Any], merge) -> Dict[str, Any]:
 
 def merged_spec(tower_spec, fields: Dict[str, Any]):
   """Tower 0's TPUEstimatorSpec with the merged fields (its scaffold_fn)."""
-  fields = {key: value for key, value in fields.items()
-            if key in tower_spec._fields}
+  fields = {
+      key: value for key, value in fields.items() if key in tower_spec._fields
+  }
   return _rebuilt(tower_spec, fields)

@@ -19,28 +19,28 @@ inputs) and `tf.math.reduce_variance` build it, and
 
 from typing import NamedTuple, Optional, Sequence
 
-import tensorflow as tf
 from absl import logging
+import tensorflow as tf
 
 from replicate import _tf
 from replicate._batch import sums
 
 # Ops that pass a statistic on unchanged in value (shape and dtype aside).
-_VALUE_PRESERVING = frozenset([
-    "Identity", "Squeeze", "Reshape", "ExpandDims", "Cast"])
+_VALUE_PRESERVING = frozenset(
+    ["Identity", "Squeeze", "Reshape", "ExpandDims", "Cast"])
 # Ops a statistic may pass through on its way to the write: those, or an
 # elementwise combination with the variable's value and a decay.
-_PATH_OPS = _VALUE_PRESERVING | frozenset(["Sub", "Mul", "AddV2", "Add",
-                                           "RealDiv"])
+_PATH_OPS = _VALUE_PRESERVING | frozenset(
+    ["Sub", "Mul", "AddV2", "Add", "RealDiv"])
 _FUSED = ("FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3")
 _MAX_DEPTH = 8
 
 
 class _Statistic(NamedTuple):
-  consumer: tf.Operation     # the op on the write's path to rewire
-  position: int              # which input of the consumer
-  variance: tf.Tensor        # the shard's variance
-  mean: tf.Tensor            # the shard's mean, same shape as variance
+  consumer: tf.Operation  # the op on the write's path to rewire
+  position: int  # which input of the consumer
+  variance: tf.Tensor  # the shard's variance
+  mean: tf.Tensor  # the shard's mean, same shape as variance
   count: Optional[tf.Tensor]  # values per channel (Bessel-corrected only)
 
 
@@ -65,9 +65,12 @@ def add_between_shard_variance(writes: Sequence[tf.Operation], weights,
     return False
   batch_mean = weighted_sum([s.mean for s in statistics])
   if bessel:
-    # A tower of weight 0 holds no example (a phantom row's, see _prepare.split).
-    counts = [sums.gate(tf.cast(s.count, s.variance.dtype), weight > 0)
-              for s, weight in zip(statistics, weights)]
+    # A tower of weight 0 holds no example (a phantom row's, see
+    # _prepare.split).
+    counts = [
+        sums.gate(tf.cast(s.count, s.variance.dtype), weight > 0)
+        for s, weight in zip(statistics, weights)
+    ]
     total = tf.add_n(counts)
   for index, statistic in enumerate(statistics):
     variance, mean = statistic.variance, statistic.mean
@@ -78,9 +81,9 @@ def add_between_shard_variance(writes: Sequence[tf.Operation], weights,
       several = total > 1.0
       denominator = tf.where(several, total - 1.0, 1.0)
       share = tf.math.divide_no_nan(count - 1.0, count)
-      corrected = tf.where(
-          several, (variance * share + spread) * (total / denominator),
-          variance)
+      corrected = tf.where(several,
+                           (variance * share + spread) * (total / denominator),
+                           variance)
     else:
       corrected = variance + spread
     _replace_input(statistic, corrected)
@@ -114,8 +117,8 @@ def _find_statistic(write: tf.Operation) -> Optional[_Statistic]:
       continue
     source = tensor.op
     if source.type in _PATH_OPS and depth < _MAX_DEPTH:
-      pending.extend((source, i, depth + 1, path)
-                     for i in range(len(source.inputs)))
+      pending.extend(
+          (source, i, depth + 1, path) for i in range(len(source.inputs)))
   if len(found) != 1:
     return None
   statistic, path = found[0]

@@ -1,1 +1,2 @@
-"""Before the towers: devices, the cluster, the batch's leaves and their split."""
+"""Before the towers: devices, the cluster, the batch's leaves and their
+split."""

@@ -80,8 +80,9 @@ def check_devices(devices: Sequence[str],
     if spec.job is None:
       continue
     if spec.job != own_job or spec.task not in (None, own_task):
-      local = tf.DeviceSpec(device_type=spec.device_type,
-                            device_index=spec.device_index).to_string()
+      local = tf.DeviceSpec(
+          device_type=spec.device_type,
+          device_index=spec.device_index).to_string()
       raise ValueError(
           f"Device {device!r} is on another machine than this task "
           f"(/job:{own_job}/task:{own_task}): a trainer's towers run on its "

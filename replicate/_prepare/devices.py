@@ -9,8 +9,8 @@ import enum
 import itertools
 from typing import Callable, Dict, List, Optional, Sequence
 
-import tensorflow as tf
 from absl import logging
+import tensorflow as tf
 
 _HOST_CPU = "/device:CPU:0"
 
@@ -27,7 +27,6 @@ _STATEFUL_VARIABLE_OPS = frozenset([
     "MutableDenseHashTable",
     "MutableDenseHashTableV2",
 ])
-
 
 # Gathers whose gradient TensorFlow colocates with the gathered tensor.
 _GATHER_OPS = frozenset(["Gather", "GatherV2"])
@@ -123,8 +122,8 @@ def _local_device_counts(config) -> Dict[str, int]:
   counts = {}
   for device in tf.config.list_logical_devices():
     spec = tf.DeviceSpec.from_string(device.name)
-    counts[spec.device_type] = max(counts.get(spec.device_type, 0),
-                                   spec.device_index + 1)
+    counts[spec.device_type] = max(
+        counts.get(spec.device_type, 0), spec.device_index + 1)
   session_config = getattr(config, "session_config", None)
   if session_config is not None:
     cpus = session_config.device_count.get("CPU", 0)
@@ -146,12 +145,11 @@ def _missing_device_message(device: str, kind: str, counts) -> str:
   message = (f"Device {device!r} does not exist: {what}; the local devices "
              f"are {_device_names(counts)}. Pass devices from that list")
   if kind == "CPU":
-    message += (
-        ", or make more CPU devices: split the CPU with "
-        "tf.config.set_logical_device_configuration before TensorFlow "
-        "initialises, or give the Estimator a session with as many, "
-        "RunConfig(session_config=tf.compat.v1.ConfigProto("
-        "device_count={'CPU': N}))")
+    message += (", or make more CPU devices: split the CPU with "
+                "tf.config.set_logical_device_configuration before TensorFlow "
+                "initialises, or give the Estimator a session with as many, "
+                "RunConfig(session_config=tf.compat.v1.ConfigProto("
+                "device_count={'CPU': N}))")
   return message + "."
 
 
@@ -182,7 +180,7 @@ def check_local_devices(devices: Sequence[str], config=None) -> None:
   without_gpu, unknown_cpus, local_cpus = [], [], []
   for device in devices:
     spec = tf.DeviceSpec.from_string(device)
-    if spec.job is not None or spec.replica is not None or spec.task is not None:
+    if any(part is not None for part in (spec.job, spec.replica, spec.task)):
       continue
     if spec.device_type == "GPU" and "GPU" not in counts:
       without_gpu.append(device)
@@ -231,8 +229,9 @@ def _check_session_cpus(cpus: Sequence[str], session_config) -> None:
   """
   have = 1 if session_config is None else max(
       1, session_config.device_count.get("CPU", 1))
-  missing = [d for d in cpus
-             if tf.DeviceSpec.from_string(d).device_index >= have]
+  missing = [
+      d for d in cpus if tf.DeviceSpec.from_string(d).device_index >= have
+  ]
   if not missing:
     return
   need = 1 + max(tf.DeviceSpec.from_string(d).device_index for d in cpus)
@@ -283,13 +282,14 @@ def on_task_of(device: str, other: str) -> str:
   """`device` on `other`'s job and task where it names none itself."""
   spec = tf.DeviceSpec.from_string(device or "")
   place = tf.DeviceSpec.from_string(other or "")
-  return tf.DeviceSpec(job=place.job, replica=place.replica,
-                       task=place.task).make_merged_spec(spec).to_string()
+  return tf.DeviceSpec(
+      job=place.job, replica=place.replica,
+      task=place.task).make_merged_spec(spec).to_string()
 
 
 def variable_device_chooser(
-    placement: VariablePlacement, devices: Sequence[str]
-) -> Callable[[tf.Operation], str]:
+    placement: VariablePlacement,
+    devices: Sequence[str]) -> Callable[[tf.Operation], str]:
   """Returns a function that picks the device of each new variable op."""
   if placement is VariablePlacement.SHARED:
     device = consolidation_device(devices)
@@ -309,14 +309,15 @@ def tower_device_function(
   to the tower's device. A device the user set on an op (with an inner
   `tf.device`) takes precedence field by field, as `tf.device` nests.
   """
+
   def device_function(op):
     user_spec = tf.DeviceSpec.from_string(op.device or "")
     if op.type in _STATEFUL_VARIABLE_OPS:
       base = tf.DeviceSpec.from_string(choose_variable_device(op))
     else:
       device = _variable_device(op)
-      base = tf.DeviceSpec.from_string(tower_device if device is None
-                                       else device)
+      base = tf.DeviceSpec.from_string(tower_device if device is
+                                       None else device)
     return base.make_merged_spec(user_spec).to_string()
 
   return device_function
@@ -339,8 +340,10 @@ def _variable_device(op: tf.Operation) -> Optional[str]:
   if op.type in _FUNCTION_CALL_OPS:
     return None
   # A reference's dtype differs from its base dtype (float32_ref, float32).
-  tensors = [t for t in op.inputs
-             if t.dtype == tf.resource or t.dtype != t.dtype.base_dtype]
+  tensors = [
+      t for t in op.inputs
+      if t.dtype == tf.resource or t.dtype != t.dtype.base_dtype
+  ]
   if op.type in _GATHER_OPS and op.inputs:
     tensors.append(op.inputs[0])
   elif op.type in _COND_OPS:
@@ -361,7 +364,7 @@ def _variable_source(tensor: tf.Tensor) -> Optional[tf.Operation]:
   Inside a function body (a cond's branch, a loop's body) a captured
   variable is a placeholder; its source is the captured outer tensor's. A
   copy on another task (the towers' one read per step of a parameter
-  server's variable, see `_towers.build.sharing.read_once_per_step`) is a value of its
+  server's variable, see `_towers.sharing.read_once_per_step`) is a value of its
   own, not the variable.
   """
   copies = []
@@ -395,8 +398,8 @@ def _task(device: str):
 
 def other_task(device: str, other: str) -> bool:
   """Whether both devices name a job and their tasks differ."""
-  return bool(_task(device)[0] and _task(other)[0]) and (
-      _task(device) != _task(other))
+  return bool(_task(device)[0] and _task(other)[0]) and (_task(device)
+                                                         != _task(other))
 
 
 def cache_device(graph: tf.Graph, op_names, hub: str) -> Optional[str]:

@@ -16,6 +16,7 @@ from typing import Any, Tuple
 
 import numpy as np
 import tensorflow as tf
+
 from replicate import _graph
 
 _SCALARS = (int, float, complex, bool, str, bytes, np.generic)
@@ -23,7 +24,7 @@ _SCALARS = (int, float, complex, bool, str, bytes, np.generic)
 
 def _is_value(sequence) -> bool:
   """Whether a list or tuple holds only numbers, strings and lists of those."""
-  if hasattr(sequence, "_fields"):   # a namedtuple is always a structure
+  if hasattr(sequence, "_fields"):  # a namedtuple is always a structure
     return False
   pending = [sequence]
   while pending:
@@ -31,8 +32,8 @@ def _is_value(sequence) -> bool:
     for item in items:
       if isinstance(item, (list, tuple)) and not hasattr(item, "_fields"):
         pending.append(item)
-      elif not isinstance(item, _SCALARS) and not (
-          isinstance(item, np.ndarray) and item.ndim == 0):
+      elif not isinstance(item, _SCALARS) and not (isinstance(item, np.ndarray)
+                                                   and item.ndim == 0):
         return False
   return True
 
@@ -52,8 +53,9 @@ def _converted(structure, path: str) -> Tuple[Any, bool]:
   if isinstance(structure, (list, tuple)):
     if _is_value(structure):
       return _convert(path, structure), True
-    items = [_converted(item, f"{path}[{i}]")
-             for i, item in enumerate(structure)]
+    items = [
+        _converted(item, f"{path}[{i}]") for i, item in enumerate(structure)
+    ]
     if not any(changed for _, changed in items):
       return structure, False
     values = [item for item, _ in items]
@@ -61,8 +63,10 @@ def _converted(structure, path: str) -> Tuple[Any, bool]:
       return type(structure)(*values), True
     return type(structure)(values), True
   if isinstance(structure, collections.abc.Mapping):
-    items = {key: _converted(value, f"{path}[{key!r}]")
-             for key, value in structure.items()}
+    items = {
+        key: _converted(value, f"{path}[{key!r}]")
+        for key, value in structure.items()
+    }
     if not any(changed for _, changed in items.values()):
       return structure, False
     if isinstance(structure, collections.abc.MutableMapping):
@@ -89,12 +93,16 @@ def as_tensors(structure, path: str):
 
 
 def reads_batch(tensors, inputs) -> bool:
-  """Whether a value of `tensors` (a tensor or a list) is computed from `inputs`.
+  """Whether a value of `tensors` (a tensor or a list) is computed from
+  `inputs`.
 
   `inputs` is any nest of the towers' input tensors (composites included);
   only data edges count, so a value read from a variable does not.
   """
-  batch_ops = {t.op for t in tf.nest.flatten(inputs, expand_composites=True)
-               if t is not None}
-  return any(op in batch_ops
-             for op in _graph.ancestors(tf.nest.flatten(tensors)))
+  batch_ops = {
+      t.op
+      for t in tf.nest.flatten(inputs, expand_composites=True)
+      if t is not None
+  }
+  return any(
+      op in batch_ops for op in _graph.ancestors(tf.nest.flatten(tensors)))

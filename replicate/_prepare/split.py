@@ -35,25 +35,29 @@ class Shards(NamedTuple):
   """The per-tower inputs and the share of the batch each tower holds."""
   features: List[Any]
   labels: List[Any]
-  sizes: List[Size]       # examples per tower (ints when the batch is static)
-  fractions: List[Any]    # size / batch size: floats, or float64 tensors
-  valid: List[Any]        # False for a phantom row's tower: bools or tensors
+  sizes: List[Size]  # examples per tower (ints when the batch is static)
+  fractions: List[Any]  # size / batch size: floats, or float64 tensors
+  valid: List[Any]  # False for a phantom row's tower: bools or tensors
 
 
 def _paths(structure, prefix):
   """Names of the leaves of `structure`, in `tf.nest.flatten` order."""
   if isinstance(structure, dict):
-    return [p for key in sorted(structure)
-            for p in _paths(structure[key], f"{prefix}[{key!r}]")]
+    return [
+        p for key in sorted(structure)
+        for p in _paths(structure[key], f"{prefix}[{key!r}]")
+    ]
   if isinstance(structure, (list, tuple)):
-    return [p for i, item in enumerate(structure)
-            for p in _paths(item, f"{prefix}[{i}]")]
+    return [
+        p for i, item in enumerate(structure)
+        for p in _paths(item, f"{prefix}[{i}]")
+    ]
   return [prefix]
 
 
 def _as_tensor(path, value):
-  if value is None or isinstance(
-      value, (tf.Tensor, tf.SparseTensor, tf.RaggedTensor)):
+  if value is None or isinstance(value,
+                                 (tf.Tensor, tf.SparseTensor, tf.RaggedTensor)):
     return value
   if isinstance(value, tf.compat.v1.SparseTensorValue):
     return tf.SparseTensor.from_value(value)
@@ -91,10 +95,11 @@ def _static_batch_size(path, tensor):
 
 def _rank_check(path, leaf):
   """A runtime check that a leaf of unknown rank is not a scalar."""
-  rank = (tf.size(leaf.dense_shape) if isinstance(leaf, tf.SparseTensor)
-          else tf.rank(leaf))
-  return tf.debugging.Assert(rank > 0, [_scalar_message(path)],
-                             name="check_rank")
+  rank = (
+      tf.size(leaf.dense_shape)
+      if isinstance(leaf, tf.SparseTensor) else tf.rank(leaf))
+  return tf.debugging.Assert(
+      rank > 0, [_scalar_message(path)], name="check_rank")
 
 
 def _dynamic_batch_size(path, leaf):
@@ -110,12 +115,15 @@ def _dynamic_batch_size(path, leaf):
 
 def _size_check(path, size, reference_path, reference):
   """A runtime check that leaf `path` has the batch size of another leaf."""
-  return tf.debugging.Assert(tf.equal(size, reference), [
-      f"Batch size of `{path}`:", size,
-      f"differs from that of `{reference_path}`:", reference,
-      "; every feature and label must have the same size in dimension 0 to "
-      "be split across towers: batch them together in the input_fn, e.g. "
-      "with one Dataset.batch over (features, labels)."], name="check_batch")
+  return tf.debugging.Assert(
+      tf.equal(size, reference), [
+          f"Batch size of `{path}`:", size,
+          f"differs from that of `{reference_path}`:", reference,
+          "; every feature and label must have the same size in dimension 0 to "
+          "be split across towers: batch them together in the input_fn, e.g. "
+          "with one Dataset.batch over (features, labels)."
+      ],
+      name="check_batch")
 
 
 def _batch_size(named_leaves):
@@ -134,16 +142,17 @@ def _batch_size(named_leaves):
         f"Features and labels have different batch sizes ({listed}); every "
         "tensor must have the same size in dimension 0 to be split across "
         "towers.")
-  unknown = [(path, leaf) for path, leaf in named_leaves
-             if static[path] is None]
+  unknown = [(path, leaf) for path, leaf in named_leaves if static[path] is None
+            ]
   if known:
     reference_path, reference = next(iter(known.items()))
   else:
     reference_path, leaf = unknown.pop(0)
     reference = _dynamic_batch_size(reference_path, leaf)
-  checks = [_size_check(path, _dynamic_batch_size(path, leaf),
-                        reference_path, reference)
-            for path, leaf in unknown]
+  checks = [
+      _size_check(path, _dynamic_batch_size(path, leaf), reference_path,
+                  reference) for path, leaf in unknown
+  ]
   return reference, checks
 
 
@@ -178,14 +187,18 @@ def _windows(sizes: List[Size], batch_size: Size) -> List[_Window]:
   """
   starts = [0] + list(itertools.accumulate(sizes[:-1]))
   if isinstance(batch_size, int):
-    return [_Window(min(start, batch_size - 1), 1) if batch_size and not size
-            else _Window(start, size) for start, size in zip(starts, sizes)]
+    return [
+        _Window(min(start, batch_size -
+                    1), 1) if batch_size and not size else _Window(start, size)
+        for start, size in zip(starts, sizes)
+    ]
   batch_size = tf.cast(batch_size, tf.int64)
   last = tf.maximum(batch_size - 1, 0)
-  at_least = tf.minimum(batch_size, 1)   # one row, unless there is none
+  at_least = tf.minimum(batch_size, 1)  # one row, unless there is none
   return [_Window(0, sizes[0])] + [
       _Window(tf.minimum(start, last), tf.maximum(size, at_least))
-      for start, size in zip(starts[1:], sizes[1:])]
+      for start, size in zip(starts[1:], sizes[1:])
+  ]
 
 
 def _tiled(sizes: List[Size], batch_size: Size) -> bool:
@@ -198,9 +211,11 @@ def _valid(sizes: List[Size]) -> List[Any]:
 
   Tower 0 always does: it holds the whole batch when the batch is empty.
   """
-  return [True] + [size > 0 if isinstance(size, int) else
-                   tf.greater(size, 0, name=f"valid_{index}")
-                   for index, size in enumerate(sizes[1:], start=1)]
+  return [True] + [
+      size > 0 if isinstance(size, int) else tf.greater(
+          size, 0, name=f"valid_{index}")
+      for index, size in enumerate(sizes[1:], start=1)
+  ]
 
 
 def _split_dense(tensor, sizes, windows, tiled):
@@ -223,12 +238,12 @@ def _split_sparse(sparse, windows):
   shards = []
   for window in windows:
     start = tf.concat([[tf.cast(window.start, tf.int64)],
-                       tf.zeros_like(trailing)], axis=0)
+                       tf.zeros_like(trailing)],
+                      axis=0)
     extent = tf.concat([[tf.cast(window.size, tf.int64)], trailing], axis=0)
     shard = tf.sparse.slice(sparse, start, extent)
     if static is not None and isinstance(window.size, int):
-      shape = tf.constant(np.concatenate([[window.size], static[1:]]),
-                          tf.int64)
+      shape = tf.constant(np.concatenate([[window.size], static[1:]]), tf.int64)
     else:
       shape = extent
     shards.append(tf.SparseTensor(shard.indices, shard.values, shape))
@@ -248,17 +263,20 @@ def padded_to_widest(tensors: List[tf.Tensor]) -> List[tf.Tensor]:
   """
   first = tensors[0].shape
   if not all(isinstance(t, tf.Tensor) for t in tensors) or (
-      first.rank is None or first.rank < 2) or (
-      first[1:].is_fully_defined() and
-      all(t.shape[1:] == first[1:] for t in tensors)):
+      first.rank is None or
+      first.rank < 2) or (first[1:].is_fully_defined() and
+                          all(t.shape[1:] == first[1:] for t in tensors)):
     return list(tensors)
   shapes = [tf.shape(t, out_type=tf.int64) for t in tensors]
   widest = tf.reduce_max(tf.stack(shapes), axis=0)
   padded = []
   for tensor, shape in zip(tensors, shapes):
     after = tf.concat([[0], widest[1:] - shape[1:]], axis=0)
-    padded.append(tf.pad(tensor, tf.stack([tf.zeros_like(after), after], 1),
-                         constant_values=tf.zeros((), tensor.dtype)))
+    padded.append(
+        tf.pad(
+            tensor,
+            tf.stack([tf.zeros_like(after), after], 1),
+            constant_values=tf.zeros((), tensor.dtype)))
   return padded
 
 
@@ -291,8 +309,9 @@ def _fractions(sizes, batch_size):
       return [1.0] + [0.0] * (len(sizes) - 1)
     return [size / batch_size for size in sizes]
   total = tf.cast(batch_size, tf.float64)
-  fractions = [tf.math.divide_no_nan(tf.cast(size, tf.float64), total)
-               for size in sizes]
+  fractions = [
+      tf.math.divide_no_nan(tf.cast(size, tf.float64), total) for size in sizes
+  ]
   fractions[0] = tf.where(total > 0, fractions[0], tf.constant(1.0, tf.float64))
   return fractions
 
@@ -339,8 +358,8 @@ def split_batch(features, labels, num_shards: int) -> Shards:
 
   Raises:
     ValueError: a leaf is a scalar or not a tensor (a Python list of
-      numbers or strings is one tensor, see `_prepare.leaves`), or the leaves' static
-      shapes disagree on the batch size (dynamic sizes that disagree fail
+      numbers or strings is one tensor, see `_prepare.leaves`), or the leaves'
+      static shapes disagree on the batch size (dynamic sizes that disagree fail
       the runtime checks, naming the leaves and their sizes).
   """
   features = _leaves.as_tensors(features, "features")
@@ -359,13 +378,17 @@ def split_batch(features, labels, num_shards: int) -> Shards:
   with tf.control_dependencies(checks):
     windows = _windows(sizes, batch_size)
     tiled = _tiled(sizes, batch_size)
-    split_leaves = [[_unfolded(shard) for shard in
-                     _split_leaf(leaf, sizes, windows, tiled)]
-                    for leaf in leaves]
-  towers = [tf.nest.pack_sequence_as(structure, [s[i] for s in split_leaves])
-            for i in range(num_shards)]
-  return Shards(features=[f for f, _ in towers],
-                labels=[l for _, l in towers],
-                sizes=sizes,
-                fractions=_fractions(sizes, batch_size),
-                valid=_valid(sizes))
+    split_leaves = [[
+        _unfolded(shard) for shard in _split_leaf(leaf, sizes, windows, tiled)
+    ] for leaf in leaves]
+  towers = [
+      tf.nest.pack_sequence_as(structure, [s[i]
+                                           for s in split_leaves])
+      for i in range(num_shards)
+  ]
+  return Shards(
+      features=[f for f, _ in towers],
+      labels=[label for _, label in towers],
+      sizes=sizes,
+      fractions=_fractions(sizes, batch_size),
+      valid=_valid(sizes))

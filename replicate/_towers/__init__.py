@@ -1,1 +1,2 @@
-"""Building the towers: one call of the model_fn per device, in turn, sharing one set of variables."""
+"""Building the towers: one call of the model_fn per device, in turn, sharing
+one set of variables."""

@@ -23,14 +23,14 @@ model_fn would; TensorBoard shows tower 0's summaries.
 import contextlib
 from typing import Any, Callable, List, Sequence
 
-import tensorflow as tf
 from absl import logging
+import tensorflow as tf
 
 from replicate import _context
-from replicate._towers import sharing
 from replicate import _tf
 from replicate._context import Replication
 from replicate._context import Tower
+from replicate._towers import sharing
 
 _GraphKeys = tf.compat.v1.GraphKeys
 # Collections each tower keeps its own view of: what was there before the
@@ -50,27 +50,29 @@ def _tower_scope(replication: Replication, index: int,
   graph = replication.graph
   with contextlib.ExitStack() as stack:
     if index != replication.creator:
-      stack.enter_context(tf.compat.v1.variable_scope(
-          replication.root_variable_scope,
-          custom_getter=sharing.sharing_getter(replication, index)))
+      stack.enter_context(
+          tf.compat.v1.variable_scope(
+              replication.root_variable_scope,
+              custom_getter=sharing.sharing_getter(replication, index)))
     if index > 0:
       scope = stack.enter_context(graph.name_scope(f"tower_{index}"))
       stack.enter_context(_tf.tower_root(graph, scope.rstrip("/")))
     else:
-      stack.enter_context(_context.absolute_name_scope(
-          graph, replication.root_name_scope))
+      stack.enter_context(
+          _context.absolute_name_scope(graph, replication.root_name_scope))
     stack.enter_context(tf.compat.v1.device(device_function))
-    stack.enter_context(tf.compat.v1.variable_creator_scope(
-        sharing.variable_creator(replication, index,
-                                  replication.tower_prefix(index))))
+    stack.enter_context(
+        tf.compat.v1.variable_creator_scope(
+            sharing.variable_creator(replication, index,
+                                     replication.tower_prefix(index))))
     logging.info("replicate: building tower %d of %d on %s", index,
                  replication.num_towers, replication.devices[index])
     yield
 
 
-def build_towers(replication: Replication, build: Callable[[int], Any],
-                 device_functions: Sequence[Callable[[tf.Operation], str]]
-                 ) -> List[Any]:
+def build_towers(
+    replication: Replication, build: Callable[[int], Any],
+    device_functions: Sequence[Callable[[tf.Operation], str]]) -> List[Any]:
   """Calls `build(i)` once per tower, one after another; tower 0 last.
 
   Records each tower's range of ops in `replication.ranges`, and its ops
@@ -88,8 +90,9 @@ def build_towers(replication: Replication, build: Callable[[int], Any],
     counters.restore()
     for key in _PER_TOWER:
       graph.get_collection_ref(key)[:] = before[key]
-    summaries_before = {id(s) for s in graph.get_collection(
-        _GraphKeys.SUMMARIES)}
+    summaries_before = {
+        id(s) for s in graph.get_collection(_GraphKeys.SUMMARIES)
+    }
     replication.tower = Tower(index, num_towers, replication.devices[index])
     replication.ranges[index] = [graph.version, None]
     with _tower_scope(replication, index, device_functions[index]):

@@ -24,8 +24,10 @@ from replicate._towers import sharing
 
 
 def _own_read(param: Any, copies: Dict[Any, Any]) -> Any:
-  own = (sharing.own_read(param, copies)
-         if isinstance(param, (tf.Variable, tf.Tensor)) else None)
+  own = (
+      sharing.own_read(param, copies) if isinstance(param,
+                                                    (tf.Variable,
+                                                     tf.Tensor)) else None)
   return param if own is None else own
 
 
@@ -44,10 +46,12 @@ def _own_reads(params: Any, copies: Dict[Any, Any]) -> Any:
 
 
 def _lookup(original: Callable[..., Any]) -> Callable[..., Any]:
+
   def embedding_lookup(params, ids, *args, **kwargs):
     replication = _context.replication_on_thread()
     copies = {} if replication is None else replication.shared_copies
     return original(_own_reads(params, copies), ids, *args, **kwargs)
+
   return embedding_lookup
 
 
@@ -58,8 +62,7 @@ def _install() -> _tf.Patched:
   return _tf.rebind("embedding_lookup", original, _lookup(original))
 
 
-_PATCHES = _tf.Patches("embedding lookups of reference variables",
-                            _install)
+_PATCHES = _tf.Patches("embedding lookups of reference variables", _install)
 
 
 def routed(replication: _context.Replication):

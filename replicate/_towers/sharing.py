@@ -10,13 +10,13 @@ import collections
 import re
 from typing import Any, Dict, Optional
 
-import tensorflow as tf
 from absl import logging
+import tensorflow as tf
 
 from replicate import _context
-from replicate._prepare import devices
 from replicate import _tf
 from replicate._context import Replication
+from replicate._prepare import devices
 
 
 def _is_model_state(kwargs) -> bool:
@@ -47,8 +47,8 @@ def _cache_device(replication: Replication) -> Optional[str]:
   """
   if not replication.hub:
     return None
-  device = devices.cache_device(replication.graph,
-                                 replication.split_op_names, replication.hub)
+  device = devices.cache_device(replication.graph, replication.split_op_names,
+                                replication.hub)
   if device is not None:
     logging.info(
         "replicate: towers on cluster task %s; trained variables of other "
@@ -66,13 +66,13 @@ def _after_writes_possible() -> bool:
 
 
 def _is_resource(variable) -> bool:
-  """Whether `variable` is a resource variable (reference ones have no handle)."""
+  """Whether `variable` is a resource variable (a reference one has no
+  handle)."""
   handle = getattr(variable, "handle", None)
   return isinstance(handle, tf.Tensor) and handle.dtype == tf.resource
 
 
-def read_once_per_step(variable, device: str, replication: Replication
-                       ) -> None:
+def read_once_per_step(variable, device: str, replication: Replication) -> None:
   """Makes the towers share one read of `variable` per step, on `device`.
 
   For a trained variable on another task than the towers (a parameter
@@ -86,12 +86,11 @@ def read_once_per_step(variable, device: str, replication: Replication
   reference variable its own snapshot (stale there on one device too). So
   do a resource variable's `read_value()` and gathers (`sparse_read`: an
   embedding's rows), and TensorFlow's embedding lookups of a reference
-  variable (see `_towers.build.lookups`): their gathers run where the variable is, and
+  variable (see `_towers.lookups`): their gathers run where the variable is, and
   only rows cross. This is what `caching_device` does, but decided once the
   variable's device is known, and without the stale reads after writes.
   """
-  if not (variable.trainable and
-          devices.other_task(variable.device, device)):
+  if not (variable.trainable and devices.other_task(variable.device, device)):
     return
   own = variable.value
   with tf.init_scope(), tf.compat.v1.device(None), tf.device(device):
@@ -114,7 +113,7 @@ def read_once_per_step(variable, device: str, replication: Replication
 def own_read(value, copies: Dict[Any, Any]) -> Optional[tf.Tensor]:
   """The variable's own read where the towers share a copy of it, else None.
 
-  For the ops that must run where the variable is (see `_towers.build.lookups`).
+  For the ops that must run where the variable is (see `_towers.lookups`).
   `value`: a tensor or variable; `copies`: a `Replication.shared_copies`,
   which knows the shared copies and the reference variables they copy.
   """
@@ -143,9 +142,9 @@ def variable_creator(replication: Replication, index: int, name_root: str):
   name was asked for before, so TensorFlow's own uniquifying of names
   cannot pair the wrong ones. Local (metric) variables are shared too, like
   those `get_local_variable` gets back by variable-scope reuse, so that the
-  towers' writes reach one variable (`_merge.state`). A checkpointed variable the
-  first tower did not create, or asked for with another shape, is an
-  error; a local one is the tower's.
+  towers' writes reach one variable (`_merge.state`). A checkpointed variable
+  the first tower did not create, or asked for with another shape, is an error;
+  a local one is the tower's.
   """
   counts = collections.Counter()
   created = replication.created[index]
@@ -177,8 +176,8 @@ def variable_creator(replication: Replication, index: int, name_root: str):
             f"created {len(replication.created[replication.creator])} "
             "variables); every tower must build the same model, so make the "
             "model_fn create the same variables in every call.")
-    unwrapped = _without_root(scope + "/", name_root).rstrip("/") if (
-        scope) else ""
+    unwrapped = _without_root(scope +
+                              "/", name_root).rstrip("/") if (scope) else ""
     unwrapped = "/".join(part for part in (root, unwrapped) if part)
     with replication.library(), _tf.top_level_name_scopes():
       with _context.absolute_name_scope(graph, unwrapped):
@@ -216,6 +215,7 @@ def sharing_getter(replication: Replication, index: int):
   variable store checks a variable it reuses itself, before any creator:
   its errors are given the towers' terms here.
   """
+
   def getter(getter, *args, **kwargs):  # pylint: disable=redefined-outer-name
     if replication.unshared:
       return getter(*args, **kwargs)
@@ -242,4 +242,5 @@ def sharing_getter(replication: Replication, index: int):
           f"differently from tower {replication.creator}, the first built "
           f"({error}); every tower must build the same model: the same "
           "variables with the same shapes in every model_fn call.") from None
+
   return getter

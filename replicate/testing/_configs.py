@@ -5,10 +5,9 @@
 session with N CPU devices, which is all a graph-mode Estimator needs.
 """
 
-from typing import (Any, List, Optional)
+from typing import Any, List, Optional
 
 import tensorflow as tf
-
 
 
 def virtual_cpus(num_devices: int) -> List[str]:
@@ -49,7 +48,6 @@ def virtual_cpus(num_devices: int) -> List[str]:
   return cpu_names(num_devices)
 
 
-
 def session_config(
     num_devices: int,
     base: Optional[tf.compat.v1.ConfigProto] = None,
@@ -78,7 +76,6 @@ def session_config(
   return merged_session_config(num_devices, base)
 
 
-
 def merged_session_config(num_devices, base):
   check_count(num_devices)
   config = tf.compat.v1.ConfigProto(allow_soft_placement=True)
@@ -96,7 +93,6 @@ def merged_session_config(num_devices, base):
   return config
 
 
-
 def _carry_logical_gpus(gpu_options):
   """Repeats tf.config's logical split of the visible GPUs in `gpu_options`.
 
@@ -109,8 +105,11 @@ def _carry_logical_gpus(gpu_options):
     return
   gpus = tf.config.list_physical_devices("GPU")
   visible = set(tf.config.get_visible_devices("GPU"))
-  splits = {gpu: tf.config.get_logical_device_configuration(gpu) or []
-            for gpu in gpus if gpu in visible}
+  splits = {
+      gpu: tf.config.get_logical_device_configuration(gpu) or []
+      for gpu in gpus
+      if gpu in visible
+  }
   if not any(splits.values()):
     return
   gpu_options.visible_device_list = ",".join(
@@ -121,11 +120,12 @@ def _carry_logical_gpus(gpu_options):
     devices = gpu_options.experimental.virtual_devices.add()
     split = splits[gpu]
     devices.memory_limit_mb.extend(d.memory_limit for d in split)
-    devices.priority.extend(d.experimental_priority for d in split
+    devices.priority.extend(d.experimental_priority
+                            for d in split
                             if d.experimental_priority is not None)
-    devices.device_ordinal.extend(d.experimental_device_ordinal for d in split
+    devices.device_ordinal.extend(d.experimental_device_ordinal
+                                  for d in split
                                   if d.experimental_device_ordinal is not None)
-
 
 
 def run_config(
@@ -154,14 +154,11 @@ def run_config(
       **run_config_kwargs)
 
 
-
 def check_count(num_devices: int):
   if not isinstance(num_devices, int) or num_devices < 1:
     raise ValueError(
         f"{num_devices!r} devices: pass a number of devices of at least 1.")
 
 
-
 def cpu_names(num_devices: int) -> List[str]:
   return [f"/device:CPU:{i}" for i in range(num_devices)]
-

@@ -1,4 +1,5 @@
-"""`assert_replicates`: N towers give one device's results, or an error says where not.
+"""`assert_replicates`: N towers give one device's results, or an error says
+where not.
 
 The model_fn is trained, evaluated and run for predictions on one device
 and on N towers from the same initial checkpoint; losses, trained
@@ -10,8 +11,16 @@ import itertools
 import os
 import shutil
 import tempfile
-from typing import (Any, Callable, Dict, List, NamedTuple, Optional, Sequence,
-                    Union)
+from typing import (
+    Any,
+    Callable,
+    Dict,
+    List,
+    NamedTuple,
+    Optional,
+    Sequence,
+    Union,
+)
 
 import numpy as np
 import tensorflow as tf
@@ -22,42 +31,27 @@ from replicate.testing._configs import check_count
 from replicate.testing._configs import cpu_names
 from replicate.testing._configs import merged_session_config
 
-
 _ModeKeys = tf.estimator.ModeKeys
-
-
 
 _MODES = ("train", "eval", "predict")
 
-
-
 _NAMES_LISTED = 5
-
-
 
 # A checkpoint is saved when training starts (step 0) and when it ends.
 _NEVER = 10**9
 
-
-
 _UNTIL_STEPS = object()
-
-
 
 # A summed loss on uneven shards (sizes n_i of n) is weighted to
 # Σ n_i² / n² of one device's, not exactly 1/N: 0.26 for 3, 3, 2, 2.
 # What TensorFlow says when a Keras optimizer instance meets a second graph.
 _OPTIMIZER_REUSED = ("Cannot set `iterations`", "must be from the same graph")
 
-
-
 Towers = Union[int, Sequence[str]]
-
 
 
 class ReplicationMismatch(AssertionError):
   """The replicated model_fn's results differ from one device's."""
-
 
 
 class Summary(NamedTuple):
@@ -77,7 +71,6 @@ class Summary(NamedTuple):
   metrics: List[str]
   predictions: int
   closest_to_tolerance: float
-
 
 
 def assert_replicates(
@@ -165,19 +158,25 @@ def assert_replicates(
   tower_devices = [_tower_devices(t) for t in towers]
   _check_modes(modes)
   check = _Check(
-      model_fn=model_fn, params=params, input_fn=input_fn,
+      model_fn=model_fn,
+      params=params,
+      input_fn=input_fn,
       eval_input_fn=eval_input_fn or input_fn,
       predict_input_fn=predict_input_fn or eval_input_fn or input_fn,
-      steps=steps, eval_steps=steps if eval_steps is _UNTIL_STEPS else eval_steps,
-      max_predictions=max_predictions, modes=tuple(modes),
-      tolerance=_Tolerance(rtol, atol), seed=seed,
+      steps=steps,
+      eval_steps=steps if eval_steps is _UNTIL_STEPS else eval_steps,
+      max_predictions=max_predictions,
+      modes=tuple(modes),
+      tolerance=_Tolerance(rtol, atol),
+      seed=seed,
       num_cpus=_cpus_needed(tower_devices),
       wrap=lambda devices: _core.replicate_model_fn(
-          model_fn, loss_reduction=loss_reduction, devices=devices,
+          model_fn,
+          loss_reduction=loss_reduction,
+          devices=devices,
           variable_placement=variable_placement))
   with _directory(model_dir) as directory:
     return check.run(directory, tower_devices)
-
 
 
 class _Tolerance(NamedTuple):
@@ -188,7 +187,6 @@ class _Tolerance(NamedTuple):
     return f"atol {self.atol:g} + rtol {self.rtol:g} × {abs(expected):.6g}"
 
 
-
 class _Difference(NamedTuple):
   """One value that differs: its name, the report line, a likely cause."""
   name: str
@@ -196,12 +194,10 @@ class _Difference(NamedTuple):
   hint: str = ""
 
 
-
 class _Phase(NamedTuple):
   """The outcome of comparing one mode: what differs, the worst ratio."""
   differences: List[_Difference]
   closest: float
-
 
 
 class _Check(NamedTuple):
@@ -222,8 +218,8 @@ class _Check(NamedTuple):
 
   def run(self, directory: str, tower_devices: List[List[str]]) -> Summary:
     plain_dir = os.path.join(directory, "one_device")
-    reference = self._results(self.model_fn, plain_dir, start=None,
-                              trained=None)
+    reference = self._results(
+        self.model_fn, plain_dir, start=None, trained=None)
     start = os.path.join(plain_dir, "model.ckpt-0")
     trained = tf.train.latest_checkpoint(plain_dir)
     reports, closest = [], 0.0
@@ -234,18 +230,21 @@ class _Check(NamedTuple):
       closest = max([closest] + [p.closest for p in phases.values()])
       reports.extend(self._report_lines(devices, phases))
     if reports:
-      raise ReplicationMismatch("\n".join(
-          ["The model_fn does not replicate: results on towers differ from "
-           "one device's (first difference of each kind):"] + reports + [
-               f"Tolerance: rtol={self.tolerance.rtol:g}, "
-               f"atol={self.tolerance.atol:g}; pass larger rtol/atol to "
-               "assert_replicates only if the differences are float "
-               "rounding."]))
-    return Summary(towers=[len(d) for d in tower_devices],
-                   variables=len(reference.get("variables", {})),
-                   metrics=sorted(reference.get("metrics", {})),
-                   predictions=len(reference.get("predictions", [])),
-                   closest_to_tolerance=closest)
+      raise ReplicationMismatch("\n".join([
+          "The model_fn does not replicate: results on towers differ from "
+          "one device's (first difference of each kind):"
+      ] + reports + [
+          f"Tolerance: rtol={self.tolerance.rtol:g}, "
+          f"atol={self.tolerance.atol:g}; pass larger rtol/atol to "
+          "assert_replicates only if the differences are float "
+          "rounding."
+      ]))
+    return Summary(
+        towers=[len(d) for d in tower_devices],
+        variables=len(reference.get("variables", {})),
+        metrics=sorted(reference.get("metrics", {})),
+        predictions=len(reference.get("predictions", [])),
+        closest_to_tolerance=closest)
 
   def _report_lines(self, devices, phases: Dict[str, _Phase]) -> List[str]:
     lines = []
@@ -256,8 +255,8 @@ class _Check(NamedTuple):
       names = _unique(d.name for d in outcome.differences)
       more = len(names) - _NAMES_LISTED
       others = "" if len(names) == 1 else (
-          f" In all {len(names)} differ: " + ", ".join(names[:_NAMES_LISTED])
-          + (f" and {more} more." if more > 0 else "."))
+          f" In all {len(names)} differ: " + ", ".join(names[:_NAMES_LISTED]) +
+          (f" and {more} more." if more > 0 else "."))
       lines.append(f"  {len(devices)} towers {devices}, {phase}: "
                    f"{first.line}.{others}{first.hint}")
     return lines
@@ -267,8 +266,11 @@ class _Check(NamedTuple):
     # Grappler's rewrites cost more than checking graphs take to run.
     config.graph_options.rewrite_options.disable_meta_optimizer = True
     return tf.estimator.RunConfig(
-        session_config=config, model_dir=model_dir, tf_random_seed=self.seed,
-        save_checkpoints_steps=_NEVER, save_summary_steps=None,
+        session_config=config,
+        model_dir=model_dir,
+        tf_random_seed=self.seed,
+        save_checkpoints_steps=_NEVER,
+        save_summary_steps=None,
         log_step_count_steps=None)
 
   def _results(self, model_fn, model_dir, start, trained) -> Dict[str, Any]:
@@ -277,7 +279,8 @@ class _Check(NamedTuple):
       _copy_checkpoint(start, model_dir)
     losses = []
     estimator = tf.estimator.Estimator(
-        _recording_losses(model_fn, losses), config=self._config(model_dir),
+        _recording_losses(model_fn, losses),
+        config=self._config(model_dir),
         params=self.params)
     results = {}
     if "train" in self.modes or start is None:
@@ -290,10 +293,9 @@ class _Check(NamedTuple):
       results["metrics"] = estimator.evaluate(
           self.eval_input_fn, steps=self.eval_steps, checkpoint_path=trained)
     if "predict" in self.modes:
-      results["predictions"] = _predictions(
-          estimator, self.predict_input_fn, trained, self.max_predictions)
+      results["predictions"] = _predictions(estimator, self.predict_input_fn,
+                                            trained, self.max_predictions)
     return results
-
 
 
 def _compare(expected, actual, tolerance, num_towers) -> Dict[str, _Phase]:
@@ -301,29 +303,32 @@ def _compare(expected, actual, tolerance, num_towers) -> Dict[str, _Phase]:
   where = f"{num_towers} towers"
   phases = {}
   if "losses" in actual:
-    losses = _compare_values(_by_step(expected["losses"]),
-                             _by_step(actual["losses"]), tolerance, where,
-                             "losses", first_only=True)
+    losses = _compare_values(
+        _by_step(expected["losses"]),
+        _by_step(actual["losses"]),
+        tolerance,
+        where,
+        "losses",
+        first_only=True)
     variables = _compare_values(expected["variables"], actual["variables"],
                                 tolerance, where, "variables")
     differences = losses.differences + variables.differences
     if differences and not differences[0].hint and num_towers > 1:
       differences[0] = differences[0]._replace(hint=_tower_hint())
-    phases["train"] = _Phase(differences,
-                             max(losses.closest, variables.closest))
+    phases["train"] = _Phase(differences, max(losses.closest,
+                                              variables.closest))
   if "metrics" in actual:
     phases["eval"] = _compare_values(expected["metrics"], actual["metrics"],
                                      tolerance, where, "metrics")
   if "predictions" in actual:
-    phases["predict"] = _compare_predictions(
-        expected["predictions"], actual["predictions"], tolerance, where)
+    phases["predict"] = _compare_predictions(expected["predictions"],
+                                             actual["predictions"], tolerance,
+                                             where)
   return phases
-
 
 
 def _by_step(losses) -> Dict[str, float]:
   return {f"loss at step {i + 1}": loss for i, loss in enumerate(losses)}
-
 
 
 def _tower_hint() -> str:
@@ -337,7 +342,6 @@ def _tower_hint() -> str:
           "same row').")
 
 
-
 _LABELS = {
     "losses": lambda name: name,
     "variables": lambda name: f"variable {name!r}",
@@ -346,20 +350,25 @@ _LABELS = {
 }
 
 
-
-def _compare_values(expected: Dict[str, Any], actual: Dict[str, Any],
-                    tolerance, where, kind, first_only=False) -> _Phase:
+def _compare_values(expected: Dict[str, Any],
+                    actual: Dict[str, Any],
+                    tolerance,
+                    where,
+                    kind,
+                    first_only=False) -> _Phase:
   """Compares two name -> value dicts, in the expected dict's order."""
   differences = []
   missing = [n for n in expected if n not in actual]
   extra = [n for n in actual if n not in expected]
   label = _LABELS[kind]
   for name in missing:
-    differences.append(_Difference(
-        name, f"{label(name)} is missing on {where} (1 device has it)"))
+    differences.append(
+        _Difference(name,
+                    f"{label(name)} is missing on {where} (1 device has it)"))
   for name in extra:
-    differences.append(_Difference(
-        name, f"{label(name)} exists on {where} but not on 1 device"))
+    differences.append(
+        _Difference(name,
+                    f"{label(name)} exists on {where} but not on 1 device"))
   closest = 0.0
   for name in expected:
     if name not in actual:
@@ -374,29 +383,28 @@ def _compare_values(expected: Dict[str, Any], actual: Dict[str, Any],
   return _Phase(differences, closest)
 
 
-
 def _compare_predictions(expected, actual, tolerance, where) -> _Phase:
   if len(expected) != len(actual):
-    return _Phase([_Difference(
-        "count", f"{len(actual)} examples predicted on {where}, "
-        f"{len(expected)} on 1 device")], 0.0)
+    return _Phase([
+        _Difference(
+            "count", f"{len(actual)} examples predicted on {where}, "
+            f"{len(expected)} on 1 device")
+    ], 0.0)
   differences, closest = [], 0.0
   for index, (one, other) in enumerate(zip(expected, actual)):
-    phase = _compare_values(_flat(one, f"prediction {index}"),
-                            _flat(other, f"prediction {index}"), tolerance,
-                            where, "predictions")
+    phase = _compare_values(
+        _flat(one, f"prediction {index}"), _flat(other, f"prediction {index}"),
+        tolerance, where, "predictions")
     closest = max(closest, phase.closest)
-    differences.extend(_Difference(f"prediction {index}", d.line)
-                       for d in phase.differences)
+    differences.extend(
+        _Difference(f"prediction {index}", d.line) for d in phase.differences)
   return _Phase(differences, closest)
-
 
 
 def _flat(prediction, prefix: str) -> Dict[str, Any]:
   if isinstance(prediction, dict):
     return {f"{prefix}[{k!r}]": v for k, v in sorted(prediction.items())}
   return {prefix: prediction}
-
 
 
 def _first_difference(name, expected, actual, tolerance, where):
@@ -428,20 +436,16 @@ def _first_difference(name, expected, actual, tolerance, where):
           f"{tolerance.describe(one)})"), worst
 
 
-
 def _is_float(array: np.ndarray) -> bool:
   return np.issubdtype(array.dtype, np.floating)
-
 
 
 def _index(index) -> str:
   return f"[{', '.join(str(int(i)) for i in index)}]" if index else ""
 
 
-
 def _unique(names) -> List[str]:
   return list(dict.fromkeys(names))
-
 
 
 def _train(estimator, input_fn, steps):
@@ -457,7 +461,6 @@ def _train(estimator, input_fn, steps):
         "tf.keras.optimizers.legacy.Adagrad(0.05)).") from e
 
 
-
 def _predictions(estimator, input_fn, checkpoint, limit) -> List[Any]:
   predictions = estimator.predict(input_fn, checkpoint_path=checkpoint)
   try:
@@ -466,14 +469,18 @@ def _predictions(estimator, input_fn, checkpoint, limit) -> List[Any]:
     predictions.close()
 
 
-
 def _recording_losses(model_fn, losses: List[float]):
   """model_fn whose TRAIN spec also records its loss after every step."""
   accepted = _core.accepted_arguments(model_fn)
 
   def recording_model_fn(features, labels, mode, params, config):
-    arguments = {"features": features, "labels": labels, "mode": mode,
-                 "params": params, "config": config}
+    arguments = {
+        "features": features,
+        "labels": labels,
+        "mode": mode,
+        "params": params,
+        "config": config
+    }
     spec = model_fn(**{k: v for k, v in arguments.items() if k in accepted})
     if mode != _ModeKeys.TRAIN:
       return spec
@@ -481,7 +488,6 @@ def _recording_losses(model_fn, losses: List[float]):
     return spec._replace(training_hooks=list(spec.training_hooks) + [hook])
 
   return recording_model_fn
-
 
 
 class _LossRecorder(tf.estimator.SessionRunHook):
@@ -498,12 +504,10 @@ class _LossRecorder(tf.estimator.SessionRunHook):
     self._losses.append(run_values.results)
 
 
-
 def _checkpoint_values(checkpoint: str) -> Dict[str, np.ndarray]:
   reader = tf.train.load_checkpoint(checkpoint)
   names = sorted(reader.get_variable_to_shape_map())
   return {name: reader.get_tensor(name) for name in names}
-
 
 
 def _copy_checkpoint(checkpoint: str, model_dir: str):
@@ -515,17 +519,15 @@ def _copy_checkpoint(checkpoint: str, model_dir: str):
       model_dir, os.path.join(model_dir, os.path.basename(checkpoint)))
 
 
-
 def _model_fn_and_params(model_fn, params):
-  if isinstance(model_fn, (tf.estimator.Estimator,
-                           tf.compat.v1.estimator.Estimator)):
+  if isinstance(model_fn,
+                (tf.estimator.Estimator, tf.compat.v1.estimator.Estimator)):
     return model_fn.model_fn, params if params is not None else model_fn.params
   if not callable(model_fn):
     raise ValueError(
         f"assert_replicates: model_fn={model_fn!r} is neither a model_fn nor "
         "an Estimator; pass the function you give tf.estimator.Estimator.")
   return model_fn, params
-
 
 
 def _tower_devices(towers: Towers) -> List[str]:
@@ -535,7 +537,6 @@ def _tower_devices(towers: Towers) -> List[str]:
   return _devices.resolve_devices(towers)
 
 
-
 def _cpus_needed(tower_devices: List[List[str]]) -> int:
   """The session's CPU count: enough for the highest CPU index named."""
   specs = [tf.DeviceSpec.from_string(d) for ds in tower_devices for d in ds]
@@ -543,13 +544,11 @@ def _cpus_needed(tower_devices: List[List[str]]) -> int:
              [1])
 
 
-
 def _check_modes(modes: Sequence[str]):
   unknown = [m for m in modes if m not in _MODES]
   if unknown or not modes:
     raise ValueError(
         f"modes={list(modes)!r}: pass one or more of {list(_MODES)}.")
-
 
 
 @contextlib.contextmanager
@@ -562,4 +561,3 @@ def _directory(model_dir: Optional[str]):
     yield directory
   finally:
     shutil.rmtree(directory, ignore_errors=True)
-

@@ -7,7 +7,7 @@ would call it, with its optimizers wrapped and its model_fn replicated.
 import functools
 import inspect
 import math
-from typing import (Callable, Optional)
+from typing import Callable, Optional
 
 import tensorflow as tf
 
@@ -18,34 +18,22 @@ from replicate.testing._configs import check_count
 from replicate.testing._configs import cpu_names
 from replicate.testing._configs import merged_session_config
 
-
 # The canned estimators' constructor arguments that take an optimizer.
 _OPTIMIZER_ARGUMENTS = ("optimizer", "dnn_optimizer", "linear_optimizer")
 
-
-
 _V1 = tf.compat.v1.estimator
 
-
-
 _V2 = tf.estimator
-
-
 
 _DNN = (_V2.DNNClassifier, _V2.DNNRegressor, _V2.DNNEstimator,
         _V1.DNNClassifier, _V1.DNNRegressor, _V1.DNNEstimator)
 
-
-
 _LINEAR = (_V2.LinearClassifier, _V2.LinearRegressor, _V2.LinearEstimator,
            _V1.LinearClassifier, _V1.LinearRegressor, _V1.LinearEstimator)
-
-
 
 _COMBINED = (_V2.DNNLinearCombinedClassifier, _V2.DNNLinearCombinedRegressor,
              _V2.DNNLinearCombinedEstimator, _V1.DNNLinearCombinedClassifier,
              _V1.DNNLinearCombinedRegressor, _V1.DNNLinearCombinedEstimator)
-
 
 
 def replicated(
@@ -110,19 +98,21 @@ def replicated(
           "Estimator; pass a canned estimator class or a function "
           "returning one.")
     built.append(canned)
-    config = canned.config.replace(session_config=merged_session_config(
-        num_towers, canned.config.session_config))
-    estimator_class = (tf.estimator.Estimator
-                       if isinstance(canned, tf.estimator.Estimator) else
-                       tf.compat.v1.estimator.Estimator)
+    config = canned.config.replace(
+        session_config=merged_session_config(num_towers,
+                                             canned.config.session_config))
+    estimator_class = (
+        tf.estimator.Estimator if isinstance(canned, tf.estimator.Estimator)
+        else tf.compat.v1.estimator.Estimator)
     return estimator_class(
         _core.replicate_model_fn(canned.model_fn, devices=devices),
-        model_dir=canned.model_dir, config=config, params=canned.params,
+        model_dir=canned.model_dir,
+        config=config,
+        params=canned.params,
         # Estimator keeps warm_start_from only here; no public accessor.
         warm_start_from=_tf.warm_start_settings(canned))
 
   return build
-
 
 
 def _with_tower_optimizers(estimator_fn, args, kwargs, built):
@@ -137,8 +127,11 @@ def _with_tower_optimizers(estimator_fn, args, kwargs, built):
   for name, parameter in bound.signature.parameters.items():
     if parameter.kind is inspect.Parameter.VAR_KEYWORD:
       arguments.append(bound.arguments.get(name, {}))
-  columns = [a.get(n) for a in arguments
-             for n in ("feature_columns", "linear_feature_columns")]
+  columns = [
+      a.get(n)
+      for a in arguments
+      for n in ("feature_columns", "linear_feature_columns")
+  ]
   num_columns = len(list(next((c for c in columns if c), ())))
   for given in arguments:
     for name in _OPTIMIZER_ARGUMENTS:
@@ -147,11 +140,11 @@ def _with_tower_optimizers(estimator_fn, args, kwargs, built):
   return bound.args, bound.kwargs
 
 
-
 def _tower_optimizer(value, argument: str, num_columns: int, built):
   """`value` (an optimizer argument) in a TowerOptimizer."""
-  if isinstance(value, (tower_optimizer.TowerOptimizer,
-                        tower_optimizer.KerasTowerOptimizer)):
+  if isinstance(
+      value,
+      (tower_optimizer.TowerOptimizer, tower_optimizer.KerasTowerOptimizer)):
     return value
   if isinstance(value, str) or (value is None and argument == "optimizer"):
     value = functools.partial(_canned_optimizer, built, argument, value,
@@ -159,7 +152,6 @@ def _tower_optimizer(value, argument: str, num_columns: int, built):
   elif value is None:
     return value
   return tower_optimizer.TowerOptimizer(value)
-
 
 
 def _canned_optimizer(built, argument: str, name: Optional[str],
@@ -181,8 +173,8 @@ def _canned_optimizer(built, argument: str, name: Optional[str],
     if name is None:
       name, rate = "Ftrl", min(0.2, 1.0 / math.sqrt(columns))
   elif isinstance(canned, _COMBINED):
-    rate = (0.001 if argument == "dnn_optimizer" else
-            min(0.005, 1.0 / math.sqrt(columns)))
+    rate = (0.001 if argument == "dnn_optimizer" else min(
+        0.005, 1.0 / math.sqrt(columns)))
   else:
     raise ValueError(
         f"replicated: {argument}={name!r} for {type(canned).__name__}: "
@@ -191,4 +183,3 @@ def _canned_optimizer(built, argument: str, name: Optional[str],
   if v2:
     return _tf.canned_optimizer_v2(name, rate)
   return _tf.canned_optimizer(name, rate)
-
