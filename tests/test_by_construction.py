@@ -665,3 +665,23 @@ def test_summaries_of_rows_and_of_picked_rows_are_the_whole_batchs(towers):
           actual[tag].simple_value, value.simple_value, rtol=1e-6, err_msg=tag)
   # Five images: more than tower 0's shard holds.
   assert len([t for t in expected if t.startswith("rows/image")]) == 5
+
+
+@pytest.mark.parametrize("towers", TOWERS)
+def test_integer_rows_picked_by_position_are_refused_where_whole(towers):
+  # Integer rows are positions and counts of the tower's own values far
+  # more often than data (a ragged tensor's row splits): picked by position
+  # they stay the tower's, and a loss built from one is refused, not wrong.
+  def model_fn(features, labels, mode, params):
+    del params
+    logits = tf.compat.v1.layers.dense(features["x"], 2, name="logits")
+    loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
+    return _spec(mode, loss + tf.cast(labels[0], tf.float32))
+
+  with tf.Graph().as_default():
+    tf.compat.v1.train.create_global_step()
+    features, labels = harness.batches(_data(), 8)
+    replicated = replicate.replicate_model_fn(model_fn,
+                                              devices=_towers(towers))
+    with pytest.raises(ValueError, match="picks integer rows"):
+      replicated(features, labels, TRAIN, {})

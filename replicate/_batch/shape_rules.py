@@ -271,7 +271,17 @@ def _strided_slice(op, kinds, ctx):
 
 def _picked_rows(op, kinds, ctx) -> row_kinds.Kind:
   """Rows picked by their position in the batch (`x[0]`, `x[:2]`,
-  `tf.gather(x, 0)`): the whole batch's, picked once."""
+  `tf.gather(x, 0)`): the whole batch's, picked once.
+
+  Integer rows picked by position stay the tower's own (`Local`: refused
+  where one device's value is needed): they are positions and counts of
+  the tower's own values far more often than data (a ragged tensor's row
+  splits, `splits[-1]`, `splits[1:]`, whose whole-batch value is not the
+  towers' concatenated).
+  """
+  if op.inputs[0].dtype.is_integer:
+    return row_kinds.Local(op.name, "picks integer rows (positions or "
+                           "counts of the tower's own values) by position")
   local = row_kinds.any_local(kinds)
   if local or any(
       isinstance(k, (row_kinds.Size, row_kinds.Listed)) for k in kinds[1:]):
