@@ -38,8 +38,3 @@ __all__ = (
     "replicate_model_fn",
     "testing",
 )
-
-for _name in __all__:
-  if _name != "testing":
-    globals()[_name].__module__ = __name__
-del _name

@@ -35,7 +35,3 @@ __all__ = (
     "session_config",
     "virtual_cpus",
 )
-
-for _name in __all__:
-  globals()[_name].__module__ = __name__
-del _name
