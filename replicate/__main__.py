@@ -19,7 +19,7 @@ import importlib.metadata
 import platform
 import sys
 import time
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 import numpy as np
 import tensorflow as tf
@@ -79,7 +79,7 @@ def _placement_lines(devices: List[str]) -> List[str]:
   ]
 
 
-def _dense(inputs, units, name):
+def _dense(inputs: tf.Tensor, units: int, name: str) -> tf.Tensor:
   with tf.compat.v1.variable_scope(name):
     kernel = tf.compat.v1.get_variable("kernel", [inputs.shape[1], units])
     bias = tf.compat.v1.get_variable(
@@ -87,7 +87,8 @@ def _dense(inputs, units, name):
   return tf.matmul(inputs, kernel) + bias
 
 
-def _model_fn(features, labels, mode):
+def _model_fn(features: Dict[str, tf.Tensor], labels: tf.Tensor,
+              mode: str) -> tf.estimator.EstimatorSpec:
   """A two-layer classifier with Adagrad: small enough to build fast."""
   hidden = tf.nn.tanh(_dense(features["x"], 8, "hidden"))
   logits = _dense(hidden, 2, "logits")
@@ -99,7 +100,7 @@ def _model_fn(features, labels, mode):
       train_op=optimizer.minimize(loss, tf.compat.v1.train.get_global_step()))
 
 
-def _input_fn():
+def _input_fn() -> tf.data.Dataset:
   rng = np.random.RandomState(0)
   x = rng.randn(_BATCH * _STEPS, _FEATURES).astype(np.float32)
   labels = (x[:, 0] > x[:, 1]).astype(np.int64)

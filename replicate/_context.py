@@ -8,7 +8,7 @@ one, and the current `Tower`, are kept per thread and per graph.
 import contextlib
 import dataclasses
 import threading
-from typing import Any, Dict, List, Optional
+from typing import Any, ContextManager, Dict, Iterator, List, Optional, Set
 
 import tensorflow as tf
 
@@ -66,8 +66,8 @@ class Replication:
   # Per tower: the ops its model_fn call built (set once the towers are).
   tower_ops: List[List[tf.Operation]] = dataclasses.field(default_factory=list)
   # Names of the ops that split the batch, and of every tower's ops.
-  split_op_names: set = dataclasses.field(default_factory=set)
-  tower_op_names: set = dataclasses.field(default_factory=set)
+  split_op_names: Set[str] = dataclasses.field(default_factory=set)
+  tower_op_names: Set[str] = dataclasses.field(default_factory=set)
   # Ref of a variable's copy shared by the towers (and of a reference
   # variable itself) -> the variable's own read (see
   # _sharing.read_once_per_step).
@@ -78,7 +78,7 @@ class Replication:
   # [first, end) graph versions of ops the library built (not the model's).
   library_ranges: List[List[int]] = dataclasses.field(default_factory=list)
   # Names of ops whose statistics stay the tower's (sync_batch_norm=False).
-  per_tower_ops: set = dataclasses.field(default_factory=set)
+  per_tower_ops: Set[str] = dataclasses.field(default_factory=set)
   # The meetings and the whole-batch rewiring of this call (set by _core).
   meetings: Any = None
   rewiring: Any = None
@@ -88,7 +88,7 @@ class Replication:
   meeting_depth: int = 0
 
   @contextlib.contextmanager
-  def unshared_creation(self):
+  def unshared_creation(self) -> Iterator[None]:
     """Variables created inside belong to no tower (never shared)."""
     before = self.unshared
     self.unshared = True
@@ -98,7 +98,7 @@ class Replication:
       self.unshared = before
 
   @contextlib.contextmanager
-  def library(self):
+  def library(self) -> Iterator[None]:
     """Ops built inside are the library's, not the model's."""
     start = self.graph.version
     try:
@@ -113,9 +113,10 @@ class Replication:
 
   def model_ops(self, index: int, since: int = 0) -> List[tf.Operation]:
     """The ops tower `index`'s model_fn built (so far), library's left out."""
-    first, end = self.ranges[index]
-    first = max(first, since)
-    end = self.graph.version if end is None else end
+    start, stop = self.ranges[index]
+    assert start is not None  # _towers.build records [graph.version, None]
+    first = max(start, since)
+    end: int = self.graph.version if stop is None else stop
     if end <= first:
       return []
     ops = self.graph.get_operations()[first:end]
@@ -143,19 +144,25 @@ class Replication:
     return (not self.sync_batch_norm and op.type
             in ("FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3"))
 
-  def fraction(self, index: Optional[int] = None):
-    return self.fractions[self.tower.index if index is None else index]
+  # index=None: the current tower's, so only while a tower is built (`tower`
+  # is set then; outside, None has no index). Hence the ignores below.
+  def fraction(self, index: Optional[int] = None) -> Any:
+    return self.fractions[self.tower.index  # type: ignore[union-attr]
+                          if index is None else index]
 
-  def size(self, index: Optional[int] = None):
-    return self.sizes[self.tower.index if index is None else index]
+  def size(self, index: Optional[int] = None) -> Any:
+    return self.sizes[self.tower.index  # type: ignore[union-attr]
+                      if index is None else index]
 
-  def is_valid(self, index: Optional[int] = None):
+  def is_valid(self, index: Optional[int] = None) -> Any:
     """Whether the tower holds real examples: True, False or a bool tensor.
 
     A tower that does not (a non-empty batch smaller than the number of
     towers) computes on a phantom row, which nothing of it may leak into.
     """
-    index = self.tower.index if index is None else index
+    index = (
+        self.tower.index  # type: ignore[union-attr]
+        if index is None else index)
     return self.valid[index] if self.valid else True
 
   @property
@@ -164,13 +171,13 @@ class Replication:
     return [self.is_valid(index) for index in range(self.num_towers)]
 
 
-def absolute_name_scope(graph: tf.Graph, scope: str):
+def absolute_name_scope(graph: tf.Graph, scope: str) -> ContextManager[Any]:
   """Enters name scope `scope` exactly ('' is the top level)."""
   return graph.name_scope(scope + "/" if scope else None)
 
 
 @contextlib.contextmanager
-def outside(replication: Replication, name_scope: str = ""):
+def outside(replication: Replication, name_scope: str = "") -> Iterator[None]:
   """Builds in the replication's graph as if outside every tower.
 
   Outside any tf.cond / tf.while_loop / tf.function body, control
@@ -234,7 +241,7 @@ _PER_TOWER_COLLECTIONS = (tf.compat.v1.GraphKeys.UPDATE_OPS,
 
 
 @contextlib.contextmanager
-def replication_scope(replication: Replication):
+def replication_scope(replication: Replication) -> Iterator[Replication]:
   """Makes `replication` current on this thread; records the root scopes."""
   if current_replication() is not None:
     raise ValueError(
@@ -251,7 +258,7 @@ def replication_scope(replication: Replication):
 
 
 @contextlib.contextmanager
-def _current(replication: Replication):
+def _current(replication: Replication) -> Iterator[Replication]:
   """Makes `replication` current on this thread."""
   stack = _local.__dict__.setdefault("stack", [])
   stack.append(replication)

@@ -14,7 +14,18 @@ that an update was applied; make the towers' state writes one device's
 import contextlib
 import copy
 import inspect
-from typing import Callable, Optional, Sequence
+from typing import (
+    Any,
+    Callable,
+    ContextManager,
+    Dict,
+    List,
+    Optional,
+    Sequence,
+    Set,
+    Tuple,
+    Union,
+)
 
 from absl import logging
 import tensorflow as tf
@@ -46,7 +57,8 @@ def replicate_model_fn(
     model_fn: Callable[..., tf.estimator.EstimatorSpec],
     loss_reduction: str = tf.compat.v1.losses.Reduction.SUM_BY_NONZERO_WEIGHTS,
     devices: Optional[Sequence[str]] = None,
-    variable_placement=_devices.VariablePlacement.SHARED,
+    variable_placement: Union[_devices.VariablePlacement,
+                              str] = _devices.VariablePlacement.SHARED,
     sync_batch_norm: bool = True,
 ) -> Callable[..., tf.estimator.EstimatorSpec]:
   """Wraps an Estimator model_fn to run one tower per device.
@@ -103,7 +115,8 @@ def replicate_model_fn(
   accepted = accepted_arguments(model_fn)
   cluster.check_tf_config()
 
-  def build_spec(features, labels, mode, params, config):
+  def build_spec(features: Any, labels: Any, mode: str, params: Any,
+                 config: Optional[tf.estimator.RunConfig]) -> Any:
     tower_devices = given or _devices.resolve_devices(None)
     cluster.check_devices(tower_devices, config)
     arguments = _Arguments(accepted, labels is not None, mode, params, config)
@@ -122,7 +135,13 @@ def replicate_model_fn(
 
   warm_start = source.warm_starter(model_fn)
 
-  def replicated_model_fn(features, labels, mode, params=None, config=None):
+  def replicated_model_fn(
+      features: Any,
+      labels: Any,
+      mode: str,
+      params: Any = None,
+      config: Optional[tf.estimator.RunConfig] = None
+  ) -> tf.estimator.EstimatorSpec:
     # A TPUEstimatorSpec is converted as TPUEstimator(use_tpu=False) does.
     spec = tpu.as_estimator_spec(
         build_spec(features, labels, mode, params, config), params)
@@ -139,7 +158,8 @@ def replicate_model_fn(
 class _Arguments:
   """Builds the keyword arguments of one model_fn call."""
 
-  def __init__(self, accepted, has_labels, mode, params, config):
+  def __init__(self, accepted: Set[str], has_labels: bool, mode: str,
+               params: Any, config: Optional[tf.estimator.RunConfig]) -> None:
     if has_labels and "labels" not in accepted:
       raise ValueError(
           "The model_fn takes no `labels` argument but the input_fn returned "
@@ -147,7 +167,8 @@ class _Arguments:
     self._accepted = accepted
     self._fixed = {"mode": mode, "params": params, "config": config}
 
-  def for_tower(self, features, labels, index, num_towers):
+  def for_tower(self, features: Any, labels: Any, index: int,
+                num_towers: int) -> Dict[str, Any]:
     """Tower `index`'s arguments; TPUEstimator's batch size is its shard's."""
     kwargs = self(features, labels)
     if "params" in kwargs:
@@ -156,8 +177,8 @@ class _Arguments:
                                           num_towers)
     return kwargs
 
-  def __call__(self, features, labels):
-    kwargs = {"features": features}
+  def __call__(self, features: Any, labels: Any) -> Dict[str, Any]:
+    kwargs: Dict[str, Any] = {"features": features}
     if "labels" in self._accepted:
       kwargs["labels"] = labels
     for name, value in self._fixed.items():
@@ -167,7 +188,7 @@ class _Arguments:
     return kwargs
 
 
-def _copied(name: str, value):
+def _copied(name: str, value: Any) -> Any:
   """A deep copy of the model_fn's `params` or `config` for one tower.
 
   Raises:
@@ -184,14 +205,14 @@ def _copied(name: str, value):
         "or objects defining __deepcopy__).") from error
 
 
-def accepted_arguments(model_fn):
+def accepted_arguments(model_fn: Callable[..., Any]) -> Set[str]:
   parameters = inspect.signature(model_fn).parameters.values()
   if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
     return {"features", "labels", "mode", "params", "config"}
   return {p.name for p in parameters}
 
 
-def _fed_by_placeholders(features, max_ops: int = 10000) -> bool:
+def _fed_by_placeholders(features: Any, max_ops: int = 10000) -> bool:
   """Whether the features are fed through placeholders.
 
   That is how `export_saved_model` (and any serving graph) gets its inputs,
@@ -210,12 +231,13 @@ def _fed_by_placeholders(features, max_ops: int = 10000) -> bool:
       for op in _graph.ancestors(tensors, limit=max_ops))
 
 
-def _on_device(device: Optional[str]):
+def _on_device(device: Optional[str]) -> ContextManager[Any]:
   """`tf.device(device)`, or nothing at all for None (not a device reset)."""
   return tf.device(device) if device else contextlib.nullcontext()
 
 
-def _run_on_one_device(model_fn, features, labels, arguments, device):
+def _run_on_one_device(model_fn: Callable[..., Any], features: Any, labels: Any,
+                       arguments: _Arguments, device: Optional[str]) -> Any:
   """One device (None: unpinned): no splitting, no added ops, own names."""
   graph = tf.compat.v1.get_default_graph()
   replication = _context.Replication(
@@ -232,8 +254,10 @@ _TOWER_ROOTS = _tf.Patches("absolute name scopes of towers",
                            _tf.install_tower_roots)
 
 
-def _run_towers(model_fn, features, labels, mode, arguments, devices, placement,
-                sync_batch_norm):
+def _run_towers(model_fn: Callable[..., Any], features: Any, labels: Any,
+                mode: str, arguments: _Arguments, devices: Sequence[str],
+                placement: _devices.VariablePlacement,
+                sync_batch_norm: bool) -> Any:
   """Several devices: split, build the towers in turn, check, merge."""
   graph = tf.compat.v1.get_default_graph()
   hub = _devices.consolidation_device(devices)
@@ -306,7 +330,8 @@ _GRADIENT_FREE_TRAINING = {
 }
 
 
-def _gradient_free_trainers(replication):
+def _gradient_free_trainers(
+    replication: _context.Replication) -> List[Tuple[str, str]]:
   return sorted({
       _GRADIENT_FREE_TRAINING[op.type]
       for op in replication.tower_ops[0]
@@ -314,7 +339,7 @@ def _gradient_free_trainers(replication):
   })
 
 
-def _check_optimizer_calls(replication):
+def _check_optimizer_calls(replication: _context.Replication) -> None:
   """In TRAIN with several towers an optimizer call must have met the towers.
 
   Checked before the towers' state writes are combined, so that a model

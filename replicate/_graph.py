@@ -12,6 +12,7 @@ from typing import (
     Iterator,
     List,
     Optional,
+    Set,
     TypeVar,
 )
 
@@ -34,7 +35,7 @@ def walk(start: Iterable[Node],
   Yields:
     The nodes in the order they are reached.
   """
-  seen = set()
+  seen: Set[Node] = set()
   pending = list(start)
   while pending and (limit is None or len(seen) < limit):
     node = pending.pop()

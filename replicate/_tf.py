@@ -11,7 +11,17 @@ line); nothing else in the library touches a private name (a test checks).
 import contextlib
 import sys
 import threading
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import (
+    Any,
+    Callable,
+    Dict,
+    Iterable,
+    Iterator,
+    List,
+    Optional,
+    Sequence,
+    Tuple,
+)
 
 from absl import logging
 import tensorflow as tf
@@ -63,7 +73,7 @@ def rewire(tensor: tf.Tensor,
   return changed
 
 
-def unknown_shapes_attr(shapes) -> Any:
+def unknown_shapes_attr(shapes: Iterable[Any]) -> Any:
   """An AttrValue listing `shapes` (TensorShapeProtos) with unknown sizes."""
   relaxed = [
       tf.TensorShape(None) if s.unknown_rank else tf.TensorShape([None] *
@@ -75,7 +85,7 @@ def unknown_shapes_attr(shapes) -> Any:
           shape=[shape.as_proto() for shape in relaxed]))
 
 
-def gradient_function(op: tf.Operation):
+def gradient_function(op: tf.Operation) -> Optional[Callable[..., Any]]:
   """The gradient function TensorFlow registered for `op`, or None."""
   try:
     return _ops.get_gradient_function(op)
@@ -126,7 +136,7 @@ def function_bodies(op: tf.Operation) -> Optional[List[Any]]:
   """
   if op.type in ("If", "StatelessIf") and hasattr(op, "_true_graph"):
     return [op._true_graph, op._false_graph]
-  names = []
+  names: List[str] = []
   for attr in ("then_branch", "else_branch", "cond", "body", "f", "branches"):
     try:
       value = op.get_attr(attr)
@@ -160,14 +170,14 @@ class NameCounters:
   start, every tower names its layers as the unwrapped model_fn does.
   """
 
-  def __init__(self):
+  def __init__(self) -> None:
     if _keras_backend is not None:
       self._uids = dict(_keras_backend.get_default_graph_uid_map())
       self._observed = set(_keras_backend.OBSERVED_NAMES)
     self._scopes = dict(
         _variable_scope.get_variable_scope_store().variable_scopes_count)
 
-  def restore(self):
+  def restore(self) -> None:
     if _keras_backend is not None:
       uids = _keras_backend.get_default_graph_uid_map()
       uids.clear()
@@ -193,13 +203,21 @@ def install_unfolded_shapes() -> List[Any]:
   shape_internal = _array_ops.shape_internal
   size_internal = _array_ops.size_internal
 
-  def shape(input, name=None, optimize=True, out_type=None):  # pylint: disable=redefined-builtin
+  def shape(  # pylint: disable=redefined-builtin
+      input: Any,
+      name: Optional[str] = None,
+      optimize: bool = True,
+      out_type: Optional[tf.DType] = None) -> tf.Tensor:
     del optimize
     if out_type is None:
       return shape_internal(input, name, optimize=False)
     return shape_internal(input, name, optimize=False, out_type=out_type)
 
-  def size(input, name=None, optimize=True, out_type=tf.int32):  # pylint: disable=redefined-builtin
+  def size(  # pylint: disable=redefined-builtin
+      input: Any,
+      name: Optional[str] = None,
+      optimize: bool = True,
+      out_type: tf.DType = tf.int32) -> tf.Tensor:
     del optimize
     return size_internal(input, name, optimize=False, out_type=out_type)
 
@@ -211,8 +229,8 @@ def install_unfolded_shapes() -> List[Any]:
 
 class _TowerRoots(threading.local):
   """The name scope a tower built before tower 0 puts absolute scopes in."""
-  graph = None
-  root = None
+  graph: Optional[tf.Graph] = None
+  root: Optional[str] = None
   bypass = 0
 
 
@@ -220,7 +238,7 @@ _roots = _TowerRoots()
 _GRAPH_NAME_SCOPE = tf.Graph.name_scope
 
 
-def _rooted_name_scope(self, name):
+def _rooted_name_scope(self: tf.Graph, name: Optional[str]) -> Any:
   """Graph.name_scope, with the top level of the graph a tower's scope."""
   root = _roots.root
   if self is _roots.graph and root and not _roots.bypass:
@@ -246,7 +264,7 @@ def install_tower_roots() -> List[Any]:
 
 
 @contextlib.contextmanager
-def tower_root(graph: tf.Graph, root: Optional[str]):
+def tower_root(graph: tf.Graph, root: Optional[str]) -> Iterator[None]:
   """Inside, `graph`'s absolute name scopes go under `root` (see above)."""
   before = (_roots.graph, _roots.root)
   _roots.graph, _roots.root = graph, root
@@ -257,7 +275,7 @@ def tower_root(graph: tf.Graph, root: Optional[str]):
 
 
 @contextlib.contextmanager
-def top_level_name_scopes():
+def top_level_name_scopes() -> Iterator[None]:
   """Inside, absolute name scopes are the graph's own again."""
   _roots.bypass += 1
   try:
@@ -365,7 +383,7 @@ class Patches:
     return self._count > 0
 
   @contextlib.contextmanager
-  def applied(self, needed: bool = True):
+  def applied(self, needed: bool = True) -> Iterator[None]:
     """Installed inside (by the first builder to enter), unless not needed."""
     if not needed:
       yield
@@ -398,10 +416,10 @@ class Patches:
 class TracksWrapped:
   """Mixin: checkpoints see `_tracked_optimizer()`'s dependencies."""
 
-  def _tracked_optimizer(self):
+  def _tracked_optimizer(self) -> Any:
     raise NotImplementedError
 
-  def _wrapped_trackable(self):
+  def _wrapped_trackable(self) -> Any:
     # Trackable sets up its dependency maps lazily (TensorFlow 2.13 reads
     # them unset in `_lookup_dependency`): a restore can reach the wrapped
     # optimizer before it has tracked anything.
@@ -409,25 +427,31 @@ class TracksWrapped:
     optimizer._maybe_initialize_trackable()
     return optimizer
 
-  def _trackable_children(self, save_type="checkpoint", **kwargs):
+  def _trackable_children(self,
+                          save_type: str = "checkpoint",
+                          **kwargs: Any) -> Dict[str, Any]:
     return self._wrapped_trackable()._trackable_children(save_type, **kwargs)
 
-  def _lookup_dependency(self, name, cached_dependencies=None):
+  def _lookup_dependency(
+      self,
+      name: str,
+      cached_dependencies: Optional[Dict[str, Any]] = None) -> Any:
     if cached_dependencies is not None:
       return cached_dependencies.get(name)
     return self._wrapped_trackable()._lookup_dependency(name)
 
   @property
-  def _deferred_dependencies(self):
+  def _deferred_dependencies(self) -> Any:
     # A restore that meets a variable not yet created leaves it here; the
     # wrapped optimizer creates it, and looks here.
     return self._wrapped_trackable()._deferred_dependencies
 
-  def _restore_slot_variable(self, slot_name, variable, slot_variable):
+  def _restore_slot_variable(self, slot_name: str, variable: Any,
+                             slot_variable: Any) -> Any:
     return self._tracked_optimizer()._restore_slot_variable(
         slot_name, variable, slot_variable)
 
-  def _create_or_restore_slot_variable(self, slot_variable_position, slot_name,
-                                       variable):
+  def _create_or_restore_slot_variable(self, slot_variable_position: Any,
+                                       slot_name: str, variable: Any) -> Any:
     return self._tracked_optimizer()._create_or_restore_slot_variable(
         slot_variable_position, slot_name, variable)

@@ -17,6 +17,7 @@ anything initialises TensorFlow's devices) and two fixtures:
 `pytest --replicate-cpus=N` sets the number of devices (default 4).
 """
 
+import pathlib
 from typing import List
 
 import pytest
@@ -29,7 +30,7 @@ __all__ = ("replicate_devices", "replicate_run_config")
 _DEFAULT_CPUS = 4
 
 
-def pytest_addoption(parser):
+def pytest_addoption(parser: pytest.Parser) -> None:
   parser.addoption(
       "--replicate-cpus",
       type=int,
@@ -38,20 +39,21 @@ def pytest_addoption(parser):
       f"{_DEFAULT_CPUS})")
 
 
-def pytest_configure(config):
+def pytest_configure(config: pytest.Config) -> None:
   testing.virtual_cpus(config.getoption("replicate_cpus"))
 
 
 @pytest.fixture(scope="session")
-def replicate_devices(pytestconfig) -> List[str]:
+def replicate_devices(pytestconfig: pytest.Config) -> List[str]:
   """The virtual CPU device names, '/device:CPU:0' to '/device:CPU:<N-1>'."""
   return testing.virtual_cpus(pytestconfig.getoption("replicate_cpus"))
 
 
 @pytest.fixture
 def replicate_run_config(
-    replicate_devices,  # pylint: disable=redefined-outer-name
-    tmp_path) -> tf.estimator.RunConfig:
+    replicate_devices: List[str],  # pylint: disable=redefined-outer-name
+    tmp_path: pathlib.Path
+) -> tf.estimator.RunConfig:
   """A RunConfig with as many CPU devices, a fresh model_dir, seed 0."""
   return testing.run_config(
       len(replicate_devices), model_dir=str(tmp_path), tf_random_seed=0)

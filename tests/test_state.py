@@ -12,6 +12,7 @@ import tempfile
 
 from absl.testing import parameterized
 import numpy as np
+import pytest
 import tensorflow as tf
 
 import replicate
@@ -706,3 +707,32 @@ class SummariesTest(parameterized.TestCase):
 
 if __name__ == "__main__":
   parameterized.absltest.main()
+
+
+def test_rows_scattered_by_tower_zero_alone_are_refused():
+  # A memory bank of the batch's rows written by tower 0 only would hold
+  # tower 0's rows alone: refused, naming the towers that did not write.
+  def model_fn(features, labels, mode):
+    x = features["x"]
+    bank = tf.compat.v1.get_variable(
+        "bank", [64, 5],
+        initializer=tf.compat.v1.zeros_initializer(),
+        trainable=False)
+    loss = _loss(labels, _linear(x))
+    tower = replicate.current_tower()
+    updates = []
+    if tower is None or tower.index == 0:
+      rows = tf.range(tf.shape(x)[0])
+      updates.append(tf.compat.v1.scatter_update(bank, rows, x))
+    with tf.control_dependencies(updates):
+      train_op = _minimize(loss)
+    return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+  with tf.Graph().as_default():
+    tf.compat.v1.train.create_global_step()
+    features, labels = harness.batches(DATA, 8)
+    with pytest.raises(
+        ValueError,
+        match=r"'bank' is scattered rows of the batch by "
+        r"tower 0 but not by towers \[1\]"):
+      harness.wrap(model_fn, _towers(2))(features, labels, harness.TRAIN)

@@ -6,7 +6,7 @@ outputs' kinds, and reports through `ctx` (`_batch.rows`) what needs every
 tower; `RULES` maps op types to rules.
 """
 
-from typing import Callable, Dict
+from typing import Dict, List, Sequence, Set
 
 from absl import logging
 import tensorflow as tf
@@ -14,7 +14,8 @@ import tensorflow as tf
 from replicate._batch import row_kinds
 
 
-def _switch(op, kinds, ctx):
+def _switch(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
+            ctx: row_kinds.Context) -> Sequence[row_kinds.Kind]:
   data, pred = kinds
   if row_kinds.is_local(pred) or isinstance(pred, row_kinds.Rows):
     return row_kinds.same_for_outputs(
@@ -24,11 +25,14 @@ def _switch(op, kinds, ctx):
   return row_kinds.same_for_outputs(op, data)
 
 
-def _merge(op, kinds, ctx):
+def _merge(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
+           ctx: row_kinds.Context) -> Sequence[row_kinds.Kind]:
   return [row_kinds.join(kinds), row_kinds.WHOLE]
 
 
-def _tensor_list_from_tensor(op, kinds, ctx):
+def _tensor_list_from_tensor(
+    op: tf.Operation, kinds: Sequence[row_kinds.Kind],
+    ctx: row_kinds.Context) -> Sequence[row_kinds.Kind]:
   kind = kinds[0]
   if isinstance(kind, row_kinds.Rows):
     if kind.axis == 0:
@@ -37,7 +41,8 @@ def _tensor_list_from_tensor(op, kinds, ctx):
   return [kind if row_kinds.is_local(kind) else row_kinds.WHOLE]
 
 
-def _tensor_list_set(op, kinds, ctx):
+def _tensor_list_set(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
+                     ctx: row_kinds.Context) -> Sequence[row_kinds.Kind]:
   listed, item = kinds[0], kinds[2]
   if isinstance(item, row_kinds.Rows):
     if isinstance(listed, row_kinds.Listed) and listed.axis != item.axis:
@@ -50,23 +55,26 @@ def _tensor_list_set(op, kinds, ctx):
   return [listed]
 
 
-def _tensor_list_get(op, kinds, ctx):
+def _tensor_list_get(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
+                     ctx: row_kinds.Context) -> Sequence[row_kinds.Kind]:
   listed = kinds[0]
   if isinstance(listed, row_kinds.Listed):
     return [row_kinds.Rows(listed.axis)]
   return [listed if row_kinds.is_local(listed) else row_kinds.WHOLE]
 
 
-def _tensor_list_stack(op, kinds, ctx):
+def _tensor_list_stack(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
+                       ctx: row_kinds.Context) -> Sequence[row_kinds.Kind]:
   listed = kinds[0]
   if isinstance(listed, row_kinds.Listed):
     return [row_kinds.Rows(listed.axis + 1)]
   return [listed if row_kinds.is_local(listed) else row_kinds.WHOLE]
 
 
-def _tensor_list_other(op, kinds, ctx):
+def _tensor_list_other(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
+                       ctx: row_kinds.Context) -> Sequence[row_kinds.Kind]:
   listed = kinds[0] if kinds else row_kinds.WHOLE
-  outputs = []
+  outputs: List[row_kinds.Kind] = []
   for tensor in op.outputs:
     if tensor.dtype == tf.variant:
       outputs.append(
@@ -77,7 +85,8 @@ def _tensor_list_other(op, kinds, ctx):
   return outputs
 
 
-def _tensor_array_write(op, kinds, ctx):
+def _tensor_array_write(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
+                        ctx: row_kinds.Context) -> Sequence[row_kinds.Kind]:
   # TensorArrayWriteV3(handle, index, value, flow_in) -> flow_out
   item, flow = kinds[2], kinds[3]
   if isinstance(item, row_kinds.Rows):
@@ -87,7 +96,8 @@ def _tensor_array_write(op, kinds, ctx):
   return [flow]
 
 
-def _tensor_array_scatter(op, kinds, ctx):
+def _tensor_array_scatter(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
+                          ctx: row_kinds.Context) -> Sequence[row_kinds.Kind]:
   # TensorArrayScatterV3(handle, indices, value, flow_in) -> flow_out
   value, flow = kinds[2], kinds[3]
   if isinstance(value, row_kinds.Rows):
@@ -97,23 +107,26 @@ def _tensor_array_scatter(op, kinds, ctx):
   return [value if row_kinds.is_local(value) else flow]
 
 
-def _tensor_array_read(op, kinds, ctx):
+def _tensor_array_read(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
+                       ctx: row_kinds.Context) -> Sequence[row_kinds.Kind]:
   flow = kinds[-1]
   if isinstance(flow, row_kinds.Listed):
     return [row_kinds.Rows(flow.axis)]
   return [flow if row_kinds.is_local(flow) else row_kinds.WHOLE]
 
 
-def _tensor_array_gather(op, kinds, ctx):
+def _tensor_array_gather(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
+                         ctx: row_kinds.Context) -> Sequence[row_kinds.Kind]:
   flow = kinds[-1]
   if isinstance(flow, row_kinds.Listed):
-    return [row_kinds.Rows(flow.axis + 1)] + [row_kinds.WHOLE] * (
-        len(op.outputs) - 1)
+    gathered: List[row_kinds.Kind] = [row_kinds.Rows(flow.axis + 1)]
+    return gathered + [row_kinds.WHOLE] * (len(op.outputs) - 1)
   return row_kinds.same_for_outputs(
       op, flow if row_kinds.is_local(flow) else row_kinds.WHOLE)
 
 
-def _call(op, kinds, ctx):
+def _call(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
+          ctx: row_kinds.Context) -> Sequence[row_kinds.Kind]:
   """A function call (tf.cond, tf.while_loop, tf.function): its bodies."""
   outputs = ctx.function_kinds(op, kinds)
   if outputs is None:
@@ -131,7 +144,7 @@ def _call(op, kinds, ctx):
 
 
 # Op type -> rule.
-RULES: Dict[str, Callable] = {
+RULES: Dict[str, row_kinds.Rule] = {
     "Switch":
         _switch,
     "RefSwitch":
@@ -190,10 +203,11 @@ for op_type in ("TensorListReserve", "TensorListLength",
                 "TensorArrayV3", "TensorArraySizeV3", "TensorArrayCloseV3"):
   RULES.setdefault(op_type, _tensor_list_other)
 
-_unknown_logged = set()
+_unknown_logged: Set[str] = set()
 
 
-def unknown(op, kinds, ctx):
+def unknown(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
+            ctx: row_kinds.Context) -> Sequence[row_kinds.Kind]:
   """An op of unknown row semantics: rows stay rows (logged once a type)."""
   if all(k is row_kinds.WHOLE for k in kinds):
     return row_kinds.same_for_outputs(op, row_kinds.WHOLE)

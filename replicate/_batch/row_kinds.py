@@ -3,11 +3,15 @@ about an op (its event): the vocabulary of `_batch.rows`.
 """
 
 from typing import (
+    TYPE_CHECKING,
     Any,
+    Callable,
     FrozenSet,
+    Iterable,
     List,
     NamedTuple,
     Optional,
+    Protocol,
     Sequence,
     Tuple,
     Union,
@@ -15,18 +19,21 @@ from typing import (
 
 import tensorflow as tf
 
+if TYPE_CHECKING:
+  from typing_extensions import TypeGuard
+
 
 class _Whole:
   """The kind of a value every tower shares with one device."""
 
-  def __repr__(self):
+  def __repr__(self) -> str:
     return "WHOLE"
 
 
 class _Shard:
   """The kind of a per-tower statistic asked for (sync_batch_norm=False)."""
 
-  def __repr__(self):
+  def __repr__(self) -> str:
     return "SHARD"
 
 
@@ -68,6 +75,9 @@ class Like(NamedTuple):
 
 Kind = Union[_Whole, _Shard, Rows, Size, Local, Listed]
 
+# What a tensor the tower did not compute may be declared (`rows.TowerRows`).
+Source = Union[Kind, Like]
+
 
 class Reduction(NamedTuple):
   """`op` reduces rows; the whole batch's value combines the towers' by
@@ -80,7 +90,8 @@ class Reduction(NamedTuple):
 class SizeUse(NamedTuple):
   """`op` reads a shard size (`op.inputs[index]`) as a value."""
   op: tf.Operation
-  index: int
+  # Shadows tuple.index; the name is read in _meet.rewiring (not renamed).
+  index: int  # type: ignore[assignment]
 
 
 class Mixing(NamedTuple):
@@ -101,15 +112,37 @@ class FusedNorm(NamedTuple):
 Event = Union[Reduction, SizeUse, Mixing, FusedNorm]
 
 
-def is_rows(kind) -> bool:
+class Context(Protocol):
+  """What a rule reports to and asks of its run (`rows._Context`)."""
+
+  # Whether an op's statistics are asked to stay the tower's.
+  per_tower: Callable[[tf.Operation], bool]
+
+  def needs_every_tower(self, op: tf.Operation, event: Optional[Event],
+                        kind: Kind, why: str) -> Kind:
+    """An op needing every tower's rows: an event, or in a body a mark."""
+
+  def reduce(self, op: tf.Operation, combine: str, axis: int) -> Kind:
+    """A batch reduction: the whole batch's value once rewired."""
+
+  def function_kinds(self, op: tf.Operation,
+                     kinds: Sequence[Kind]) -> Optional[List[Kind]]:
+    """A call's output kinds; a body needing every tower runs once."""
+
+
+# A rule: an op, its inputs' kinds and the run's context -> its outputs' kinds.
+Rule = Callable[[tf.Operation, Sequence[Kind], Context], Sequence[Kind]]
+
+
+def is_rows(kind: Kind) -> "TypeGuard[Rows]":
   return isinstance(kind, Rows)
 
 
-def is_local(kind) -> bool:
+def is_local(kind: Kind) -> "TypeGuard[Local]":
   return isinstance(kind, Local)
 
 
-def shares_value(kind) -> bool:
+def shares_value(kind: Kind) -> bool:
   """Whether a tensor of this kind is one device's value in every tower."""
   return kind is WHOLE
 
@@ -136,19 +169,19 @@ def join(kinds: Sequence[Kind]) -> Kind:
   return Local("", f"is one of {distinct} by a condition")
 
 
-def first_rows(kinds) -> Optional[Rows]:
+def first_rows(kinds: Iterable[Kind]) -> Optional[Rows]:
   for kind in kinds:
     if isinstance(kind, Rows):
       return kind
   return None
 
 
-def any_local(kinds) -> Optional[Local]:
+def any_local(kinds: Iterable[Kind]) -> Optional[Local]:
   for kind in kinds:
     if is_local(kind):
       return kind
   return None
 
 
-def same_for_outputs(op, kind) -> List[Kind]:
+def same_for_outputs(op: tf.Operation, kind: Kind) -> List[Kind]:
   return [kind] * len(op.outputs)

@@ -28,7 +28,18 @@ bodies (`tf.cond`, `tf.while_loop`, `tf.function`) are followed too; a
 reduction inside one cannot be rewired and makes its outputs `Local`.
 """
 
-from typing import Any, Callable, Dict, Iterable, List, Optional
+from typing import (
+    Any,
+    Callable,
+    Dict,
+    Iterable,
+    List,
+    Mapping,
+    Optional,
+    Sequence,
+    Set,
+    Tuple,
+)
 
 from absl import logging
 import tensorflow as tf
@@ -62,8 +73,9 @@ class _Context:
   def in_function(self) -> bool:
     return self.mode != TOWER
 
-  def needs_every_tower(self, op, event: Optional[row_kinds.Event],
-                        kind: row_kinds.Kind, why: str) -> row_kinds.Kind:
+  def needs_every_tower(self, op: tf.Operation,
+                        event: Optional[row_kinds.Event], kind: row_kinds.Kind,
+                        why: str) -> row_kinds.Kind:
     """An op needing every tower's rows: an event, or in a body a mark."""
     if self.mode == TOWER:
       if event is not None:
@@ -77,18 +89,20 @@ class _Context:
         op.name, why + " inside a tf.cond, tf.while_loop or "
         "tf.function body run per tower")
 
-  def reduce(self, op, combine: str, axis: int) -> row_kinds.Kind:
+  def reduce(self, op: tf.Operation, combine: str, axis: int) -> row_kinds.Kind:
     """A batch reduction: the whole batch's value once rewired."""
     if self.per_tower(op):
       return row_kinds.SHARD
     return self.needs_every_tower(op, row_kinds.Reduction(op, combine, axis),
                                   row_kinds.WHOLE, "reduces rows")
 
-  def value_of_size(self, op, index: int) -> row_kinds.Kind:
+  def value_of_size(self, op: tf.Operation, index: int) -> row_kinds.Kind:
     return self.needs_every_tower(op, row_kinds.SizeUse(op, index),
                                   row_kinds.WHOLE, "reads the shard's size")
 
-  def function_kinds(self, op, kinds) -> Optional[List[row_kinds.Kind]]:
+  def function_kinds(
+      self, op: tf.Operation,
+      kinds: Sequence[row_kinds.Kind]) -> Optional[List[row_kinds.Kind]]:
     """A call's output kinds; a body needing every tower runs once."""
     if self.mode == WHOLE_BATCH:
       found = function_kinds(op, kinds, self.per_tower, WHOLE_BATCH)
@@ -126,7 +140,9 @@ class _Context:
               "`training`), or batch without drop_remainder")
           for _ in op.outputs
       ]
-    whole = function_kinds(op, kinds, self.per_tower, WHOLE_BATCH)[0]
+    found = function_kinds(op, kinds, self.per_tower, WHOLE_BATCH)
+    assert found is not None  # the bodies were read above
+    whole = found[0]
     if any(row_kinds.is_local(k) for k in whole):
       return whole
     self.events.append(row_kinds.Mixing(op, tuple(whole)))
@@ -135,7 +151,7 @@ class _Context:
     return whole
 
 
-_TRANSFER: Dict[str, Callable] = {
+_TRANSFER: Dict[str, row_kinds.Rule] = {
     **value_rules.RULES,
     **shape_rules.RULES,
     **flow_rules.RULES
@@ -149,7 +165,7 @@ _WRITES = frozenset([
 ])
 
 
-def _reads_size_as_value(op, index: int) -> bool:
+def _reads_size_as_value(op: tf.Operation, index: int) -> bool:
   """Whether `op` reads its input `index`, a shard size, as a number.
 
   A size turned into a floating value (a mean's denominator), or written
@@ -164,7 +180,8 @@ def _reads_size_as_value(op, index: int) -> bool:
   return any(t.dtype.is_floating or t.dtype.is_complex for t in op.outputs)
 
 
-def _size_inputs(op, kinds, ctx) -> List[row_kinds.Kind]:
+def _size_inputs(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
+                 ctx: _Context) -> List[row_kinds.Kind]:
   """Reads shard sizes as numbers: events, then WHOLE (see above)."""
   if any(row_kinds.is_local(k) for k in kinds):
     # Compared or combined with a value of the tower itself (a ragged
@@ -193,13 +210,15 @@ _SIZE_ARITHMETIC = frozenset([
 ])
 
 
-def _size_arithmetic(op, kinds) -> List[row_kinds.Kind]:
+def _size_arithmetic(op: tf.Operation,
+                     kinds: Sequence[row_kinds.Kind]) -> List[row_kinds.Kind]:
   """Integer arithmetic of shard sizes: a size again."""
-  outputs = []
+  outputs: List[row_kinds.Kind] = []
   for tensor in op.outputs:
     if tensor.shape.rank == 0:
       outputs.append(row_kinds.Size(True))
       continue
+    entries: Optional[Set[int]]
     entries = set()
     for value, kind in zip(op.inputs, kinds):
       if isinstance(kind, row_kinds.Size):
@@ -216,8 +235,8 @@ def _size_arithmetic(op, kinds) -> List[row_kinds.Kind]:
   return outputs
 
 
-def transfer(op: tf.Operation, kinds: List[row_kinds.Kind],
-             ctx: _Context) -> List[row_kinds.Kind]:
+def transfer(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
+             ctx: _Context) -> Sequence[row_kinds.Kind]:
   """The kinds of `op`'s outputs given its inputs' (and the events)."""
   if not op.outputs:
     _size_inputs(op, kinds, ctx)
@@ -249,17 +268,17 @@ class TowerRows:
   """
 
   def __init__(self,
-               sources: Dict[Any, row_kinds.Kind],
+               sources: Mapping[Any, row_kinds.Source],
                per_tower: Callable[[tf.Operation], bool] = lambda op: False):
-    self._kinds: Dict[Any, row_kinds.Kind] = dict(sources)
+    self._kinds: Dict[Any, row_kinds.Source] = dict(sources)
     self._per_tower = per_tower
-    self._done = set()
+    self._done: Set[tf.Operation] = set()
     self.events: List[row_kinds.Event] = []
 
-  def add_sources(self, sources: Dict[Any, row_kinds.Kind]):
+  def add_sources(self, sources: Mapping[Any, row_kinds.Source]) -> None:
     self._kinds.update(sources)
 
-  def kind(self, tensor) -> row_kinds.Kind:
+  def kind(self, tensor: Optional[tf.Tensor]) -> row_kinds.Kind:
     """The kind of `tensor` (WHOLE for a tensor the tower did not build)."""
     if tensor is None:
       return row_kinds.WHOLE
@@ -270,7 +289,7 @@ class TowerRows:
       seen += 1
     return row_kinds.WHOLE if isinstance(kind, row_kinds.Like) else kind
 
-  def run(self, ops: Iterable[tf.Operation]):
+  def run(self, ops: Iterable[tf.Operation]) -> List[row_kinds.Event]:
     """Finds the kinds of `ops`' outputs (ops in creation order)."""
     ctx = _Context(TOWER, self._per_tower)
     for op in ops:
@@ -285,16 +304,19 @@ class TowerRows:
     return ctx.events
 
 
-def function_kinds(op: tf.Operation, kinds: List[row_kinds.Kind], per_tower,
-                   mode: str):
+def function_kinds(
+    op: tf.Operation, kinds: Sequence[row_kinds.Kind],
+    per_tower: Callable[[tf.Operation], bool],
+    mode: str) -> Optional[Tuple[List[row_kinds.Kind], Optional[tf.Operation]]]:
   """(the kinds of a call's outputs, the first op of its bodies that needs
   every tower, or None), read from its bodies; None where unreadable."""
   bodies = _tf.function_bodies(op)
   if bodies is None:
     return None
-  needs = []
+  needs: List[tf.Operation] = []
 
-  def body_kinds(body, arguments):
+  def body_kinds(body: Any,
+                 arguments: Sequence[row_kinds.Kind]) -> List[row_kinds.Kind]:
     outputs, inner = _body_kinds(body, arguments, per_tower, mode)
     if inner is not None:
       needs.append(inner)
@@ -333,10 +355,13 @@ def function_kinds(op: tf.Operation, kinds: List[row_kinds.Kind], per_tower,
   return outputs, (needs[0] if needs else None)
 
 
-def _body_kinds(body, arguments: List[row_kinds.Kind], per_tower, mode: str):
+def _body_kinds(
+    body: Any, arguments: Sequence[row_kinds.Kind],
+    per_tower: Callable[[tf.Operation], bool],
+    mode: str) -> Tuple[List[row_kinds.Kind], Optional[tf.Operation]]:
   """(the kinds of a body's outputs, its first op needing every tower)."""
   ctx = _Context(mode, per_tower)
-  kinds = {}
+  kinds: Dict[Any, row_kinds.Kind] = {}
   for tensor, kind in zip(body.inputs, arguments):
     kinds[tensor.ref()] = kind
   for op in body.get_operations():
@@ -350,9 +375,9 @@ def _body_kinds(body, arguments: List[row_kinds.Kind], per_tower, mode: str):
   return outputs, ctx.needs_towers
 
 
-def sources_of_inputs(shards) -> Dict[Any, row_kinds.Kind]:
+def sources_of_inputs(shards: Any) -> Dict[Any, row_kinds.Kind]:
   """Kinds of a tower's input tensors: rows; a sparse shape holds a size."""
-  sources = {}
+  sources: Dict[Any, row_kinds.Kind] = {}
   for leaf in tf.nest.flatten(shards, expand_composites=False):
     if leaf is None:
       continue

@@ -6,7 +6,16 @@ outputs' kinds, and reports through `ctx` (`_batch.rows`) what needs every
 tower; `RULES` maps op types to rules.
 """
 
-from typing import Any, Callable, Dict, Optional
+from typing import (
+    Any,
+    Dict,
+    Iterable,
+    List,
+    Optional,
+    Sequence,
+    Set,
+    Tuple,
+)
 
 import numpy as np
 import tensorflow as tf
@@ -16,7 +25,8 @@ from replicate._batch import row_kinds
 from replicate._batch import static
 
 
-def _reshape(op, kinds, ctx):
+def _reshape(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
+             ctx: row_kinds.Context) -> Sequence[row_kinds.Kind]:
   """Where the rows go: the entry of the new shape computed from the
   tower's size, else its -1, else the axis before which as many elements
   lie as before the rows in the input."""
@@ -34,13 +44,16 @@ def _reshape(op, kinds, ctx):
     before = op.inputs[0].shape[:data.axis].num_elements()
     if values.count(-1) == 1:
       position = values.index(-1)
-      if before is not None and int(np.prod(values[:position])) == before:
+      # Entries may be None (unknown): np.prod then gives None or raises.
+      if before is not None and int(np.prod(
+          values[:position])) == before:  # type: ignore[arg-type]
         return [row_kinds.Rows(position)]
     elif before is not None:
       product = 1
       for position, value in enumerate(values):
         if product == before:
           return [row_kinds.Rows(position)]
+        assert value is not None  # `None not in values` on this branch
         product *= value
     return [
         row_kinds.Local(
@@ -52,7 +65,8 @@ def _reshape(op, kinds, ctx):
   return [row_kinds.Local(op.name, f"reshapes rows cut along axis {data.axis}")]
 
 
-def _transpose(op, kinds, ctx):
+def _transpose(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
+               ctx: row_kinds.Context) -> Sequence[row_kinds.Kind]:
   kind = kinds[0]
   if not isinstance(kind, row_kinds.Rows):
     return [kind]
@@ -66,7 +80,8 @@ def _transpose(op, kinds, ctx):
   return [row_kinds.Rows(perm.index(kind.axis))]
 
 
-def _expand_dims(op, kinds, ctx):
+def _expand_dims(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
+                 ctx: row_kinds.Context) -> Sequence[row_kinds.Kind]:
   kind = kinds[0]
   if isinstance(kind, row_kinds.Size):
     return [kind]
@@ -82,7 +97,8 @@ def _expand_dims(op, kinds, ctx):
   return [row_kinds.Rows(kind.axis + (1 if inserted <= kind.axis else 0))]
 
 
-def _squeeze(op, kinds, ctx):
+def _squeeze(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
+             ctx: row_kinds.Context) -> Sequence[row_kinds.Kind]:
   kind = kinds[0]
   if not isinstance(kind, row_kinds.Rows):
     return [kind]
@@ -92,16 +108,19 @@ def _squeeze(op, kinds, ctx):
     if rank is None:
       return [row_kinds.Local(op.name, "squeezes a tensor of unknown rank")]
     dims = [i for i, d in enumerate(op.inputs[0].shape.as_list()) if d == 1]
-  dims = {static.axis_in(d, rank) for d in dims}
-  if kind.axis in dims:
+  squeezed = {static.axis_in(d, rank) for d in dims}
+  if kind.axis in squeezed:
     return [row_kinds.Local(op.name, "squeezes the rows axis away")]
   return [
-      row_kinds.Rows(kind.axis -
-                     sum(1 for d in dims if d is not None and d < kind.axis))
+      row_kinds.Rows(kind.axis - sum(
+          1 for d in squeezed if d is not None and d < kind.axis))
   ]
 
 
-def _concat(op, kinds, ctx, axis_first=False):
+def _concat(op: tf.Operation,
+            kinds: Sequence[row_kinds.Kind],
+            ctx: row_kinds.Context,
+            axis_first: bool = False) -> Sequence[row_kinds.Kind]:
   if axis_first:
     axis_tensor, values = op.inputs[0], list(zip(op.inputs[1:], kinds[1:]))
   else:
@@ -132,8 +151,10 @@ def _concat(op, kinds, ctx, axis_first=False):
   return [row_kinds.Rows(row_axis)]
 
 
-def _concat_sizes(values) -> row_kinds.Size:
-  entries, offset = set(), 0
+def _concat_sizes(
+    values: Iterable[Tuple[tf.Tensor, row_kinds.Kind]]) -> row_kinds.Size:
+  entries: Set[int] = set()
+  offset = 0
   for tensor, kind in values:
     length = tensor.shape.num_elements()
     if length is None:
@@ -146,7 +167,8 @@ def _concat_sizes(values) -> row_kinds.Size:
   return row_kinds.Size(False, frozenset(entries))
 
 
-def _pack(op, kinds, ctx):
+def _pack(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
+          ctx: row_kinds.Context) -> Sequence[row_kinds.Kind]:
   local = row_kinds.any_local(kinds)
   if local:
     return [local]
@@ -175,7 +197,8 @@ def _pack(op, kinds, ctx):
   return [row_kinds.Rows(row_axis + (1 if inserted <= row_axis else 0))]
 
 
-def _unpack(op, kinds, ctx):
+def _unpack(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
+            ctx: row_kinds.Context) -> Sequence[row_kinds.Kind]:
   kind = kinds[0]
   if isinstance(kind, row_kinds.Size):
     entries = kind.entries
@@ -196,7 +219,8 @@ def _unpack(op, kinds, ctx):
                      (1 if axis is not None and axis < kind.axis else 0)))
 
 
-def _split(op, kinds, ctx):
+def _split(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
+           ctx: row_kinds.Context) -> Sequence[row_kinds.Kind]:
   if op.type == "Split":
     axis_tensor, kind, value = op.inputs[0], kinds[1], op.inputs[1]
   else:
@@ -211,7 +235,8 @@ def _split(op, kinds, ctx):
   return row_kinds.same_for_outputs(op, kind)
 
 
-def _slice(op, kinds, ctx):
+def _slice(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
+           ctx: row_kinds.Context) -> Sequence[row_kinds.Kind]:
   """Slice(x, begin, size): rows stay where the rows axis is whole."""
   kind = kinds[0]
   if isinstance(kind, row_kinds.Size):
@@ -229,7 +254,7 @@ def _slice(op, kinds, ctx):
   return [row_kinds.Local(op.name, "slices part of the rows")]
 
 
-def _entry(tensor, index: int):
+def _entry(tensor: tf.Tensor, index: int) -> Optional[int]:
   """Entry `index` of an int vector if known when built."""
   values = static.partial_ints(tensor)
   if values is not None and index < len(values):
@@ -237,7 +262,8 @@ def _entry(tensor, index: int):
   return None
 
 
-def _sliced_size(kind: row_kinds.Size, begin, size) -> row_kinds.Kind:
+def _sliced_size(kind: row_kinds.Size, begin: Optional[List[int]],
+                 size: Optional[List[int]]) -> row_kinds.Kind:
   if kind.scalar:
     return kind
   if kind.entries is None or begin is None or size is None:
@@ -252,7 +278,8 @@ def _sliced_size(kind: row_kinds.Size, begin, size) -> row_kinds.Kind:
   return row_kinds.Size(False, frozenset(picked)) if picked else row_kinds.WHOLE
 
 
-def _strided_slice(op, kinds, ctx):
+def _strided_slice(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
+                   ctx: row_kinds.Context) -> Sequence[row_kinds.Kind]:
   kind = kinds[0]
   if isinstance(kind, row_kinds.Size):
     return [_strided_size(op, kind)]
@@ -269,7 +296,8 @@ def _strided_slice(op, kinds, ctx):
   return [row_kinds.Rows(fate)]
 
 
-def _picked_rows(op, kinds, ctx) -> row_kinds.Kind:
+def _picked_rows(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
+                 ctx: row_kinds.Context) -> row_kinds.Kind:
   """Rows picked by their position in the batch (`x[0]`, `x[:2]`,
   `tf.gather(x, 0)`): the whole batch's, picked once.
 
@@ -280,8 +308,9 @@ def _picked_rows(op, kinds, ctx) -> row_kinds.Kind:
   towers' concatenated).
   """
   if op.inputs[0].dtype.is_integer:
-    return row_kinds.Local(op.name, "picks integer rows (positions or "
-                           "counts of the tower's own values) by position")
+    return row_kinds.Local(
+        op.name, "picks integer rows (positions or "
+        "counts of the tower's own values) by position")
   local = row_kinds.any_local(kinds)
   if local or any(
       isinstance(k, (row_kinds.Size, row_kinds.Listed)) for k in kinds[1:]):
@@ -290,7 +319,8 @@ def _picked_rows(op, kinds, ctx) -> row_kinds.Kind:
                                row_kinds.WHOLE, "picks rows by position")
 
 
-def _strided_mapping(op, rank) -> Optional[Dict[int, Any]]:
+def _strided_mapping(op: tf.Operation,
+                     rank: Optional[int]) -> Optional[Dict[int, Any]]:
   """Input dim -> output dim, 'shrunk' or 'partial'; None if unknowable."""
   begin = static.static_ints(op.inputs[1])
   end = static.static_ints(op.inputs[2])
@@ -303,7 +333,8 @@ def _strided_mapping(op, rank) -> Optional[Dict[int, Any]]:
       for name in ("begin_mask", "end_mask", "ellipsis_mask", "new_axis_mask",
                    "shrink_axis_mask")
   }
-  mapping, in_dim, out_dim = {}, 0, 0
+  mapping: Dict[int, Any] = {}
+  in_dim, out_dim = 0, 0
   for i in range(n):
     bit = 1 << i
     if masks["ellipsis_mask"] & bit:
@@ -345,16 +376,17 @@ def _strided_mapping(op, rank) -> Optional[Dict[int, Any]]:
   return mapping
 
 
-def _strided_size(op, kind: row_kinds.Size) -> row_kinds.Kind:
+def _strided_size(op: tf.Operation, kind: row_kinds.Size) -> row_kinds.Kind:
   if kind.scalar:
     return kind
   begin = static.static_ints(op.inputs[1])
   end = static.static_ints(op.inputs[2])
   strides = static.static_ints(op.inputs[3])
   length = op.inputs[0].shape.num_elements()
-  if kind.entries is None or None in (begin, end, strides, length) or (
-      len(strides) != 1 or op.get_attr("ellipsis_mask") or
-      op.get_attr("new_axis_mask")):
+  if kind.entries is None or begin is None or end is None or (
+      strides is None) or length is None or (len(strides) != 1 or
+                                             op.get_attr("ellipsis_mask") or
+                                             op.get_attr("new_axis_mask")):
     return row_kinds.Size(op.get_attr("shrink_axis_mask") == 1, None)
   start = 0 if op.get_attr("begin_mask") & 1 else begin[0]
   if start < 0:
@@ -371,7 +403,8 @@ def _strided_size(op, kind: row_kinds.Size) -> row_kinds.Kind:
   return row_kinds.Size(False, frozenset(picked)) if picked else row_kinds.WHOLE
 
 
-def _tile(op, kinds, ctx):
+def _tile(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
+          ctx: row_kinds.Context) -> Sequence[row_kinds.Kind]:
   data, multiples = kinds
   if row_kinds.is_local(data):
     return [data]
@@ -386,7 +419,8 @@ def _tile(op, kinds, ctx):
   return [data]
 
 
-def _pad(op, kinds, ctx):
+def _pad(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
+         ctx: row_kinds.Context) -> Sequence[row_kinds.Kind]:
   kind = kinds[0]
   if not isinstance(kind, row_kinds.Rows):
     return [kind]
@@ -397,7 +431,8 @@ def _pad(op, kinds, ctx):
   return [row_kinds.Local(op.name, "pads the rows axis")]
 
 
-def _broadcast_to(op, kinds, ctx):
+def _broadcast_to(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
+                  ctx: row_kinds.Context) -> Sequence[row_kinds.Kind]:
   data, shape = kinds
   if row_kinds.is_local(data):
     return [data]
@@ -412,7 +447,8 @@ def _broadcast_to(op, kinds, ctx):
   return [data]
 
 
-def _fill(op, kinds, ctx):
+def _fill(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
+          ctx: row_kinds.Context) -> Sequence[row_kinds.Kind]:
   dims, value = kinds
   if isinstance(dims, row_kinds.Size):
     return [row_kinds.Rows(min(dims.entries) if dims.entries else 0)]
@@ -421,7 +457,8 @@ def _fill(op, kinds, ctx):
   return [value if value is row_kinds.SHARD else row_kinds.WHOLE]
 
 
-def _from_shape(op, kinds, ctx):
+def _from_shape(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
+                ctx: row_kinds.Context) -> Sequence[row_kinds.Kind]:
   """Ops whose output has the shape their first input gives."""
   shape = kinds[0]
   if isinstance(shape, row_kinds.Size):
@@ -431,15 +468,17 @@ def _from_shape(op, kinds, ctx):
   return row_kinds.same_for_outputs(op, local or row_kinds.WHOLE)
 
 
-def _range(op, kinds, ctx):
+def _range(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
+           ctx: row_kinds.Context) -> Sequence[row_kinds.Kind]:
   if any(isinstance(k, row_kinds.Size) for k in kinds):
     return [row_kinds.Rows(0)]  # positions of the tower's rows (or entries)
   local = row_kinds.any_local(kinds)
   return [local or row_kinds.WHOLE]
 
 
-def _shape(op, kinds, ctx):
-  outputs = []
+def _shape(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
+           ctx: row_kinds.Context) -> Sequence[row_kinds.Kind]:
+  outputs: List[row_kinds.Kind] = []
   for kind in kinds:
     if isinstance(kind, row_kinds.Rows):
       outputs.append(row_kinds.Size(False, frozenset([kind.axis])))
@@ -453,7 +492,8 @@ def _shape(op, kinds, ctx):
   return outputs
 
 
-def _size(op, kinds, ctx):
+def _size(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
+          ctx: row_kinds.Context) -> Sequence[row_kinds.Kind]:
   kind = kinds[0]
   if isinstance(kind, (row_kinds.Rows, row_kinds.Listed)):
     return [row_kinds.Size(True)]
@@ -462,13 +502,14 @@ def _size(op, kinds, ctx):
   return [row_kinds.WHOLE]
 
 
-def _gather(op, kinds, ctx):
+def _gather(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
+            ctx: row_kinds.Context) -> Sequence[row_kinds.Kind]:
   params, indices = kinds[0], kinds[1]
   if op.type == "GatherV2":
-    axis = static.static_ints(op.inputs[2])
-    if axis is None:
+    axes = static.static_ints(op.inputs[2])
+    if axes is None:
       return [row_kinds.Local(op.name, "gathers along a run-time axis")]
-    axis = static.axis_in(axis[0], static.rank_of(op.inputs[0]))
+    axis = static.axis_in(axes[0], static.rank_of(op.inputs[0]))
     batch_dims = op.get_attr("batch_dims")
   else:
     axis, batch_dims = 0, 0
@@ -504,7 +545,7 @@ def _gather(op, kinds, ctx):
   ]
 
 
-def _gathered_size(op, params: row_kinds.Size) -> row_kinds.Kind:
+def _gathered_size(op: tf.Operation, params: row_kinds.Size) -> row_kinds.Kind:
   indices = static.static_ints(op.inputs[1])
   if params.entries is None or indices is None:
     return row_kinds.Size(static.rank_of(op.outputs[0]) == 0, None)
@@ -515,7 +556,8 @@ def _gathered_size(op, params: row_kinds.Size) -> row_kinds.Kind:
   return row_kinds.Size(False, frozenset(picked)) if picked else row_kinds.WHOLE
 
 
-def _gather_nd(op, kinds, ctx):
+def _gather_nd(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
+               ctx: row_kinds.Context) -> Sequence[row_kinds.Kind]:
   params, indices = kinds
   if isinstance(indices, row_kinds.Rows) and indices.axis == 0:
     return [row_kinds.Rows(0)]
@@ -530,7 +572,8 @@ def _gather_nd(op, kinds, ctx):
   return [local or row_kinds.WHOLE]
 
 
-def _resource_gather(op, kinds, ctx):
+def _resource_gather(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
+                     ctx: row_kinds.Context) -> Sequence[row_kinds.Kind]:
   indices = kinds[1]
   if isinstance(indices, row_kinds.Rows):
     return [row_kinds.Rows(indices.axis + op.get_attr("batch_dims"))]
@@ -540,7 +583,8 @@ def _resource_gather(op, kinds, ctx):
   ]
 
 
-def _scatter_nd(op, kinds, ctx):
+def _scatter_nd(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
+                ctx: row_kinds.Context) -> Sequence[row_kinds.Kind]:
   indices, updates, shape = kinds
   if isinstance(shape, row_kinds.Size):
     return [row_kinds.Rows(min(shape.entries) if shape.entries else 0)]
@@ -553,7 +597,7 @@ def _scatter_nd(op, kinds, ctx):
 
 
 # Op type -> rule.
-RULES: Dict[str, Callable] = {
+RULES: Dict[str, row_kinds.Rule] = {
     "Reshape": _reshape,
     "Transpose": _transpose,
     "ConjugateTranspose": _transpose,

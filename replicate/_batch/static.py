@@ -4,7 +4,7 @@ A rule needs the axes, sizes and positions an op is given; these are
 folded from the few ops shape arithmetic uses, without running the graph.
 """
 
-from typing import List, Optional
+from typing import Dict, List, Optional, cast
 
 import numpy as np
 import tensorflow as tf
@@ -20,7 +20,7 @@ _FOLDABLE = frozenset([
 ])
 
 
-def _folded_ints(tensor, limit: int = 32) -> Optional[List[int]]:
+def _folded_ints(tensor: tf.Tensor, limit: int = 32) -> Optional[List[int]]:
   """An int vector computed from constants alone, evaluated; else None.
 
   `tf.get_static_value` folds a few ops only (not Tile or Squeeze, which
@@ -28,7 +28,7 @@ def _folded_ints(tensor, limit: int = 32) -> Optional[List[int]]:
   """
   if not tensor.dtype.is_integer or tensor.shape.rank not in (0, 1):
     return None
-  ops = {}
+  ops: Dict[str, tf.Operation] = {}
   for op in _graph.walk([tensor.op], _graph.input_ops):
     if op.type not in _FOLDABLE or len(ops) >= limit or op.control_inputs:
       return None
@@ -45,20 +45,21 @@ def _folded_ints(tensor, limit: int = 32) -> Optional[List[int]]:
   return [int(v) for v in np.reshape(value, [-1])]
 
 
-def partial_ints(tensor, depth: int = 0) -> Optional[List[Optional[int]]]:
+def partial_ints(tensor: tf.Tensor,
+                 depth: int = 0) -> Optional[List[Optional[int]]]:
   """The entries of an int vector known when built (None: not known).
 
   Follows constants, stacks, concatenations and slices of a static shape,
   as a new shape is usually written (`[v, -1]` joined to `tf.shape(x)[1:]`).
   """
-  values = static_ints(tensor)
+  values = _some_known(static_ints(tensor))
   if values is not None:
     return values
   op = tensor.op
   if depth > 8 or tensor.shape.rank != 1:
     return None
   if op.type in ("Tile", "Squeeze", "Reshape", "ExpandDims"):
-    values = _folded_ints(tensor)
+    values = _some_known(_folded_ints(tensor))
     if values is not None:
       return values
   length = tensor.shape.num_elements()
@@ -68,8 +69,8 @@ def partial_ints(tensor, depth: int = 0) -> Optional[List[Optional[int]]]:
     parts = []
     for part in op.inputs:
       found = (
-          static_ints(part) if part.shape.rank == 0 else partial_ints(
-              part, depth + 1))
+          _some_known(static_ints(part))
+          if part.shape.rank == 0 else partial_ints(part, depth + 1))
       if found is None:
         return None
       parts.append(found * length if len(found) == 1 else found)
@@ -81,10 +82,10 @@ def partial_ints(tensor, depth: int = 0) -> Optional[List[Optional[int]]]:
         None if a is None or b is None else apply(a, b) for a, b in zip(*parts)
     ]
   if op.type == "Pack":
-    return [(static_ints(t) or [None])[0] for t in op.inputs]
+    return [(_some_known(static_ints(t)) or [None])[0] for t in op.inputs]
   if op.type in ("ConcatV2", "Concat"):
     parts = op.inputs[:-1] if op.type == "ConcatV2" else op.inputs[1:]
-    entries = []
+    entries: List[Optional[int]] = []
     for part in parts:
       found = partial_ints(part, depth + 1)
       if found is None:
@@ -98,14 +99,19 @@ def partial_ints(tensor, depth: int = 0) -> Optional[List[Optional[int]]]:
   return None if length is None else [None] * length
 
 
-def static_ints(tensor) -> Optional[List[int]]:
+def _some_known(values: Optional[List[int]]) -> Optional[List[Optional[int]]]:
+  """`values` as entries some of which may be unknown (the same list)."""
+  return cast(Optional[List[Optional[int]]], values)
+
+
+def static_ints(tensor: tf.Tensor) -> Optional[List[int]]:
   value = tf.get_static_value(tensor)
   if value is None:
     return None
   return [int(v) for v in np.reshape(value, [-1])]
 
 
-def rank_of(tensor) -> Optional[int]:
+def rank_of(tensor: tf.Tensor) -> Optional[int]:
   """The static rank of `tensor`, or None."""
   return tensor.shape.rank
 

@@ -10,7 +10,7 @@ and `host_call`), the tensors its hooks and scaffold hold, and the graph's
 collections (summaries, update ops, ...), with everything they depend on.
 """
 
-from typing import Any, Iterable, Set
+from typing import Any, Iterable, List, Set
 
 import tensorflow as tf
 
@@ -21,7 +21,8 @@ from replicate import _graph
 _OBJECT_DEPTH = 3
 
 
-def _ops_in(value: Any, depth: int, seen: set, found: list):
+def _ops_in(value: Any, depth: int, seen: Set[int],
+            found: List[tf.Operation]) -> None:
   """Appends the ops of the tensors and ops in `value` (a nest or object)."""
   if id(value) in seen or value is None or isinstance(
       value, (str, bytes, int, float, bool, tf.Graph, tf.Variable)):
@@ -42,14 +43,15 @@ def _ops_in(value: Any, depth: int, seen: set, found: list):
       _ops_in(item, depth - 1, seen, found)
 
 
-def ops_in(value: Any, found: list):
+def ops_in(value: Any, found: List[tf.Operation]) -> None:
   """Appends the ops of the tensors and ops in `value` (a nest)."""
   _ops_in(value, 0, set(), found)
 
 
-def _roots(graph: tf.Graph, specs: Iterable[Any]) -> list:
+def _roots(graph: tf.Graph, specs: Iterable[Any]) -> List[tf.Operation]:
   """The ops the Estimator fetches: the specs' and the collections'."""
-  found, seen = [], set()
+  found: List[tf.Operation] = []
+  seen: Set[int] = set()
   for spec in specs:
     for field in spec._fields:
       _ops_in(getattr(spec, field), _OBJECT_DEPTH, seen, found)
@@ -66,7 +68,8 @@ def run_by_the_step(
   `extra`: more tensors (nests) the step fetches.
   """
   pending = _roots(graph, specs)
-  found, seen = [], set()
+  found: List[tf.Operation] = []
+  seen: Set[int] = set()
   _ops_in(list(extra), 0, seen, found)
   pending.extend(found)
   return {op.name for op in _graph.walk(pending, _graph.input_and_control_ops)}

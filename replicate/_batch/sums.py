@@ -5,6 +5,8 @@
 `_prepare.split`) out of a sum; `share_in` is a tower's share of the batch.
 """
 
+from typing import Any, Iterable, Union
+
 import tensorflow as tf
 
 _Reduction = tf.compat.v1.losses.Reduction
@@ -18,7 +20,7 @@ _KERAS_REDUCTIONS = {
 }
 
 
-def validate_loss_reduction(loss_reduction) -> str:
+def validate_loss_reduction(loss_reduction: Any) -> str:
   """Returns the reduction as a `tf.compat.v1.losses.Reduction` value.
 
   Raises:
@@ -39,7 +41,7 @@ def validate_loss_reduction(loss_reduction) -> str:
   return value
 
 
-def gate(value, valid):
+def gate(value: Any, valid: Union[bool, tf.Tensor]) -> Any:
   """`value` where `valid`, else zeros (not `value * 0`, which keeps NaN).
 
   `valid` is a python bool (True adds no op) or a scalar bool tensor. A
@@ -52,7 +54,8 @@ def gate(value, valid):
   return tf.where(valid, value, tf.zeros_like(value))
 
 
-def real_sum(values, valid):
+def real_sum(values: Iterable[Any],
+             valid: Iterable[Union[bool, tf.Tensor]]) -> tf.Tensor:
   """Sum of the towers' `values`, a tower computing on a phantom row as zero.
 
   `valid[i]` is tower i's flag (True, False or a bool tensor; see `gate`).
@@ -61,7 +64,7 @@ def real_sum(values, valid):
       [gate(value, ok) for value, ok in zip(values, valid) if ok is not False])
 
 
-def share_in(fraction, dtype: tf.DType) -> tf.Tensor:
+def share_in(fraction: Union[float, tf.Tensor], dtype: tf.DType) -> tf.Tensor:
   """A tower's share of the batch as a `dtype` scalar, rounded once.
 
   A Python float (a double) becomes a `dtype` constant directly: `tf.cast`

@@ -6,7 +6,7 @@ outputs' kinds, and reports through `ctx` (`_batch.rows`) what needs every
 tower; `RULES` maps op types to rules.
 """
 
-from typing import Callable, Dict, Sequence
+from typing import Dict, List, Sequence
 
 import tensorflow as tf
 
@@ -15,7 +15,8 @@ from replicate._batch import row_kinds
 from replicate._batch import static
 
 
-def _elementwise(op, kinds: Sequence[row_kinds.Kind]) -> row_kinds.Kind:
+def _elementwise(op: tf.Operation,
+                 kinds: Sequence[row_kinds.Kind]) -> row_kinds.Kind:
   """The output kind of a broadcasting elementwise op."""
   out_rank = static.rank_of(op.outputs[0]) if op.outputs else None
   axes, shard = set(), False
@@ -41,7 +42,8 @@ def _elementwise(op, kinds: Sequence[row_kinds.Kind]) -> row_kinds.Kind:
 # ------------------------------------------------------- transfer functions
 
 
-def _reduction(op, kinds, ctx):
+def _reduction(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
+               ctx: row_kinds.Context) -> Sequence[row_kinds.Kind]:
   data, axes = op.inputs[0], op.inputs[1]
   kind = kinds[0]
   if row_kinds.is_local(kind) or kind is row_kinds.SHARD:
@@ -61,10 +63,15 @@ def _reduction(op, kinds, ctx):
     return [ctx.reduce(op, op_types.REDUCTIONS[op.type], kind.axis)]
   if keep:
     return [kind]
-  return [row_kinds.Rows(kind.axis - sum(1 for a in reduced if a < kind.axis))]
+  # No axis is None here: an unknown one made `reduced` the axes as given.
+  return [
+      row_kinds.Rows(kind.axis -
+                     sum(1 for a in reduced if a is not None and a < kind.axis))
+  ]
 
 
-def _arg_reduction(op, kinds, ctx):
+def _arg_reduction(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
+                   ctx: row_kinds.Context) -> Sequence[row_kinds.Kind]:
   kind = kinds[0]
   if not isinstance(kind, row_kinds.Rows):
     return [
@@ -84,7 +91,8 @@ def _arg_reduction(op, kinds, ctx):
   ]
 
 
-def _segment_reduction(op, kinds, ctx):
+def _segment_reduction(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
+                       ctx: row_kinds.Context) -> Sequence[row_kinds.Kind]:
   data, ids, count = kinds[0], kinds[1], kinds[2]
   if isinstance(count, row_kinds.Size):
     return [row_kinds.Rows(0)]  # one segment per row
@@ -101,14 +109,16 @@ def _segment_reduction(op, kinds, ctx):
   ]
 
 
-def _sorted_segment(op, kinds, ctx):
+def _sorted_segment(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
+                    ctx: row_kinds.Context) -> Sequence[row_kinds.Kind]:
   if any(k is not row_kinds.WHOLE for k in kinds[:2]):
     local = row_kinds.any_local(kinds)
     return [local or row_kinds.Rows(0)]
   return [row_kinds.WHOLE]
 
 
-def _matmul(op, kinds, ctx):
+def _matmul(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
+            ctx: row_kinds.Context) -> Sequence[row_kinds.Kind]:
   a, b = kinds[0], kinds[1]
   local = row_kinds.any_local([a, b])
   if local:
@@ -138,7 +148,8 @@ def _matmul(op, kinds, ctx):
   return [row_kinds.SHARD if row_kinds.SHARD in (a, b) else row_kinds.WHOLE]
 
 
-def _batch_matmul(op, kinds, ctx):
+def _batch_matmul(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
+                  ctx: row_kinds.Context) -> Sequence[row_kinds.Kind]:
   rows = [k for k in kinds[:2] if isinstance(k, row_kinds.Rows)]
   local = row_kinds.any_local(kinds[:2])
   if local:
@@ -160,7 +171,8 @@ def _batch_matmul(op, kinds, ctx):
   return [row_kinds.Rows(axes.pop())]
 
 
-def _einsum(op, kinds, ctx):
+def _einsum(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
+            ctx: row_kinds.Context) -> Sequence[row_kinds.Kind]:
   local = row_kinds.any_local(kinds)
   if local:
     return [local]
@@ -195,7 +207,8 @@ def _einsum(op, kinds, ctx):
   return [ctx.reduce(op, "sum", rows_inputs[0].axis)]
 
 
-def _where(op, kinds, ctx):
+def _where(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
+           ctx: row_kinds.Context) -> Sequence[row_kinds.Kind]:
   if len(op.inputs) == 1:
     kind = kinds[0]
     if isinstance(kind, row_kinds.Rows):
@@ -204,7 +217,8 @@ def _where(op, kinds, ctx):
   return [_elementwise(op, kinds)]
 
 
-def _one_hot(op, kinds, ctx):
+def _one_hot(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
+             ctx: row_kinds.Context) -> Sequence[row_kinds.Kind]:
   kind = kinds[0]
   if not isinstance(kind, row_kinds.Rows):
     local = row_kinds.any_local(kinds)
@@ -216,10 +230,11 @@ def _one_hot(op, kinds, ctx):
   return [row_kinds.Rows(kind.axis + 1)]
 
 
-def _along_axis_input(axis_index: int, what: str):
+def _along_axis_input(axis_index: int, what: str) -> row_kinds.Rule:
   """Ops working along one axis given as an input (cumsum, reverse, ...)."""
 
-  def rule(op, kinds, ctx):
+  def rule(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
+           ctx: row_kinds.Context) -> Sequence[row_kinds.Kind]:
     kind = kinds[0]
     if not isinstance(kind, row_kinds.Rows):
       return row_kinds.same_for_outputs(
@@ -234,10 +249,11 @@ def _along_axis_input(axis_index: int, what: str):
   return rule
 
 
-def _last_axis(what: str):
+def _last_axis(what: str) -> row_kinds.Rule:
   """Ops working along the last axis (softmax, top_k)."""
 
-  def rule(op, kinds, ctx):
+  def rule(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
+           ctx: row_kinds.Context) -> Sequence[row_kinds.Kind]:
     kind = kinds[0]
     if not isinstance(kind, row_kinds.Rows):
       local = row_kinds.any_local(kinds)
@@ -251,7 +267,8 @@ def _last_axis(what: str):
   return rule
 
 
-def _per_row(op, kinds, ctx):
+def _per_row(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
+             ctx: row_kinds.Context) -> Sequence[row_kinds.Kind]:
   """Every output keeps the rows (axis 0) of the first input with rows."""
   local = row_kinds.any_local(kinds)
   if local:
@@ -265,7 +282,8 @@ def _per_row(op, kinds, ctx):
       row_kinds.Rows(0) if rows.axis == 0 else rows)
 
 
-def _fused_norm(op, kinds, ctx):
+def _fused_norm(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
+                ctx: row_kinds.Context) -> Sequence[row_kinds.Kind]:
   kind = kinds[0]
   if not isinstance(kind, row_kinds.Rows):
     return row_kinds.same_for_outputs(
@@ -295,7 +313,8 @@ def _fused_norm(op, kinds, ctx):
              len(op.outputs) - 1)
 
 
-def _py_func(op, kinds, ctx):
+def _py_func(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
+             ctx: row_kinds.Context) -> Sequence[row_kinds.Kind]:
   if all(not isinstance(k, (row_kinds.Rows, row_kinds.Local, row_kinds.Size,
                             row_kinds.Listed)) and k is not row_kinds.SHARD
          for k in kinds):
@@ -310,31 +329,37 @@ def _py_func(op, kinds, ctx):
           row_kinds.WHOLE, "runs Python on the rows"))
 
 
-def _unique(op, kinds, ctx):
+def _unique(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
+            ctx: row_kinds.Context) -> Sequence[row_kinds.Kind]:
   kind = kinds[0]
   if not isinstance(kind, row_kinds.Rows):
     return row_kinds.same_for_outputs(
         op, kind if row_kinds.is_local(kind) else row_kinds.WHOLE)
-  outputs = [row_kinds.Local(op.name, "is the set of the tower's values"), kind]
+  outputs: List[row_kinds.Kind] = [
+      row_kinds.Local(op.name, "is the set of the tower's values"), kind
+  ]
   outputs += [row_kinds.Local(op.name, "counts the tower's values")] * (
       len(op.outputs) - 2)
   return outputs
 
 
-def _dynamic_stitch(op, kinds, ctx):
+def _dynamic_stitch(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
+                    ctx: row_kinds.Context) -> Sequence[row_kinds.Kind]:
   if all(k is row_kinds.WHOLE for k in kinds):
     return [row_kinds.WHOLE]
   return [row_kinds.Rows(0)]
 
 
-def _dynamic_partition(op, kinds, ctx):
+def _dynamic_partition(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
+                       ctx: row_kinds.Context) -> Sequence[row_kinds.Kind]:
   if all(k is row_kinds.WHOLE for k in kinds):
     return row_kinds.same_for_outputs(op, row_kinds.WHOLE)
   return row_kinds.same_for_outputs(
       op, row_kinds.Local(op.name, "partitions the rows"))
 
 
-def _sparse_fill_empty_rows(op, kinds, ctx):
+def _sparse_fill_empty_rows(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
+                            ctx: row_kinds.Context) -> Sequence[row_kinds.Kind]:
   if all(k is row_kinds.WHOLE for k in kinds):
     return row_kinds.same_for_outputs(op, row_kinds.WHOLE)
   return [
@@ -345,13 +370,15 @@ def _sparse_fill_empty_rows(op, kinds, ctx):
   ][:len(op.outputs)]
 
 
-def _sparse_reshape(op, kinds, ctx):
+def _sparse_reshape(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
+                    ctx: row_kinds.Context) -> Sequence[row_kinds.Kind]:
   if all(k is row_kinds.WHOLE for k in kinds):
     return row_kinds.same_for_outputs(op, row_kinds.WHOLE)
   return [row_kinds.Rows(0), row_kinds.Size(False, frozenset([0]))]
 
 
-def _sparse_to_dense(op, kinds, ctx):
+def _sparse_to_dense(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
+                     ctx: row_kinds.Context) -> Sequence[row_kinds.Kind]:
   shape = kinds[1]
   if isinstance(shape, row_kinds.Size):
     return [row_kinds.Rows(min(shape.entries) if shape.entries else 0)]
@@ -364,7 +391,8 @@ def _sparse_to_dense(op, kinds, ctx):
   return [row_kinds.WHOLE]
 
 
-def _sparse_segment(op, kinds, ctx):
+def _sparse_segment(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
+                    ctx: row_kinds.Context) -> Sequence[row_kinds.Kind]:
   ids = kinds[2]
   if len(op.inputs) > 3 and isinstance(kinds[3], row_kinds.Size):
     return [row_kinds.Rows(0)]
@@ -375,7 +403,8 @@ def _sparse_segment(op, kinds, ctx):
   return [row_kinds.Rows(0)]
 
 
-def _sparse_dense_matmul(op, kinds, ctx):
+def _sparse_dense_matmul(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
+                         ctx: row_kinds.Context) -> Sequence[row_kinds.Kind]:
   a_indices, a_values, a_shape, b = kinds
   sparse_rows = isinstance(a_shape, row_kinds.Size) or isinstance(
       a_values, row_kinds.Rows)
@@ -394,7 +423,8 @@ def _sparse_dense_matmul(op, kinds, ctx):
   return [local or row_kinds.WHOLE]
 
 
-def _sparse_reduce(op, kinds, ctx):
+def _sparse_reduce(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
+                   ctx: row_kinds.Context) -> Sequence[row_kinds.Kind]:
   if all(k is row_kinds.WHOLE for k in kinds[:3]):
     return row_kinds.same_for_outputs(op, row_kinds.WHOLE)
   axes = static.static_ints(op.inputs[3])
@@ -422,14 +452,15 @@ def _sparse_reduce(op, kinds, ctx):
   return [row_kinds.Rows(0)]
 
 
-def _sparse_rows(op, kinds, ctx):
+def _sparse_rows(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
+                 ctx: row_kinds.Context) -> Sequence[row_kinds.Kind]:
   """Sparse ops whose (indices, values, shape) outputs keep the rows."""
   if all(k is row_kinds.WHOLE for k in kinds):
     return row_kinds.same_for_outputs(op, row_kinds.WHOLE)
   local = row_kinds.any_local(kinds)
   if local:
     return row_kinds.same_for_outputs(op, local)
-  outputs = []
+  outputs: List[row_kinds.Kind] = []
   for tensor in op.outputs:
     if tensor.dtype == tf.int64 and tensor.shape.rank == 1 and (
         tensor.name.endswith(":2") or "shape" in tensor.name):
@@ -439,7 +470,8 @@ def _sparse_rows(op, kinds, ctx):
   return outputs
 
 
-def _ctc(op, kinds, ctx):
+def _ctc(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
+         ctx: row_kinds.Context) -> Sequence[row_kinds.Kind]:
   if all(k is row_kinds.WHOLE for k in kinds):
     return row_kinds.same_for_outputs(op, row_kinds.WHOLE)
   return [
@@ -448,7 +480,8 @@ def _ctc(op, kinds, ctx):
                                                   len(op.outputs) - 2)
 
 
-def _reverse_sequence(op, kinds, ctx):
+def _reverse_sequence(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
+                      ctx: row_kinds.Context) -> Sequence[row_kinds.Kind]:
   kind = kinds[0]
   if not isinstance(kind, row_kinds.Rows):
     return [kind if row_kinds.is_local(kind) else row_kinds.WHOLE]
@@ -457,7 +490,8 @@ def _reverse_sequence(op, kinds, ctx):
   return [kind]
 
 
-def _pass_through(op, kinds, ctx):
+def _pass_through(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
+                  ctx: row_kinds.Context) -> Sequence[row_kinds.Kind]:
   if op.type == "IdentityN":
     return list(kinds)
   if op.type == "Print":
@@ -467,11 +501,13 @@ def _pass_through(op, kinds, ctx):
   return row_kinds.same_for_outputs(op, kinds[0])
 
 
-def _sink(op, kinds, ctx):
+def _sink(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
+          ctx: row_kinds.Context) -> Sequence[row_kinds.Kind]:
   return row_kinds.same_for_outputs(op, row_kinds.WHOLE)
 
 
-def _bias_add_grad(op, kinds, ctx):
+def _bias_add_grad(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
+                   ctx: row_kinds.Context) -> Sequence[row_kinds.Kind]:
   """A bias's gradient sums every axis but the channels'."""
   kind = kinds[0]
   if not isinstance(kind, row_kinds.Rows):
@@ -491,7 +527,8 @@ def _bias_add_grad(op, kinds, ctx):
   return [ctx.reduce(op, "sum", kind.axis)]
 
 
-def _summary(op, kinds, ctx):
+def _summary(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
+             ctx: row_kinds.Context) -> Sequence[row_kinds.Kind]:
   """A summary of rows (a histogram, images) is of the whole batch's."""
   local = row_kinds.any_local(kinds)
   if local:
@@ -505,7 +542,7 @@ def _summary(op, kinds, ctx):
 
 
 # Op type -> rule.
-RULES: Dict[str, Callable] = {
+RULES: Dict[str, row_kinds.Rule] = {
     "MatMul":
         _matmul,
     "BatchMatMul":

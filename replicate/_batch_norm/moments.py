@@ -6,6 +6,8 @@ large sums) into the batch's, and the gradients through the statistics the
 kernel does not give are written out.
 """
 
+from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
+
 import numpy as np
 import tensorflow as tf
 
@@ -13,7 +15,7 @@ from replicate import _context
 from replicate._batch import sums
 
 
-def shard_count(x, axes):
+def shard_count(x: tf.Tensor, axes: Sequence[int]) -> Union[float, tf.Tensor]:
   """Values per statistic in this tower's shard: a float where static."""
   dims = [x.shape[a] for a in axes]
   if all(d is not None for d in dims):
@@ -24,7 +26,7 @@ def shard_count(x, axes):
 _KERNEL_MOMENTS_GRADIENT = "ReplicateShardMomentsOfFusedBatchNorm"
 
 
-def kernel_moments(x, data_format: str, epsilon: float):
+def kernel_moments(x: tf.Tensor, data_format: str, epsilon: float) -> tf.Tensor:
   """This shard's [mean, Bessel-corrected variance] from one fused kernel.
 
   The kernel in training mode computes its batch's moments in the passes it
@@ -51,7 +53,10 @@ def kernel_moments(x, data_format: str, epsilon: float):
 
 
 @tf.RegisterGradient(_KERNEL_MOMENTS_GRADIENT)
-def _kernel_moments_gradient(op, unused_dy, dmean, dcorrected, *unused):
+def _kernel_moments_gradient(
+    op: tf.Operation, unused_dy: Optional[tf.Tensor],
+    dmean: Optional[tf.Tensor], dcorrected: Optional[tf.Tensor], *unused:
+    Optional[tf.Tensor]) -> Tuple[tf.Tensor, None, None, None, None]:
   """d x = dmean / n + 2 (x - mean) dcorrected / (n - 1): an affine map.
 
   The fused kernel in inference mode computes it in one op (given variance
@@ -80,7 +85,11 @@ def _kernel_moments_gradient(op, unused_dy, dmean, dcorrected, *unused):
   return dx, None, None, None, None
 
 
-def merged(replication, shards, head, args, corrected=False):
+def merged(replication: _context.Replication,
+           shards: Sequence[Tuple[tf.Tensor, Union[float, tf.Tensor]]],
+           head: Callable[..., Tuple[Sequence[tf.Tensor], Callable[..., Any]]],
+           args: Sequence[tf.Tensor],
+           corrected: bool = False) -> List[tf.Tensor]:
   """The whole batch's statistics from every tower's shard moments.
 
   `shards`: per tower (its [mean, m2] stack, its count). Chan et al.'s
@@ -104,7 +113,8 @@ def merged(replication, shards, head, args, corrected=False):
           for shard, ok in zip(shards, replication.validity)
           if ok is not False]
   rank = kept[0][0][0].shape.rank - 1
-  counts = [shard[1] for shard, _ in kept]
+  # Floats, then an array of them; or tensors, then their stack.
+  counts: Any = [shard[1] for shard, _ in kept]
   stats = [shard[0] for shard, _ in kept]
   dtype = stats[0].dtype
   if all(ok is True for _, ok in kept) and all(
@@ -133,7 +143,7 @@ def merged(replication, shards, head, args, corrected=False):
   variance = tf.reduce_sum(m2s * m2_weights + weights * tf.square(distance), 0)
   outputs, backward = head(mean, variance, count, *args)
 
-  def grad(*doutputs):
+  def grad(*doutputs: Optional[tf.Tensor]) -> List[Any]:
     dmean, dvariance, *dargs = backward(*doutputs)
     # d mean / d mean_i = n_i / n; d variance / d mean_i = 2 n_i (mean_i
     # - mean) / n (the whole mean's own term sums to zero); d variance /
@@ -151,7 +161,8 @@ _WRITTEN_OUT_GRADIENT = "ReplicateBatchNormWrittenOutGradient"
 _BACKWARDS = "written-out gradients"
 
 
-def _with_gradient(outputs, inputs, backward):
+def _with_gradient(outputs: Sequence[tf.Tensor], inputs: Sequence[tf.Tensor],
+                   backward: Callable[..., Any]) -> List[tf.Tensor]:
   """`outputs`, computed from `inputs`, with the gradient `backward`.
 
   `backward(*doutputs)` -> the gradients of `inputs`. What
@@ -169,14 +180,15 @@ def _with_gradient(outputs, inputs, backward):
 
 
 @tf.RegisterGradient(_WRITTEN_OUT_GRADIENT)
-def _written_out_gradient(op, *doutputs):
+def _written_out_gradient(op: tf.Operation, *doutputs:
+                          Optional[tf.Tensor]) -> List[Any]:
   backward, num_outputs = _context.graph_store(op.graph, _BACKWARDS)[op.name]
   # The outputs' own inputs (the forward arithmetic) get no gradient: the
   # inputs get `backward`'s.
   return [None] * num_outputs + list(backward(*doutputs[:num_outputs]))
 
 
-def zero_if_none(gradient, like):
+def zero_if_none(gradient: Optional[tf.Tensor], like: tf.Tensor) -> tf.Tensor:
   return tf.zeros_like(like) if gradient is None else gradient
 
 

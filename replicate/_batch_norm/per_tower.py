@@ -11,7 +11,7 @@ statistics written from them are combined by their aggregation (MEAN, see
 """
 
 import functools
-from typing import Callable
+from typing import Any, Callable, ContextManager
 
 import tensorflow as tf
 
@@ -24,7 +24,7 @@ _NAMES = ("moments", "weighted_moments")
 def _recording(original: Callable) -> Callable:
 
   @functools.wraps(original)
-  def statistics(*args, **kwargs):
+  def statistics(*args: Any, **kwargs: Any) -> Any:
     replication = _context.current_replication()
     graph = tf.compat.v1.get_default_graph()
     if (replication is None or replication.tower is None or
@@ -50,7 +50,7 @@ def _install() -> _tf.Patched:
 _PATCHES = _tf.Patches("tf.nn batch statistics kept per tower", _install)
 
 
-def per_tower(replication: _context.Replication):
+def per_tower(replication: _context.Replication) -> ContextManager[None]:
   """Batch statistics built inside stay each tower's (see above)."""
   return _PATCHES.applied(not replication.sync_batch_norm and
                           replication.num_towers > 1)

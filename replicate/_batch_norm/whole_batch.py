@@ -25,7 +25,7 @@ Two ways, both one device's result:
   that kernel does not give are written out (`moments.merged`).
 """
 
-from typing import List, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple, Union
 import weakref
 
 from absl import logging
@@ -55,10 +55,10 @@ def whole_batch(
 # Whether towers on one machine's CPUs normalise the concatenated batch
 # (tests turn it off to exercise the hub on virtual CPUs).
 _CONCATENATE_ON_HOST = True
-_logged_host = weakref.WeakSet()
+_logged_host: "weakref.WeakSet[tf.Graph]" = weakref.WeakSet()
 
 
-def _on_one_host(replication) -> bool:
+def _on_one_host(replication: _context.Replication) -> bool:
   """Whether every tower is a CPU of the hub's task: one memory, one pool."""
   hub = tf.DeviceSpec.from_string(replication.hub or "")
   place = (hub.job, hub.replica, hub.task)
@@ -79,7 +79,9 @@ def _on_one_host(replication) -> bool:
 _WHOLE_OUTPUTS = "batch-norm outputs on the concatenated batch"
 
 
-def _on_concatenation(replication, kernel: moments.Kernel, shards):
+def _on_concatenation(
+    replication: _context.Replication, kernel: moments.Kernel,
+    shards: Sequence[tf.Tensor]) -> Tuple[List[tf.Tensor], List[tf.Tensor]]:
   """One kernel in training on the towers' shards, concatenated.
 
   What one device runs, on the same rows in the same order: its outputs,
@@ -104,7 +106,9 @@ def _on_concatenation(replication, kernel: moments.Kernel, shards):
   return rows, [outputs.batch_mean, outputs.batch_variance]
 
 
-def _concatenated(replication, shards):
+def _concatenated(
+    replication: _context.Replication, shards: Sequence[tf.Tensor]
+) -> Tuple[tf.Tensor, Callable[[tf.Tensor], List[tf.Tensor]]]:
   """The batch's rows from every tower's shard, and how to give them back.
 
   Returns (the batch, place): `place(outputs of the batch)` -> each tower's
@@ -128,7 +132,7 @@ def _concatenated(replication, shards):
         ]), tf.int32)
     real = whole[:batch]
 
-  def place(outputs):
+  def place(outputs: tf.Tensor) -> List[tf.Tensor]:
     if real is not whole:
       phantoms = tf.shape(whole)[0] - tf.shape(real)[0]
       tile = tf.concat(
@@ -146,7 +150,9 @@ def _concatenated(replication, shards):
   return real, place
 
 
-def relu_once(replication: _context.Replication, rows: Sequence[tf.Tensor]):
+def relu_once(
+    replication: _context.Replication, rows: Sequence[tf.Tensor]
+) -> List[Tuple[int, Tuple[tf.Operation, tf.Tensor]]]:
   """A ReLU of a kernel's rows runs once, on the concatenated output.
 
   Grappler fuses a ReLU into the kernel on one device; each tower's ReLU of
@@ -173,7 +179,9 @@ def relu_once(replication: _context.Replication, rows: Sequence[tf.Tensor]):
           for relu in tower_relus]
 
 
-def _through_hub(replication, kernel: moments.Kernel, shards):
+def _through_hub(
+    replication: _context.Replication, kernel: moments.Kernel,
+    shards: Sequence[tf.Tensor]) -> Tuple[List[tf.Tensor], List[tf.Tensor]]:
   """Shard moments merged on the hub; each tower normalises its rows."""
   dtype = kernel.scale.dtype
   inputs = [x if x.dtype == dtype else tf.cast(x, dtype) for x in shards]
@@ -185,7 +193,10 @@ def _through_hub(replication, kernel: moments.Kernel, shards):
                     moments.shard_count(x, kernel.axes)))
   epsilon = kernel.epsilon
 
-  def head(mean, variance, count, gamma, beta):
+  def head(
+      mean: tf.Tensor, variance: tf.Tensor, count: Union[float, tf.Tensor],
+      gamma: tf.Tensor, beta: tf.Tensor
+  ) -> Tuple[Tuple[tf.Tensor, ...], Callable[..., Tuple[tf.Tensor, ...]]]:
     """On the hub: the kernel's inputs and the batch statistics' values."""
     r = tf.math.rsqrt(variance + epsilon)
     if isinstance(count, float):
@@ -194,7 +205,10 @@ def _through_hub(replication, kernel: moments.Kernel, shards):
       bessel = count / tf.maximum(count - 1.0, 1.0)
     corrected = variance * bessel
 
-    def backward(dscale, doffset, *unused):
+    def backward(
+        dscale: Optional[tf.Tensor], doffset: Optional[tf.Tensor], *unused:
+        Optional[tf.Tensor]
+    ) -> Tuple[tf.Tensor, tf.Tensor, tf.Tensor, tf.Tensor]:
       # The kernel in inference mode holds mean and variance constant; one
       # device's gradient also runs through them: y = gamma (x - mean) r +
       # beta gives d/dmean = -sum(dy) gamma r = -doffset gamma r and

@@ -11,7 +11,7 @@ device both functions return it unchanged. A tower computing on a phantom
 row (a batch smaller than the towers, see `_prepare.split`) contributes nothing.
 """
 
-from typing import Any, List
+from typing import Any, List, Optional, Sequence, Union
 
 import tensorflow as tf
 
@@ -22,7 +22,7 @@ from replicate._meet import meetings
 from replicate._meet import rewiring
 
 
-def _tower_replication(what: str):
+def _tower_replication(what: str) -> Optional[_context.Replication]:
   """The replication of the tower being built; None outside one, or with
   one tower.
 
@@ -44,11 +44,11 @@ def _tower_replication(what: str):
   return replication
 
 
-def _flat(structure) -> List[Any]:
+def _flat(structure: Any) -> List[Any]:
   return tf.nest.flatten(structure, expand_composites=False)
 
 
-def batch_sum(x):
+def batch_sum(x: Any) -> Any:
   """The sum over every tower of the tower's `x`, in every tower.
 
   Every reduction over the batch already has the whole batch's value in
@@ -75,7 +75,7 @@ def batch_sum(x):
   if replication is None:
     return x
 
-  def build(values):
+  def build(values: List[Any]) -> List[Any]:
     with _context.outside(replication, "batch_sum"), \
         tf.device(replication.hub):
       summed = [_whole_sum(replication, parts) for parts in zip(*values)]
@@ -92,14 +92,15 @@ def batch_sum(x):
   return flat
 
 
-def _whole_sum(replication, parts):
+def _whole_sum(replication: _context.Replication,
+               parts: Sequence[tf.Tensor]) -> tf.Tensor:
   """The whole batch's value: tower 0's where it is already, else the sum."""
   if row_kinds.shares_value(replication.rewiring.kind(parts[0])):
     return tf.identity(replication.rewiring.resolve(parts[0]))
   return sums.real_sum(parts, replication.validity)
 
 
-def _as_summable(value):
+def _as_summable(value: Any) -> tf.Tensor:
   if isinstance(value, (tf.SparseTensor, tf.RaggedTensor)):
     raise ValueError(
         f"replicate.batch_sum got a {type(value).__name__}, whose shape "
@@ -109,7 +110,7 @@ def _as_summable(value):
   return tf.convert_to_tensor(value)
 
 
-def _concat(parts):
+def _concat(parts: Sequence[Any]) -> Any:
   if isinstance(parts[0], tf.SparseTensor):
     # Shards of a variable-length feature differ in width (see _prepare.split).
     return tf.sparse.concat(
@@ -117,7 +118,7 @@ def _concat(parts):
   return tf.concat(list(parts), axis=0)
 
 
-def _as_concatenable(path_value):
+def _as_concatenable(path_value: Any) -> Any:
   if isinstance(path_value, (tf.SparseTensor, tf.RaggedTensor)):
     return path_value
   value = tf.convert_to_tensor(path_value)
@@ -129,7 +130,7 @@ def _as_concatenable(path_value):
   return value
 
 
-def batch_concat(x):
+def batch_concat(x: Any) -> Any:
   """Every tower's `x`, concatenated along axis 0 in batch order.
 
   What one device sees of a per-example value: e.g. the whole batch's
@@ -159,7 +160,7 @@ def batch_concat(x):
   if replication is None:
     return x
 
-  def build(values):
+  def build(values: List[Any]) -> List[Any]:
     with _context.outside(replication, "batch_concat"), \
         tf.device(replication.hub):
       joined = [_whole_rows(replication, parts) for parts in zip(*values)]
@@ -175,7 +176,8 @@ def batch_concat(x):
       signature=[t.dtype.name for t in components])
 
 
-def _concat_spec(tensor):
+def _concat_spec(
+    tensor: Any) -> Union[meetings.SparseSpec, meetings.TensorSpec]:
   if isinstance(tensor, tf.SparseTensor):
     return meetings.SparseSpec(
         tensor.shape.rank or
@@ -190,7 +192,7 @@ def _concat_spec(tensor):
       tf.TensorShape([None]).concatenate(tensor.shape[1:]), tensor.dtype)
 
 
-def _whole_rows(replication, parts):
+def _whole_rows(replication: _context.Replication, parts: Sequence[Any]) -> Any:
   """One device's value: the towers' rows in order, or the value itself."""
   first = parts[0]
   kind = replication.rewiring.kind(

@@ -6,6 +6,8 @@ global step in each; this wrapper is such an optimizer, and computes and
 applies gradients like the v1 TowerOptimizer.
 """
 
+from typing import Any, Dict, Iterable, List, Optional, Tuple
+
 import tensorflow as tf
 
 from replicate import _tf
@@ -17,7 +19,9 @@ from replicate._meet import transforms
 _KerasOptimizer = tf.keras.optimizers.legacy.Optimizer
 
 
-def _innermost(optimizer: _KerasOptimizer) -> _KerasOptimizer:
+def _innermost(
+    optimizer: tf.keras.optimizers.legacy.Optimizer
+) -> tf.keras.optimizers.legacy.Optimizer:
   """The optimizer inside wrappers such as Keras' LossScaleOptimizer.
 
   A LossScaleOptimizer does not run OptimizerV2's constructor, so it has no
@@ -29,7 +33,10 @@ def _innermost(optimizer: _KerasOptimizer) -> _KerasOptimizer:
   return optimizer
 
 
-def _colocated_gradients(optimizer, loss, variables, grad_loss=None):
+def _colocated_gradients(optimizer: Any,
+                         loss: tf.Tensor,
+                         variables: Iterable[tf.Variable],
+                         grad_loss: Optional[tf.Tensor] = None) -> List[Any]:
   """d loss / d variables, each gradient op on its forward op's device.
 
   A loss-scale optimizer's scaling is kept: the loss is scaled before and
@@ -48,7 +55,8 @@ def _colocated_gradients(optimizer, loss, variables, grad_loss=None):
   ]
 
 
-class KerasTowerOptimizer(_tf.TracksWrapped, _KerasOptimizer):
+class KerasTowerOptimizer(_tf.TracksWrapped,
+                          tf.keras.optimizers.legacy.Optimizer):
   """TowerOptimizer for a Keras legacy optimizer (see TowerOptimizer).
 
   The v2 canned heads call `get_updates(loss, variables)` and set
@@ -67,36 +75,37 @@ class KerasTowerOptimizer(_tf.TracksWrapped, _KerasOptimizer):
   # Its calls do their own meeting (see _meet.routing).
   _replicate_routes_itself = True
 
-  def __init__(self,
-               optimizer: _KerasOptimizer,
-               gradient_transform: transforms.GradientTransforms = None):
+  def __init__(
+      self,
+      optimizer: tf.keras.optimizers.legacy.Optimizer,
+      gradient_transform: transforms.GradientTransforms = None) -> None:
     super().__init__(name=_tf.optimizer_name(_innermost(optimizer)))
     self._wrapped_keras = optimizer
     self._gradient_transform = gradient_transform
     self._transforms = transforms.Pipeline(gradient_transform)
 
   @property
-  def optimizer(self) -> _KerasOptimizer:
+  def optimizer(self) -> tf.keras.optimizers.legacy.Optimizer:
     """The wrapped Keras optimizer."""
     return self._wrapped_keras
 
   @property
-  def iterations(self):
+  def iterations(self) -> tf.Variable:
     """The wrapped optimizer's iteration counter."""
     return self._wrapped_keras.iterations
 
   @iterations.setter
-  def iterations(self, variable):
+  def iterations(self, variable: tf.Variable) -> None:
     # Every tower of a canned model_fn sets the same global step.
     if _tf.keras_iterations(_innermost(self._wrapped_keras)) is not variable:
       self._wrapped_keras.iterations = variable
 
-  def get_gradients(self, loss, params):
+  def get_gradients(self, loss: tf.Tensor, params: Any) -> List[Any]:
     """One device's gradients of the whole batch's loss, in every tower."""
     optimizer = self._wrapped_keras
     params = tf.nest.flatten(params)
 
-    def compute(whole_loss, replicated):
+    def compute(whole_loss: tf.Tensor, replicated: bool) -> List[Any]:
       if not replicated:
         with routing.direct():
           return optimizer.get_gradients(whole_loss, params)
@@ -107,7 +116,7 @@ class KerasTowerOptimizer(_tf.TracksWrapped, _KerasOptimizer):
     return optimizer_calls.whole_batch_gradients(
         loss, compute, params, pairs=False, call="TowerOptimizer.get_gradients")
 
-  def get_updates(self, loss, params):
+  def get_updates(self, loss: tf.Tensor, params: Any) -> List[Any]:
     """The wrapped optimizer's own `get_updates`, once, on the whole batch.
 
     Outside replication (or on one device) the call passes unchanged. In
@@ -130,7 +139,12 @@ class KerasTowerOptimizer(_tf.TracksWrapped, _KerasOptimizer):
     grads = self.get_gradients(loss, params)
     return [self.apply_gradients(zip(grads, tf.nest.flatten(params)))]
 
-  def minimize(self, loss, var_list, grad_loss=None, name=None, tape=None):
+  def minimize(self,
+               loss: Any,
+               var_list: Any,
+               grad_loss: Optional[tf.Tensor] = None,
+               name: Optional[str] = None,
+               tape: Any = None) -> Any:
     """Keras' minimize: the wrapped optimizer's own, once, on the whole batch.
 
     Both of Keras' forms work: a tensor `loss` (in towers its `tape` is not
@@ -171,39 +185,42 @@ class KerasTowerOptimizer(_tf.TracksWrapped, _KerasOptimizer):
         call="TowerOptimizer.get_gradients")
     return self.apply_gradients(zip(grads, var_list), name=name)
 
-  def apply_gradients(self, grads_and_vars, name=None, **kwargs):
+  def apply_gradients(self,
+                      grads_and_vars: Iterable[Tuple[Any, tf.Variable]],
+                      name: Optional[str] = None,
+                      **kwargs: Any) -> Any:
     """Meets the other towers; tower 0's gradients are applied once."""
     optimizer = self._wrapped_keras
 
-    def apply(pairs):
+    def apply(pairs: List[Tuple[Any, tf.Variable]]) -> Any:
       with routing.direct():
         return optimizer.apply_gradients(pairs, name=name, **kwargs)
 
     return optimizer_calls.transform_and_apply(grads_and_vars, self._transforms,
                                                apply)
 
-  def _tracked_optimizer(self):
+  def _tracked_optimizer(self) -> Any:
     """What checkpoints see in this wrapper's place (see `_meet.tracking`)."""
     return self._wrapped_keras
 
-  def get_slot(self, var, slot_name):
+  def get_slot(self, var: tf.Variable, slot_name: str) -> tf.Variable:
     """Forwards to the wrapped optimizer."""
     return self._wrapped_keras.get_slot(var, slot_name)
 
-  def get_slot_names(self):
+  def get_slot_names(self) -> List[str]:
     """Forwards to the wrapped optimizer."""
     return self._wrapped_keras.get_slot_names()
 
-  def variables(self):
+  def variables(self) -> List[tf.Variable]:
     """Forwards to the wrapped optimizer."""
     return self._wrapped_keras.variables()
 
   @property
-  def weights(self):
+  def weights(self) -> List[tf.Variable]:
     """Forwards to the wrapped optimizer."""
     return self._wrapped_keras.weights
 
-  def get_config(self):
+  def get_config(self) -> Dict[str, Any]:
     """The wrapped optimizer (class and config) and the gradient transform.
 
     Keras clones an optimizer with `from_config(get_config())` (e.g.
@@ -219,7 +236,10 @@ class KerasTowerOptimizer(_tf.TracksWrapped, _KerasOptimizer):
     }
 
   @classmethod
-  def from_config(cls, config, custom_objects=None):
+  def from_config(
+      cls,
+      config: Dict[str, Any],
+      custom_objects: Optional[Dict[str, Any]] = None) -> "KerasTowerOptimizer":
     """A new KerasTowerOptimizer around a clone of the wrapped optimizer."""
     optimizer_class = config["optimizer_class"]
     try:

@@ -25,7 +25,16 @@ besides their rows never run (see `_merge.specs`), take the structure the
 result is expected to have, and are converted where it differs.
 """
 
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence
+from typing import (
+    Any,
+    Callable,
+    Dict,
+    List,
+    NamedTuple,
+    Optional,
+    Sequence,
+    Tuple,
+)
 
 from absl import logging
 import tensorflow as tf
@@ -74,7 +83,7 @@ class _Call(NamedTuple):
 class Meetings:
   """The meetings of one replicated model_fn call, tower by tower."""
 
-  def __init__(self, replication: _context.Replication):
+  def __init__(self, replication: _context.Replication) -> None:
     self._replication = replication
     self._calls: Dict[int, List[_Call]] = {
         i: [] for i in range(replication.num_towers)
@@ -100,6 +109,7 @@ class Meetings:
       signature: what must be the same in every tower's call.
     """
     replication = self._replication
+    assert replication.tower is not None  # its callers meet in a tower
     index = replication.tower.index
     calls = self._calls[index]
     position = len(calls)
@@ -136,9 +146,10 @@ class Meetings:
                  replication.num_towers)
     return results[0]
 
-  def _others_at(self, position: int, kind: str, signature) -> Dict[int, _Call]:
+  def _others_at(self, position: int, kind: str,
+                 signature: Any) -> Dict[int, _Call]:
     """Every other tower's call at `position`; they must match tower 0's."""
-    others = {}
+    others: Dict[int, _Call] = {}
     for index in range(1, self._replication.num_towers):
       calls = self._calls[index]
       if position >= len(calls):
@@ -162,7 +173,7 @@ class Meetings:
       others[index] = call
     return others
 
-  def check_complete(self):
+  def check_complete(self) -> None:
     """After tower 0: no tower made a meeting call tower 0 did not."""
     made = len(self._calls[0])
     for index in range(1, self._replication.num_towers):
@@ -189,7 +200,7 @@ class Meetings:
 
   def standin_kinds(self, index: int) -> Dict[Any, Any]:
     """Kinds of the stand-ins tower `index` was handed, by tensor ref."""
-    kinds = {}
+    kinds: Dict[Any, Any] = {}
     for call in self._calls[index]:
       for entry in call.entries or ():
         if isinstance(entry.standin, tf.Tensor):
@@ -197,9 +208,10 @@ class Meetings:
     return kinds
 
 
-def _pair_rows(replication, result0, standins, index: int):
+def _pair_rows(replication: _context.Replication, result0: Any, standins: Any,
+               index: int) -> None:
   """Tells the rewiring which stand-in of tower `index` is tower 0's result."""
-  pairs = []
+  pairs: List[Tuple[Any, Any]] = []
   _pairs(standins, result0, pairs)
   for standin, real in pairs:
     if isinstance(standin, tf.Tensor) and isinstance(real, tf.Tensor):
@@ -210,7 +222,7 @@ def _listed(calls: Sequence[_Call]) -> str:
   return ", ".join(c.kind for c in calls) or "none"
 
 
-def _signature(signature) -> str:
+def _signature(signature: Any) -> str:
   return "" if signature is None else f" of {signature}"
 
 
@@ -221,7 +233,8 @@ class _Entry(NamedTuple):
   kind: Any
 
 
-def _standins(spec: Spec, kind: str, replication):
+def _standins(spec: Spec, kind: str,
+              replication: _context.Replication) -> Tuple[Any, List[_Entry]]:
   """Stand-ins for a result of structure `spec`, and their entries.
 
   Leaves of `spec` that are no specs (variables, None, Python values) are
@@ -229,14 +242,15 @@ def _standins(spec: Spec, kind: str, replication):
   """
   entries: List[_Entry] = []
 
-  def tensor(shape, dtype, leaf_kind):
+  def tensor(shape: tf.TensorShape, dtype: tf.DType,
+             leaf_kind: Any) -> tf.Tensor:
     with _context.outside(replication):
       holder = tf.compat.v1.placeholder(dtype, shape, name="standin")
     standin = tf.identity(holder, name="standin")
     entries.append(_Entry(standin, holder, leaf_kind))
     return standin
 
-  def make(leaf):
+  def make(leaf: Any) -> Any:
     if isinstance(leaf, OpSpec):
       op = tf.no_op(name="standin")
       entries.append(_Entry(op, None, row_kinds.WHOLE))
@@ -272,7 +286,7 @@ def _scope_name(kind: str) -> str:
   return "standin_" + "".join(c if c.isalnum() else "_" for c in kind)
 
 
-def _pairs(standin, real, out: List[Any]):
+def _pairs(standin: Any, real: Any, out: List[Tuple[Any, Any]]) -> None:
   """(stand-in leaf, real leaf) pairs, walking both structures together."""
   if isinstance(standin, (tf.Tensor, tf.Operation)):
     out.append((standin, real))
@@ -299,10 +313,11 @@ def _pairs(standin, real, out: List[Any]):
       _pairs(item, real.get(key) if isinstance(real, dict) else None, out)
 
 
-def _wire(standins, entries: Sequence[_Entry], result, replication):
+def _wire(standins: Any, entries: Sequence[_Entry], result: Any,
+          replication: _context.Replication) -> None:
   """Makes a tower's stand-ins read (or wait for) its result."""
   holders = {id(e.standin): e.holder for e in entries}
-  pairs = []
+  pairs: List[Tuple[Any, Any]] = []
   _pairs(standins, result, pairs)
   for standin, real in pairs:
     if isinstance(standin, tf.Operation):
@@ -331,7 +346,8 @@ class _AsSlices(NamedTuple):
   part: str
 
 
-def _compatible(real, holder: tf.Tensor, replication):
+def _compatible(real: Any, holder: tf.Tensor,
+                replication: _context.Replication) -> Optional[tf.Tensor]:
   """`real` in a form the placeholder's readers can read, or None."""
   with _context.outside(replication):
     if isinstance(real, _AsSlices):
@@ -356,7 +372,7 @@ def _compatible(real, holder: tf.Tensor, replication):
   return real
 
 
-def tensor_spec(tensor, kind=row_kinds.WHOLE) -> TensorSpec:
+def tensor_spec(tensor: Any, kind: Any = row_kinds.WHOLE) -> TensorSpec:
   """The spec of a result shaped like `tensor`."""
   tensor = tf.convert_to_tensor(tensor)
   return TensorSpec(tensor.shape, tensor.dtype, kind)

@@ -15,7 +15,18 @@ handed to an optimizer, which sums it) is the towers' rows together.
 """
 
 import contextlib
-from typing import Any, Callable, List, Optional, Sequence
+from typing import (
+    Any,
+    Callable,
+    Iterable,
+    Iterator,
+    List,
+    Optional,
+    Sequence,
+    Set,
+    Tuple,
+    Union,
+)
 
 import tensorflow as tf
 
@@ -47,7 +58,8 @@ def in_control_flow(replication: _context.Replication) -> bool:
 
 
 @contextlib.contextmanager
-def meeting_scope(replication: _context.Replication, pure: bool = False):
+def meeting_scope(replication: _context.Replication,
+                  pure: bool = False) -> Iterator[None]:
   """Where tower 0 builds a meeting's optimizer work.
 
   Its variables (slots) belong to no tower; its ops that follow no
@@ -68,7 +80,8 @@ def meeting_scope(replication: _context.Replication, pure: bool = False):
     yield
 
 
-def whole_batch_loss(replication, losses: Sequence[Any], call: str):
+def whole_batch_loss(replication: _context.Replication, losses: Sequence[Any],
+                     call: str) -> tf.Tensor:
   """The loss one device would hand `call`: tower 0's, or all rows of it.
 
   Raises:
@@ -91,7 +104,7 @@ def whole_batch_loss(replication, losses: Sequence[Any], call: str):
   raise ValueError(not_whole_batch(loss, kind, f"the loss handed to {call}"))
 
 
-def not_whole_batch(tensor, kind, what: str) -> str:
+def not_whole_batch(tensor: tf.Tensor, kind: Any, what: str) -> str:
   """The error message for a value that is not the whole batch's."""
   if isinstance(kind, row_kinds.Local):
     cause = (f"op {kind.op!r} {kind.why}" if kind.op else kind.why)
@@ -110,7 +123,8 @@ def not_whole_batch(tensor, kind, what: str) -> str:
           "run the model_fn unreplicated.")
 
 
-def require_gradients(grads, variables):
+def require_gradients(grads: Iterable[Any],
+                      variables: Iterable[tf.Variable]) -> None:
   """Keras' own error for a variable without a gradient, as on one device."""
   for grad, variable in zip(grads, variables):
     if grad is None:
@@ -120,7 +134,8 @@ def require_gradients(grads, variables):
           "differentiable).")
 
 
-def gradient_spec(loss, variables, pairs: bool):
+def gradient_spec(loss: Any, variables: Sequence[tf.Variable],
+                  pairs: bool) -> List[Any]:
   """The structure of the gradients of `loss` one device's call returns.
 
   For the towers built before tower 0: None for a variable the loss does
@@ -136,7 +151,7 @@ def gradient_spec(loss, variables, pairs: bool):
   return specs
 
 
-def _handle(variable) -> Optional[tf.Tensor]:
+def _handle(variable: Any) -> Optional[tf.Tensor]:
   handle = getattr(variable, "handle", None)
   if isinstance(handle, tf.Tensor):
     return handle
@@ -144,7 +159,9 @@ def _handle(variable) -> Optional[tf.Tensor]:
   return op.outputs[0] if op is not None else None
 
 
-def _variable_gradient_spec(variable, ancestors):
+def _variable_gradient_spec(
+    variable: Any, ancestors: Set[tf.Operation]
+) -> Union[None, _meetings.SlicesSpec, _meetings.TensorSpec]:
   handle = _handle(variable)
   if handle is None:
     return None
@@ -162,7 +179,7 @@ def _variable_gradient_spec(variable, ancestors):
   return _meetings.TensorSpec(variable.shape, variable.dtype.base_dtype)
 
 
-def _readers(tensor) -> List[tf.Operation]:
+def _readers(tensor: tf.Tensor) -> List[tf.Operation]:
   """The ops reading `tensor`, through Identity ops (a ref variable's read)
   and a resource variable's reads (whose reader then reads the value)."""
   readers, pending = [], list(tensor.consumers())
@@ -184,7 +201,8 @@ def _readers(tensor) -> List[tf.Operation]:
   return readers
 
 
-def ancestors(tensors, limit: int = 200000) -> set:
+def ancestors(tensors: Iterable[tf.Tensor],
+              limit: int = 200000) -> Set[tf.Operation]:
   """The ops `tensors` are computed from, through meetings' stand-ins to
   what the tower brought to them."""
   replication = _context.current_replication()
@@ -199,11 +217,11 @@ def ancestors(tensors, limit: int = 200000) -> set:
   return set(_graph.walk([t.op for t in tensors], sources, limit))
 
 
-def whole_batch_gradients(loss,
+def whole_batch_gradients(loss: Any,
                           compute: Callable[[Any, bool], Any],
-                          variables=None,
+                          variables: Any = None,
                           pairs: bool = True,
-                          call: str = _COMPUTE):
+                          call: str = _COMPUTE) -> Any:
   """`compute(loss)` on one device; in a tower, on the whole batch's loss.
 
   Args:
@@ -231,24 +249,26 @@ def whole_batch_gradients(loss,
       tf.nest.flatten(variables)
       if variables is not None else _trainable_variables())
 
-  def build(values):
+  def build(values: List[Any]) -> List[Any]:
     whole = whole_batch_loss(replication, [v for v in values], call)
     with meeting_scope(replication, pure=True):
       result = compute(whole, True)
     return [result] * len(values)
 
-  def spec(value):
+  def spec(value: Any) -> List[Any]:
     return gradient_spec(value, listed, pairs)
 
   return replication.meetings.meet(call, loss, build, spec, signature=names)
 
 
-def _trainable_variables():
+def _trainable_variables() -> List[tf.Variable]:
   return (tf.compat.v1.trainable_variables() + tf.compat.v1.get_collection(
       tf.compat.v1.GraphKeys.TRAINABLE_RESOURCE_VARIABLES))
 
 
-def one_device_slices(grads_and_vars):
+def one_device_slices(
+    grads_and_vars: Iterable[Tuple[Any, tf.Variable]]
+) -> List[Tuple[Any, tf.Variable]]:
   """Sparse gradients with each row once, as a lookup of unique ids gives.
 
   A lookup that takes unique ids (`embedding_lookup_sparse`, feature
@@ -264,7 +284,7 @@ def one_device_slices(grads_and_vars):
           for grad, variable in grads_and_vars]
 
 
-def _looks_up_unique_ids(variable) -> bool:
+def _looks_up_unique_ids(variable: Any) -> bool:
   handle = _handle(variable)
   if handle is None:
     return False
@@ -276,16 +296,16 @@ def _looks_up_unique_ids(variable) -> bool:
       _source_type(op.inputs[1]) == "Unique" for op in gathers)
 
 
-def _source_type(tensor) -> str:
+def _source_type(tensor: tf.Tensor) -> str:
   while tensor.op.type in ("Identity", "Cast") and tensor.op.inputs:
     tensor = tensor.op.inputs[0]
   return tensor.op.type
 
 
-def transform_and_apply(grads_and_vars,
+def transform_and_apply(grads_and_vars: Iterable[Tuple[Any, tf.Variable]],
                         transforms: "_transforms.Pipeline",
                         apply_fn: Callable[[Any], Any],
-                        call: str = _APPLY):
+                        call: str = _APPLY) -> Any:
   """An apply_gradients call: the transforms, then `apply_fn`, once.
 
   Outside replication (or on one device) the transforms run on this
@@ -303,7 +323,7 @@ def transform_and_apply(grads_and_vars,
   grads_and_vars = list(grads_and_vars)
   names = [v.op.name for g, v in grads_and_vars if g is not None]
 
-  def build(values):
+  def build(values: List[Any]) -> List[Any]:
     pairs = [
         (_resolved(replication, grad), variable) for grad, variable in values[0]
     ]
@@ -326,7 +346,7 @@ def transform_and_apply(grads_and_vars,
       call, grads_and_vars, build, lambda value: _meetings.OP, signature=names)
 
 
-def _resolved(replication, grad):
+def _resolved(replication: _context.Replication, grad: Any) -> Any:
   if isinstance(grad, tf.IndexedSlices):
     return tf.IndexedSlices(
         replication.rewiring.resolve(grad.values),
@@ -334,6 +354,6 @@ def _resolved(replication, grad):
   return replication.rewiring.resolve(grad)
 
 
-def _components(grad):
+def _components(grad: Any) -> List[tf.Tensor]:
   return [grad.values, grad.indices] if isinstance(
       grad, tf.IndexedSlices) else [grad]

@@ -19,7 +19,7 @@ alone) and the library's pass straight through.
 
 import functools
 import inspect
-from typing import Any, List
+from typing import Any, Callable, ContextManager, Dict, List, Sequence
 
 import tensorflow as tf
 
@@ -39,6 +39,7 @@ _TAPE_KIND = "GradientTape.gradient"
 
 def _api_modules() -> List[Any]:
   """The public API modules holding `gradients` (each once)."""
+  modules: List[Any]
   modules, pending = [], [tf]
   while pending:
     module = pending.pop()
@@ -53,22 +54,24 @@ def _api_modules() -> List[Any]:
   return modules
 
 
-def _bound(original, args, kwargs):
+def _bound(original: Callable[..., Any], args: Sequence[Any],
+           kwargs: Dict[str, Any]) -> Dict[str, Any]:
   """The call's arguments by name, defaults included."""
   bound = inspect.signature(original).bind(*args, **kwargs)
   bound.apply_defaults()
   return dict(bound.arguments)
 
 
-def _is_scalar(tensor) -> bool:
+def _is_scalar(tensor: Any) -> bool:
   return isinstance(tensor, tf.Tensor) and tensor.shape.rank == 0
 
 
-def _key(x):
+def _key(x: Any) -> Any:
   return x.ref() if isinstance(x, (tf.Tensor, tf.Variable)) else id(x)
 
 
-def _whole_batch(replication, calls):
+def _whole_batch(replication: _context.Replication,
+                 calls: Sequence[Dict[str, Any]]) -> List[List[Any]]:
   """One differentiation of what one device would, for every tower's call."""
   rewiring = replication.rewiring
   first = calls[0]
@@ -95,6 +98,8 @@ def _whole_batch(replication, calls):
         grad = tf.where(valid, grad, tf.zeros_like(grad))
       ys.append(y)
       grad_ys.append(grad)
+  union: Dict[Any, Any]
+  stops: Dict[Any, Any]
   union, stops = {}, {}
   for call in calls:
     for x in call["xs"]:
@@ -126,7 +131,8 @@ def _whole_batch(replication, calls):
   ] for index, call in enumerate(calls)]
 
 
-def _phantom_zeros(replication, index: int, x, grad):
+def _phantom_zeros(replication: _context.Replication, index: int, x: Any,
+                   grad: Any) -> Any:
   """Zeros for a tensor of a tower computing on a phantom row (see
   `_prepare.split`).
 
@@ -140,7 +146,7 @@ def _phantom_zeros(replication, index: int, x, grad):
   return grad
 
 
-def _spec(call):
+def _spec(call: Dict[str, Any]) -> List[Any]:
   """The gradients' structure, for a tower built before tower 0."""
   ancestors = optimizer_calls.ancestors(call["ys"])
   specs = []
@@ -157,11 +163,11 @@ def _spec(call):
   return specs
 
 
-def _routed(original):
+def _routed(original: Callable[..., Any]) -> Callable[..., Any]:
   """`original` (a public gradients function), meeting the towers."""
 
   @functools.wraps(original)
-  def gradients(*args, **kwargs):
+  def gradients(*args: Any, **kwargs: Any) -> Any:
     replication = routing.routes()
     if replication is None:
       return original(*args, **kwargs)
@@ -185,7 +191,7 @@ def _routed(original):
   return gradients
 
 
-def _routed_tape(original):
+def _routed_tape(original: Callable[..., Any]) -> Callable[..., Any]:
   """`GradientTape.gradient`, meeting the towers as `tf.gradients` does.
 
   In a graph the tape differentiates the ops it recorded, which for a loss
@@ -194,11 +200,12 @@ def _routed_tape(original):
   """
 
   @functools.wraps(original)
-  def gradient(self,
-               target,
-               sources,
-               output_gradients=None,
-               unconnected_gradients=tf.UnconnectedGradients.NONE):
+  def gradient(
+      self: tf.GradientTape,
+      target: Any,
+      sources: Any,
+      output_gradients: Any = None,
+      unconnected_gradients: Any = tf.UnconnectedGradients.NONE) -> Any:
     replication = routing.routes()
     if replication is None:
       return original(self, target, sources, output_gradients,
@@ -245,6 +252,6 @@ def _install() -> _tf.Patched:
 _PATCHES = _tf.Patches("tf.gradients in towers", _install)
 
 
-def routed(replication: _context.Replication):
+def routed(replication: _context.Replication) -> ContextManager[None]:
   """`tf.gradients` calls in the towers meet while inside."""
   return _PATCHES.applied(replication.num_towers > 1)

@@ -25,7 +25,7 @@ models are refused).
 
 import collections
 import re
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Counter, Dict, List, Optional, Sequence, Tuple
 
 from absl import logging
 import numpy as np
@@ -58,18 +58,18 @@ def _normalized(relative: str) -> str:
 class _Index:
   """A tower's ops by (name without uniquifying suffixes, type), in order."""
 
-  def __init__(self):
+  def __init__(self) -> None:
     self.groups: Dict[Tuple[str, str], List[tf.Operation]] = (
         collections.defaultdict(list))
 
-  def add(self, op: tf.Operation, relative: str):
+  def add(self, op: tf.Operation, relative: str) -> None:
     self.groups[(_normalized(relative), op.type)].append(op)
 
 
 class Rewiring:
   """Makes the towers' batch reductions the whole batch's (see above)."""
 
-  def __init__(self, replication: _context.Replication):
+  def __init__(self, replication: _context.Replication) -> None:
     self._replication = replication
     self._analyses: Dict[int, _rows.TowerRows] = {}
     self._indexes: Dict[int, _Index] = {}
@@ -77,7 +77,7 @@ class Rewiring:
     self._ops: Dict[int, Dict[tf.Operation, tf.Operation]] = (
         collections.defaultdict(dict))
     self._tensors: Dict[int, Dict[Any, Any]] = collections.defaultdict(dict)
-    self._group_counts = collections.Counter()
+    self._group_counts: Counter[Any] = collections.Counter()
     self._handled: Dict[int, set] = collections.defaultdict(set)
     self._sizes: Dict[Any, tf.Tensor] = {}
     self._done0 = 0
@@ -88,12 +88,12 @@ class Rewiring:
 
   # ------------------------------------------------------------ analysis
 
-  def kind(self, tensor, index: int = 0):
+  def kind(self, tensor: Any, index: int = 0) -> Any:
     """The kind (`_batch.row_kinds`) of tower `index`'s `tensor` so far."""
     analysis = self._analyses.get(index)
     return row_kinds.WHOLE if analysis is None else analysis.kind(tensor)
 
-  def resolve(self, tensor):
+  def resolve(self, tensor: Any) -> Any:
     """The whole batch's value of tower 0's `tensor` where it was given one.
 
     A batch reduction's output keeps its partial value; its readers read
@@ -109,16 +109,16 @@ class Rewiring:
     """Tensor name -> its whole batch's value, for every replaced tensor."""
     return {t.name: whole for t, whole, _ in self._replaced.values()}
 
-  def _replace(self, tensor: tf.Tensor, replacement: tf.Tensor):
+  def _replace(self, tensor: tf.Tensor, replacement: tf.Tensor) -> None:
     """Tower 0's `tensor` reads, now and later, as `replacement`."""
     replacement, keep = substitute(tensor, replacement)
     self._replaced[tensor.ref()] = (tensor, replacement, keep)
 
-  def declare(self, tensor, kind, index: int = 0):
+  def declare(self, tensor: tf.Tensor, kind: Any, index: int = 0) -> None:
     """Records the kind of a meeting's result handed to tower `index`."""
     self._analysis(index).add_sources({tensor.ref(): kind})
 
-  def pair(self, tensor0, index: int, tensor):
+  def pair(self, tensor0: tf.Tensor, index: int, tensor: tf.Tensor) -> None:
     """Records that tower `index`'s `tensor` is tower 0's `tensor0`'s."""
     self._tensors[index][tensor0.ref()] = tensor
 
@@ -132,7 +132,7 @@ class Rewiring:
       self._analyses[index] = _rows.TowerRows(sources, replication.is_per_tower)
     return self._analyses[index]
 
-  def _start(self):
+  def _start(self) -> None:
     """Analyses the towers built before tower 0, and pairs their inputs."""
     self._started = True
     replication = self._replication
@@ -157,7 +157,7 @@ class Rewiring:
         if t0 is not None and t is not None:
           self._tensors[index][t0.ref()] = t
 
-  def advance(self):
+  def advance(self) -> None:
     """Makes tower 0's reductions built so far the whole batch's."""
     replication = self._replication
     if not self._started:
@@ -183,7 +183,7 @@ class Rewiring:
       for event in events:
         self._handle(event)
 
-  def finish(self, specs: Sequence[Any] = ()):
+  def finish(self, specs: Sequence[Any] = ()) -> None:
     """After tower 0: every event handled, every tower's matched, and the
     towers' models compared (see `_check_same_rows`)."""
     self.advance()
@@ -199,7 +199,7 @@ class Rewiring:
             "must build the same model (a model_fn whose Python code builds "
             "a different model in each call cannot be replicated).")
 
-  def _check_same_rows(self, specs: Sequence[Any]):
+  def _check_same_rows(self, specs: Sequence[Any]) -> None:
     """Every op of a tower computing rows has its counterpart in tower 0.
 
     A model_fn whose Python code builds a different model in each call (an
@@ -224,7 +224,7 @@ class Rewiring:
 
   # ------------------------------------------------------------ matching
 
-  def _match(self, op0: tf.Operation, relative: str):
+  def _match(self, op0: tf.Operation, relative: str) -> None:
     """Finds each tower's op for tower 0's `op0` (same name, type, order)."""
     key = (_normalized(relative), op0.type)
     for index in range(1, self._replication.num_towers):
@@ -240,7 +240,8 @@ class Rewiring:
             self._tensors[index].setdefault(t0.ref(), t)
           break
 
-  def _inputs_agree(self, op0, op, index) -> bool:
+  def _inputs_agree(self, op0: tf.Operation, op: tf.Operation,
+                    index: int) -> bool:
     if len(op0.inputs) != len(op.inputs):
       return False
     known = self._tensors[index]
@@ -292,7 +293,7 @@ class Rewiring:
 
   # ------------------------------------------------------------ events
 
-  def _handle(self, event):
+  def _handle(self, event: row_kinds.Event) -> None:
     if isinstance(event, row_kinds.Reduction):
       self._reduction(event)
     elif isinstance(event, row_kinds.SizeUse):
@@ -302,13 +303,13 @@ class Rewiring:
     elif isinstance(event, row_kinds.FusedNorm):
       self._fused_norm(event)
 
-  def _towers_op(self, op0, index):
+  def _towers_op(self, op0: tf.Operation, index: int) -> Optional[tf.Operation]:
     op = self._ops[index].get(op0)
     if op is not None:
       self._handled[index].add(op)
     return op
 
-  def _reduction(self, event: row_kinds.Reduction):
+  def _reduction(self, event: row_kinds.Reduction) -> None:
     replication = self._replication
     op0 = event.op
     with tf.name_scope(_scope(op0, "whole_batch")):
@@ -330,12 +331,13 @@ class Rewiring:
     logging.vlog(1, "replicate: %s (%s over rows) is the whole batch's",
                  op0.name, event.combine)
 
-  def _inputs_are_counterparts(self, op0, op, index) -> bool:
+  def _inputs_are_counterparts(self, op0: tf.Operation, op: tf.Operation,
+                               index: int) -> bool:
     return index == 0 or all(self._tensors[index].get(t0.ref(), t0) is t or
                              row_kinds.shares_value(self.kind(t0))
                              for t0, t in zip(op0.inputs, op.inputs))
 
-  def _mean(self, op0, axis):
+  def _mean(self, op0: tf.Operation, axis: int) -> tf.Tensor:
     """Sum of the towers' partial sums over the sum of their counts."""
     replication = self._replication
     data0, axes = op0.inputs[0], op0.inputs[1]
@@ -361,7 +363,8 @@ class Rewiring:
       whole = total / count
     return tf.cast(whole, dtype) if compute != dtype else whole
 
-  def _rewire_everywhere(self, op0, output_index: int, whole: tf.Tensor):
+  def _rewire_everywhere(self, op0: tf.Operation, output_index: int,
+                         whole: tf.Tensor) -> None:
     self._replace(op0.outputs[output_index], whole)
     for index in range(1, self._replication.num_towers):
       op = self._ops[index].get(op0)
@@ -369,7 +372,7 @@ class Rewiring:
         self._handled[index].add(op)
         substitute(op.outputs[output_index], whole)
 
-  def _size_use(self, event: row_kinds.SizeUse):
+  def _size_use(self, event: row_kinds.SizeUse) -> None:
     op0, position = event.op, event.index
     tensor0 = op0.inputs[position]
     whole = self.whole_size(tensor0)
@@ -413,7 +416,7 @@ class Rewiring:
     self._sizes[key] = whole
     return whole
 
-  def _whole_shape(self, op, tensor0):
+  def _whole_shape(self, op: tf.Operation, tensor0: tf.Tensor) -> tf.Tensor:
     replication = self._replication
     x0 = op.inputs[tensor0.value_index if op.type == "ShapeN" else 0]
     rows = self.kind(x0)
@@ -432,7 +435,7 @@ class Rewiring:
     shape = tf.shape(x0, out_type=dtype)
     return tf.concat([shape[:rows.axis], [total], shape[rows.axis + 1:]], 0)
 
-  def _whole_source_size(self, tensor0, kind):
+  def _whole_source_size(self, tensor0: tf.Tensor, kind: Any) -> tf.Tensor:
     """A size the tower was handed: a sparse shard's dense shape."""
     replication = self._replication
     if not isinstance(kind, row_kinds.Size) or kind.scalar or (kind.entries
@@ -449,10 +452,11 @@ class Rewiring:
     total = _combine("sum", parts, replication.validity)
     return tf.concat([[total], tensor0[1:]], 0)
 
-  def _mixing(self, event: row_kinds.Mixing):
+  def _mixing(self, event: row_kinds.Mixing) -> None:
     """The op runs once, on every tower's rows concatenated in order."""
     replication = self._replication
     op0 = event.op
+    place: Optional[_Place]
     inputs, place = [], None
     for tensor in op0.inputs:
       kind = self.kind(tensor)
@@ -493,7 +497,7 @@ class Rewiring:
     logging.info("replicate: %s (%s) runs once on the whole batch", op0.name,
                  op0.type)
 
-  def _fused_norm(self, event: row_kinds.FusedNorm):
+  def _fused_norm(self, event: row_kinds.FusedNorm) -> None:
     replication = self._replication
     op0 = event.op
     ops = [op0] + [
@@ -525,7 +529,8 @@ class Rewiring:
         substitute(relu.outputs[0], tower_relu)
 
 
-def substitute(tensor: tf.Tensor, replacement: tf.Tensor):
+def substitute(tensor: tf.Tensor,
+               replacement: tf.Tensor) -> Tuple[tf.Tensor, List[tf.Operation]]:
   """Every reader of `tensor` reads `replacement`; returns (what they read,
   the ops of the combination that keep reading `tensor`).
 
@@ -541,7 +546,7 @@ def substitute(tensor: tf.Tensor, replacement: tf.Tensor):
   return replacement, keep
 
 
-def _metric_updates(spec):
+def _metric_updates(spec: Any) -> List[Any]:
   metrics = getattr(spec, "eval_metric_ops", None) or {}
   return [m[1] for m in metrics.values() if isinstance(m, tuple)]
 
@@ -550,7 +555,7 @@ def _has_readers(op: tf.Operation) -> bool:
   return any(t.consumers() for t in op.outputs)
 
 
-def _describe(event) -> str:
+def _describe(event: row_kinds.Event) -> str:
   if isinstance(event, row_kinds.Reduction):
     return "reduces over the batch's rows"
   if isinstance(event, row_kinds.SizeUse):
@@ -580,7 +585,8 @@ def _readers_within(tensor: tf.Tensor) -> List[tf.Operation]:
   return list(_graph.walk([tensor.op], within, limit=4096))
 
 
-def _combine(how: str, values: Sequence[tf.Tensor], validity) -> tf.Tensor:
+def _combine(how: str, values: Sequence[tf.Tensor],
+             validity: Sequence[Any]) -> tf.Tensor:
   """The towers' partial `values` combined, towers on phantom rows left out."""
   kept = [(v, ok) for v, ok in zip(values, validity) if ok is not False]
   if how in ("sum", "norm"):
@@ -618,15 +624,21 @@ def _combine(how: str, values: Sequence[tf.Tensor], validity) -> tf.Tensor:
   return combined
 
 
-def _lowest(dtype):
+def _lowest(dtype: tf.DType) -> Any:
   return -np.inf if dtype.is_floating else dtype.min
 
 
-def _highest(dtype):
+def _highest(dtype: tf.DType) -> Any:
   return np.inf if dtype.is_floating else dtype.max
 
 
-def concatenated(replication, parts: Sequence[tf.Tensor], axis: int = 0):
+# `place(output, out_axis)`: each tower's rows of a whole batch's output.
+_Place = Callable[[tf.Tensor, int], List[tf.Tensor]]
+
+
+def concatenated(replication: _context.Replication,
+                 parts: Sequence[tf.Tensor],
+                 axis: int = 0) -> Tuple[tf.Tensor, _Place]:
   """The towers' rows along `axis`, in order, and how to hand rows back.
 
   Returns (the whole batch's tensor, place): `place(output, out_axis)` ->
@@ -652,7 +664,7 @@ def concatenated(replication, parts: Sequence[tf.Tensor], axis: int = 0):
     kept.append(part)
   whole = kept[0] if len(kept) == 1 else tf.concat(kept, axis)
 
-  def place(output, out_axis: int):
+  def place(output: tf.Tensor, out_axis: int) -> List[tf.Tensor]:
     sizes = [c for c, ok in zip(counts, validity) if ok is not False]
     pieces = iter([output] if len(sizes) == 1 else tf.split(
         output,
@@ -671,7 +683,7 @@ def concatenated(replication, parts: Sequence[tf.Tensor], axis: int = 0):
 
 
 def real_rows(tensors: Sequence[tf.Tensor],
-              replication,
+              replication: _context.Replication,
               examples: bool = False) -> List[tf.Tensor]:
   """The towers' rows (axis 0) without those computed on phantom rows.
 

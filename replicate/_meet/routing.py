@@ -24,7 +24,20 @@ import contextlib
 import functools
 import inspect
 import threading
-from typing import Any, Callable, List
+from typing import (
+    Any,
+    Callable,
+    ContextManager,
+    Counter,
+    Dict,
+    Iterable,
+    Iterator,
+    List,
+    Literal,
+    Optional,
+    Sequence,
+    Tuple,
+)
 
 import tensorflow as tf
 
@@ -43,16 +56,16 @@ _NO_TRANSFORMS = transforms.Pipeline(None)
 class _Flags(threading.local):
   """How deep this thread is inside `direct()` and `colocating()`."""
 
-  def __init__(self):
+  def __init__(self) -> None:
     super().__init__()
-    self.depth = collections.Counter()
+    self.depth: Counter[str] = collections.Counter()
 
 
 _local = _Flags()
 
 
 @contextlib.contextmanager
-def _raised(flag: str):
+def _raised(flag: str) -> Iterator[None]:
   _local.depth[flag] += 1
   try:
     yield
@@ -60,12 +73,12 @@ def _raised(flag: str):
     _local.depth[flag] -= 1
 
 
-def direct():
+def direct() -> ContextManager[None]:
   """Optimizer calls inside pass straight through (no meeting)."""
   return _raised("direct")
 
 
-def colocating():
+def colocating() -> ContextManager[None]:
   """Gradients computed inside are colocated with their forward ops."""
   return _raised("colocate")
 
@@ -74,7 +87,7 @@ def _colocates() -> bool:
   return bool(_local.depth["colocate"])
 
 
-def routes():
+def routes() -> Optional[_context.Replication]:
   """The replication whose towers this optimizer call meets, or None."""
   if _local.depth["direct"]:
     return None
@@ -82,7 +95,7 @@ def routes():
 
 
 @contextlib.contextmanager
-def meeting_scope(replication: _context.Replication):
+def meeting_scope(replication: _context.Replication) -> Iterator[None]:
   """Where tower 0 makes a meeting's optimizer call.
 
   Its variables (slots) belong to no tower; its ops that follow no
@@ -93,12 +106,14 @@ def meeting_scope(replication: _context.Replication):
     yield
 
 
-def once(kind: str,
-         loss,
-         variables,
-         call: Callable[[Any], Any],
-         spec=meetings.OP,
-         split=None):
+def once(
+    kind: str,
+    loss: Any,
+    variables: Any,
+    call: Callable[[Any], Any],
+    spec: meetings.Spec = meetings.OP,
+    split: Optional[Tuple[Callable[[Any], Any], Callable[[Any], Any]]] = None
+) -> Any:
   """`call(whole_batch_loss)` once, by tower 0; every tower gets its result.
 
   Args:
@@ -114,11 +129,12 @@ def once(kind: str,
       rows are, and applied inside.
   """
   replication = optimizer_calls.replicated()
+  assert replication is not None  # its callers route only in a tower
   names = None if variables is None else [
       v.op.name for v in tf.nest.flatten(variables)
   ]
 
-  def build(values):
+  def build(values: List[Any]) -> List[Any]:
     whole = optimizer_calls.whole_batch_loss(replication, values, kind)
     if split is not None and optimizer_calls.in_control_flow(replication):
       compute, apply = split
@@ -145,16 +161,20 @@ class GraphTape:
   gradients come from the graph instead.
   """
 
-  def __enter__(self):
+  def __enter__(self) -> "GraphTape":
     return self
 
-  def __exit__(self, *unused):
+  def __exit__(self, *unused: Any) -> Literal[False]:
     return False
 
-  def watch(self, unused_tensor):
+  def watch(self, unused_tensor: Any) -> None:
     pass
 
-  def gradient(self, target, sources, output_gradients=None, **unused):
+  def gradient(self,
+               target: Any,
+               sources: Any,
+               output_gradients: Any = None,
+               **unused: Any) -> List[Any]:
     sources = tf.nest.flatten(sources)
     grads = tf.compat.v1.gradients(
         target,
@@ -164,7 +184,8 @@ class GraphTape:
     return _one_device_grads(grads, sources)
 
 
-def _one_device_grads(grads, variables):
+def _one_device_grads(grads: Iterable[Any],
+                      variables: Iterable[Any]) -> List[Any]:
   """`grads`, sparse rows as one device's (see
   `optimizer_calls.one_device_slices`)."""
   return [
@@ -172,7 +193,8 @@ def _one_device_grads(grads, variables):
   ]
 
 
-def call_with_loss(method, args, kwargs, loss, **replace):
+def call_with_loss(method: Callable[..., Any], args: Sequence[Any],
+                   kwargs: Dict[str, Any], loss: Any, **replace: Any) -> Any:
   """`method(*args, **kwargs)` with its first argument `loss` and `replace`d
   arguments it names (e.g. colocate_gradients_with_ops=True)."""
   named = (inspect.Parameter.POSITIONAL_OR_KEYWORD,
@@ -198,27 +220,33 @@ def call_with_loss(method, args, kwargs, loss, **replace):
   return method(*bound.args, **bound.kwargs)
 
 
-def argument(args, kwargs, name: str, position: int):
+def argument(args: Sequence[Any], kwargs: Dict[str, Any], name: str,
+             position: int) -> Any:
   """A call's argument `name`, by keyword or at `args[position]`, or None."""
   if name in kwargs:
     return kwargs[name]
   return args[position] if len(args) > position else None
 
 
-def _kind(optimizer, method: str) -> str:
+def _kind(optimizer: Any, method: str) -> str:
   return f"{type(optimizer).__name__}.{method}"
 
 
 # Routes: (original method, optimizer, args after self, kwargs) -> result.
+_Route = Callable[[Callable[..., Any], Any, Tuple[Any, ...], Dict[str, Any]],
+                  Any]
 
 
-def v1_minimize_steps(optimizer, args, kwargs):
+def v1_minimize_steps(
+    optimizer: Any, args: Sequence[Any],
+    kwargs: Dict[str,
+                 Any]) -> Tuple[Callable[[Any], Any], Callable[[Any], Any]]:
   """(compute, apply): what v1 Optimizer.minimize(*args, **kwargs) does."""
   bound = inspect.signature(_V1.minimize).bind(optimizer, *args, **kwargs)
   bound.apply_defaults()
   call = bound.arguments
 
-  def compute(whole):
+  def compute(whole: tf.Tensor) -> Any:
     return optimizer.compute_gradients(
         whole,
         var_list=call["var_list"],
@@ -227,14 +255,15 @@ def v1_minimize_steps(optimizer, args, kwargs):
         colocate_gradients_with_ops=True,
         grad_loss=call["grad_loss"])
 
-  def apply(grads_and_vars):
+  def apply(grads_and_vars: Any) -> Any:
     return optimizer.apply_gradients(
         grads_and_vars, global_step=call["global_step"], name=call["name"])
 
   return compute, apply
 
 
-def _v1_minimize(original, optimizer, args, kwargs):
+def _v1_minimize(original: Callable[..., Any], optimizer: Any,
+                 args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
   bound = functools.partial(original, optimizer)
   loss = args[0] if args else kwargs.get("loss")
   var_list = argument(args, kwargs, "var_list", 2)
@@ -247,14 +276,16 @@ def _v1_minimize(original, optimizer, args, kwargs):
       split=v1_minimize_steps(optimizer, args, kwargs))
 
 
-def _v1_compute_gradients(original, optimizer, args, kwargs):
+def _v1_compute_gradients(original: Callable[..., Any], optimizer: Any,
+                          args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
   bound = functools.partial(original, optimizer)
   loss = args[0] if args else kwargs.get("loss")
   var_list = argument(args, kwargs, "var_list", 1)
 
   replication = optimizer_calls.replicated()
+  assert replication is not None  # a route runs only in a tower
 
-  def compute(whole, unused_replicated):
+  def compute(whole: Any, unused_replicated: bool) -> Any:
     with meeting_scope(replication):
       return optimizer_calls.one_device_slices(
           call_with_loss(
@@ -264,7 +295,8 @@ def _v1_compute_gradients(original, optimizer, args, kwargs):
       loss, compute, var_list, call=_kind(optimizer, "compute_gradients"))
 
 
-def _v1_compute_pass(original, optimizer, args, kwargs):
+def _v1_compute_pass(original: Callable[..., Any], optimizer: Any,
+                     args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
   if not _colocates():
     return original(optimizer, *args, **kwargs)
   return optimizer_calls.one_device_slices(
@@ -276,11 +308,12 @@ def _v1_compute_pass(original, optimizer, args, kwargs):
           colocate_gradients_with_ops=True))
 
 
-def _apply_gradients(original, optimizer, args, kwargs):
+def _apply_gradients(original: Callable[..., Any], optimizer: Any,
+                     args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
   pairs = list(args[0] if args else kwargs.pop("grads_and_vars"))
   rest = args[1:]
 
-  def apply(whole_pairs):
+  def apply(whole_pairs: Any) -> Any:
     with direct():
       return original(optimizer, whole_pairs, *rest, **kwargs)
 
@@ -288,7 +321,8 @@ def _apply_gradients(original, optimizer, args, kwargs):
       pairs, _NO_TRANSFORMS, apply, call=_kind(optimizer, "apply_gradients"))
 
 
-def _keras_get_updates(original, optimizer, args, kwargs):
+def _keras_get_updates(original: Callable[..., Any], optimizer: Any,
+                       args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
   bound = functools.partial(original, optimizer)
   loss = args[0] if args else kwargs.get("loss")
   params = argument(args, kwargs, "params", 1)
@@ -300,14 +334,16 @@ def _keras_get_updates(original, optimizer, args, kwargs):
       spec=[meetings.OP])
 
 
-def _keras_get_gradients(original, optimizer, args, kwargs):
+def _keras_get_gradients(original: Callable[..., Any], optimizer: Any,
+                         args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
   bound = functools.partial(original, optimizer)
   loss = args[0] if args else kwargs.get("loss")
   params = tf.nest.flatten(argument(args, kwargs, "params", 1))
 
   replication = optimizer_calls.replicated()
+  assert replication is not None  # a route runs only in a tower
 
-  def compute(whole, unused_replicated):
+  def compute(whole: Any, unused_replicated: bool) -> Any:
     with meeting_scope(replication):
       return call_with_loss(bound, args, kwargs, whole)
 
@@ -319,7 +355,9 @@ def _keras_get_gradients(original, optimizer, args, kwargs):
       call=_kind(optimizer, "get_gradients"))
 
 
-def _keras_get_gradients_pass(original, optimizer, args, kwargs):
+def _keras_get_gradients_pass(original: Callable[..., Any], optimizer: Any,
+                              args: Tuple[Any, ...], kwargs: Dict[str,
+                                                                  Any]) -> Any:
   if not _colocates() or original is not _BASE_GET_GRADIENTS:
     return original(optimizer, *args, **kwargs)
   loss = args[0] if args else kwargs["loss"]
@@ -327,7 +365,8 @@ def _keras_get_gradients_pass(original, optimizer, args, kwargs):
   return _colocated_keras_gradients(optimizer, loss, params)
 
 
-def _colocated_keras_gradients(optimizer, loss, params):
+def _colocated_keras_gradients(optimizer: Any, loss: tf.Tensor,
+                               params: List[Any]) -> List[Any]:
   """What Keras' OptimizerV2.get_gradients computes, colocated."""
   # `_name` is Keras' private optimizer name; its get_gradients uses it too.
   with tf.name_scope(_tf.optimizer_name(optimizer) + "/gradients"):
@@ -337,7 +376,8 @@ def _colocated_keras_gradients(optimizer, loss, params):
   return _one_device_grads(grads, params)
 
 
-def _keras_minimize(original, optimizer, args, kwargs):
+def _keras_minimize(original: Callable[..., Any], optimizer: Any,
+                    args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
   loss = args[0] if args else kwargs.get("loss")
   var_list = argument(args, kwargs, "var_list", 1)
   if callable(loss):
@@ -360,7 +400,7 @@ def _keras_minimize(original, optimizer, args, kwargs):
 _BASE_GET_GRADIENTS = _KERAS.__dict__["get_gradients"]
 
 # method name -> (route in towers, call elsewhere or None for the original)
-_ROUTES = {
+_ROUTES: Dict[Any, Dict[str, Tuple[_Route, Optional[_Route]]]] = {
     _V1: {
         "minimize": (_v1_minimize, None),
         "compute_gradients": (_v1_compute_gradients, _v1_compute_pass),
@@ -375,10 +415,11 @@ _ROUTES = {
 }
 
 
-def _routed_method(original, route, elsewhere):
+def _routed_method(original: Callable[..., Any], route: _Route,
+                   elsewhere: Optional[_Route]) -> Callable[..., Any]:
 
   @functools.wraps(original)
-  def method(self, *args, **kwargs):
+  def method(self: Any, *args: Any, **kwargs: Any) -> Any:
     if not getattr(self, "_replicate_routes_itself", False) and (routes()
                                                                  is not None):
       return route(original, self, args, kwargs)
@@ -397,10 +438,11 @@ def _iterations_property(original: property) -> property:
   `_iterations` is Keras' private attribute behind the property.
   """
 
-  def setter(self, variable):
+  def setter(self: Any, variable: Any) -> None:
     if getattr(self, "_iterations", None) is variable:
       return
-    original.fset(self, variable)
+    # Keras' `iterations` has a setter (an fset of None fails here as before).
+    original.fset(self, variable)  # type: ignore[misc]
 
   return property(original.fget, setter, original.fdel, original.__doc__)
 
@@ -433,6 +475,6 @@ def _install() -> _tf.Patched:
 _PATCHES = _tf.Patches("optimizer calls in towers", _install)
 
 
-def routed(replication: _context.Replication):
+def routed(replication: _context.Replication) -> ContextManager[None]:
   """Optimizer calls in the towers meet while inside (see above)."""
   return _PATCHES.applied(replication.num_towers > 1)

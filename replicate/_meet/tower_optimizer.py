@@ -7,7 +7,16 @@ made the call in, so that slot variables are named as without replication
 estimators require) get the Keras flavour in `_meet.keras_optimizer`.
 """
 
-from typing import Any, Callable, Union
+from typing import (
+    Any,
+    Callable,
+    Iterable,
+    List,
+    Optional,
+    Sequence,
+    Tuple,
+    Union,
+)
 
 import tensorflow as tf
 
@@ -26,7 +35,11 @@ _KerasOptimizer = tf.keras.optimizers.legacy.Optimizer
 class _PerGraph:
   """An optimizer given directly, or built once per graph by a function."""
 
-  def __init__(self, optimizer_or_fn, expected_types, what: str):
+  _fixed: Any
+  _fn: Optional[Callable[[], Any]]
+
+  def __init__(self, optimizer_or_fn: Any, expected_types: Tuple[type, ...],
+               what: str) -> None:
     if isinstance(optimizer_or_fn, expected_types):
       self._fixed, self._fn = optimizer_or_fn, None
     elif callable(optimizer_or_fn):
@@ -41,13 +54,14 @@ class _PerGraph:
   def is_lazy(self) -> bool:
     return self._fixed is None
 
-  def get(self):
+  def get(self) -> Any:
     if self._fixed is not None:
       return self._fixed
     # Held by the graph: the optimizer holds the graph's variables.
     built = _context.graph_store(tf.compat.v1.get_default_graph(),
                                  "optimizers built by TowerOptimizer")
     if self not in built:
+      assert self._fn is not None  # _fixed is None: a function was given
       optimizer = self._fn()
       if not isinstance(optimizer, self._types):
         raise ValueError(
@@ -69,7 +83,8 @@ class _EitherFlavour(type):
         cls is TowerOptimizer and issubclass(subclass, KerasTowerOptimizer))
 
 
-class TowerOptimizer(_tf.TracksWrapped, _Optimizer, metaclass=_EitherFlavour):
+class TowerOptimizer(
+    _tf.TracksWrapped, tf.compat.v1.train.Optimizer, metaclass=_EitherFlavour):
   """Wraps an optimizer: its own calls, once per step, on the whole batch.
 
   `replicate_model_fn` routes plain optimizers itself (see `_meet.routing`); the
@@ -142,24 +157,30 @@ class TowerOptimizer(_tf.TracksWrapped, _Optimizer, metaclass=_EitherFlavour):
   # Its calls do their own meeting (see _meet.routing).
   _replicate_routes_itself = True
 
-  def __new__(cls, optimizer_or_optimizer_fn=None, *args, **kwargs):
+  def __new__(cls,
+              optimizer_or_optimizer_fn: Any = None,
+              *args: Any,
+              **kwargs: Any) -> Any:
     if cls is TowerOptimizer and isinstance(optimizer_or_optimizer_fn,
                                             _KerasOptimizer):
       return KerasTowerOptimizer(optimizer_or_optimizer_fn, *args, **kwargs)
     return super().__new__(cls)
 
-  def __init__(self,
-               optimizer_or_optimizer_fn: Union[_Optimizer, _KerasOptimizer,
-                                                Callable[[], Any]],
-               gradient_transform: transforms.GradientTransforms = None):
+  def __init__(
+      self,
+      optimizer_or_optimizer_fn: Union[tf.compat.v1.train.Optimizer,
+                                       tf.keras.optimizers.legacy.Optimizer,
+                                       Callable[[], Any]],
+      gradient_transform: transforms.GradientTransforms = None) -> None:
     self._wrapped = _PerGraph(
         optimizer_or_optimizer_fn, (_Optimizer, _KerasOptimizer),
         "a tf.compat.v1.train.Optimizer or tf.keras.optimizers.legacy."
         "Optimizer")
     self._gradient_transform = gradient_transform
     self._transforms = transforms.Pipeline(gradient_transform)
-    name = ("TowerOptimizer"
-            if self._wrapped.is_lazy else optimizer_or_optimizer_fn.get_name())
+    # Not lazy: an optimizer was given, not a function.
+    name = ("TowerOptimizer" if self._wrapped.is_lazy else
+            optimizer_or_optimizer_fn.get_name())  # type: ignore[union-attr]
     super().__init__(use_locking=False, name=name)
 
   @staticmethod
@@ -181,7 +202,7 @@ class TowerOptimizer(_tf.TracksWrapped, _Optimizer, metaclass=_EitherFlavour):
     """
     return transforms.clip_by_global_norm(clip_norm)
 
-  def __call__(self):
+  def __call__(self) -> Union["TowerOptimizer", KerasTowerOptimizer]:
     """Builds the optimizer now, as canned estimators do with callables.
 
     Returns this TowerOptimizer for a v1 optimizer, or a Keras TowerOptimizer
@@ -193,7 +214,7 @@ class TowerOptimizer(_tf.TracksWrapped, _Optimizer, metaclass=_EitherFlavour):
     return self
 
   @property
-  def optimizer(self) -> _Optimizer:
+  def optimizer(self) -> tf.compat.v1.train.Optimizer:
     """The wrapped optimizer (for a function, the one built for this graph)."""
     optimizer = self._wrapped.get()
     if isinstance(optimizer, _KerasOptimizer):
@@ -204,7 +225,7 @@ class TowerOptimizer(_tf.TracksWrapped, _Optimizer, metaclass=_EitherFlavour):
           "wrapper.")
     return optimizer
 
-  def minimize(self, loss, *args, **kwargs):
+  def minimize(self, loss: Any, *args: Any, **kwargs: Any) -> Any:
     """The wrapped optimizer's own `minimize`, once, on the whole batch's loss.
 
     Outside replication (or on one device) the call passes unchanged. In
@@ -233,13 +254,14 @@ class TowerOptimizer(_tf.TracksWrapped, _Optimizer, metaclass=_EitherFlavour):
             colocate_gradients_with_ops=True),
         split=routing.v1_minimize_steps(optimizer, (loss,) + args, kwargs))
 
-  def compute_gradients(self,
-                        loss,
-                        var_list=None,
-                        gate_gradients=_GATE_OP,
-                        aggregation_method=None,
-                        colocate_gradients_with_ops=False,
-                        grad_loss=None):
+  def compute_gradients(
+      self,
+      loss: Any,
+      var_list: Optional[Sequence[tf.Variable]] = None,
+      gate_gradients: int = _GATE_OP,
+      aggregation_method: Any = None,
+      colocate_gradients_with_ops: bool = False,
+      grad_loss: Optional[tf.Tensor] = None) -> List[Tuple[Any, tf.Variable]]:
     """One device's gradients of the whole batch's loss, in every tower.
 
     In a replicated tower the towers' losses are combined into the whole
@@ -248,7 +270,8 @@ class TowerOptimizer(_tf.TracksWrapped, _Optimizer, metaclass=_EitherFlavour):
     """
     optimizer = self.optimizer
 
-    def compute(whole_loss, replicated):
+    def compute(whole_loss: tf.Tensor,
+                replicated: bool) -> List[Tuple[Any, tf.Variable]]:
       with routing.direct():
         grads_and_vars = optimizer.compute_gradients(
             whole_loss,
@@ -264,29 +287,32 @@ class TowerOptimizer(_tf.TracksWrapped, _Optimizer, metaclass=_EitherFlavour):
 
     return optimizer_calls.whole_batch_gradients(loss, compute, var_list)
 
-  def apply_gradients(self, grads_and_vars, global_step=None, name=None):
+  def apply_gradients(self,
+                      grads_and_vars: Iterable[Tuple[Any, tf.Variable]],
+                      global_step: Optional[tf.Variable] = None,
+                      name: Optional[str] = None) -> Any:
     """Meets the other towers; tower 0's gradients are applied once."""
     optimizer = self.optimizer
 
-    def apply(pairs):
+    def apply(pairs: List[Tuple[Any, tf.Variable]]) -> Any:
       with routing.direct():
         return optimizer.apply_gradients(pairs, global_step, name)
 
     return optimizer_calls.transform_and_apply(grads_and_vars, self._transforms,
                                                apply)
 
-  def _tracked_optimizer(self):
+  def _tracked_optimizer(self) -> Any:
     """What checkpoints see in this wrapper's place (see `_meet.tracking`)."""
     return self._wrapped.get()
 
-  def get_slot(self, *args, **kwargs):
+  def get_slot(self, *args: Any, **kwargs: Any) -> Optional[tf.Variable]:
     """Forwards to the wrapped optimizer."""
     return self.optimizer.get_slot(*args, **kwargs)
 
-  def get_slot_names(self, *args, **kwargs):
+  def get_slot_names(self, *args: Any, **kwargs: Any) -> List[str]:
     """Forwards to the wrapped optimizer."""
     return self.optimizer.get_slot_names(*args, **kwargs)
 
-  def variables(self):
+  def variables(self) -> List[tf.Variable]:
     """Forwards to the wrapped optimizer."""
     return self.optimizer.variables()

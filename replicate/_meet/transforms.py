@@ -7,7 +7,7 @@ same transform on the same values. Sparse gradients reach it with each row
 once (duplicate indices summed), as a norm or a clip value needs them.
 """
 
-from typing import Any, Callable, List, Sequence, Tuple, Union
+from typing import Any, Callable, Iterable, List, Sequence, Tuple, Union
 
 import tensorflow as tf
 
@@ -17,7 +17,7 @@ GradientTransform = Callable[[GradsAndVars], GradsAndVars]
 GradientTransforms = Union[None, GradientTransform, Sequence[GradientTransform]]
 
 
-def merge_duplicate_rows(grad):
+def merge_duplicate_rows(grad: Any) -> Any:
   """An `IndexedSlices` with each row once, duplicates summed; others as given.
 
   The rows of an IndexedSlices stand for their sum; a norm, a clip value or
@@ -54,7 +54,8 @@ def clip_by_global_norm(clip_norm: float) -> GradientTransform:
 class Pipeline:
   """A TowerOptimizer's gradient transforms (none, one or several in order)."""
 
-  def __init__(self, gradient_transform: GradientTransforms):
+  def __init__(self, gradient_transform: GradientTransforms) -> None:
+    transforms: Tuple[GradientTransform, ...]
     if gradient_transform is None:
       transforms = ()
     elif callable(gradient_transform):
@@ -74,7 +75,9 @@ class Pipeline:
     """Whether there is any transform to run."""
     return bool(self._transforms)
 
-  def prepare(self, grads_and_vars):
+  def prepare(
+      self, grads_and_vars: Iterable[Tuple[Any, tf.Variable]]
+  ) -> Iterable[Tuple[Any, tf.Variable]]:
     """The gradients as the transforms get them, replicated or not.
 
     Without transforms they pass unchanged (the wrapper adds no ops); with
@@ -87,7 +90,9 @@ class Pipeline:
         (merge_duplicate_rows(g), v) for g, v in grads_and_vars if g is not None
     ]
 
-  def __call__(self, grads_and_vars):
+  def __call__(
+      self, grads_and_vars: Iterable[Tuple[Any, tf.Variable]]
+  ) -> Iterable[Tuple[Any, tf.Variable]]:
     """Applies the transforms in order to the (summed) gradients."""
     for transform in self._transforms:
       result = transform(list(grads_and_vars))

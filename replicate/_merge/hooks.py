@@ -13,65 +13,72 @@ from typing import Any, Dict, Optional, Sequence
 
 import tensorflow as tf
 
-_SessionRunHook = tf.compat.v1.train.SessionRunHook
 _SessionRunArgs = tf.compat.v1.train.SessionRunArgs
 
 
-class _WholeBatchHook(_SessionRunHook):
+class _WholeBatchHook(tf.compat.v1.train.SessionRunHook):
   """Runs `hook`, swapping tower 0's tensors for the whole batch's."""
 
-  def __init__(self, hook: _SessionRunHook, swaps: Dict[Any, Any]):
+  def __init__(self, hook: tf.compat.v1.train.SessionRunHook,
+               swaps: Dict[Any, Any]) -> None:
     self._hook = hook
     self._swaps = swaps
 
-  @property
-  def __class__(self):  # isinstance() sees the wrapped hook's class.
+  # isinstance() sees the wrapped hook's class (a read-only property over
+  # object's settable `__class__`, as intended).
+  @property  # type: ignore[misc]
+  def __class__(self) -> type:
     return self._hook.__class__
 
-  def __getattr__(self, name):
+  def __getattr__(self, name: str) -> Any:
     return getattr(self._hook, name)
 
   # A stand-in for the hook: equal to it, and hashed alike.
-  def __eq__(self, other):
+  def __eq__(self, other: object) -> bool:
     return other is self or other == self._hook
 
-  def __hash__(self):
+  def __hash__(self) -> int:
     return hash(self._hook)
 
-  def _swap(self, fetch):
+  def _swap(self, fetch: Any) -> Any:
     if isinstance(fetch, str):
       return self._swaps.get(fetch, fetch)
     if isinstance(fetch, (tf.Tensor, tf.Operation)):
       return self._swaps.get(fetch.name, fetch)
     return fetch
 
-  def begin(self):
+  def begin(self) -> None:
     self._hook.begin()
 
-  def after_create_session(self, session, coord):
+  def after_create_session(self, session: tf.compat.v1.Session,
+                           coord: tf.train.Coordinator) -> None:
     self._hook.after_create_session(session, coord)
 
-  def before_run(self, run_context):
+  def before_run(
+      self, run_context: tf.compat.v1.train.SessionRunContext
+  ) -> Optional[tf.compat.v1.train.SessionRunArgs]:
     args = self._hook.before_run(run_context)
     if args is None or args.fetches is None:
       return args
     fetches = tf.nest.map_structure(self._swap, args.fetches)
     return _SessionRunArgs(fetches, args.feed_dict, args.options)
 
-  def after_run(self, run_context, run_values):
+  def after_run(self, run_context: tf.compat.v1.train.SessionRunContext,
+                run_values: tf.compat.v1.train.SessionRunValues) -> None:
     self._hook.after_run(run_context, run_values)
 
-  def end(self, session):
+  def end(self, session: tf.compat.v1.Session) -> None:
     self._hook.end(session)
 
 
-def _name(tensor) -> Optional[str]:
+def _name(tensor: Any) -> Optional[str]:
   return getattr(tensor, "name", None)
 
 
-def whole_batch_swaps(tower_spec, merged: Dict[str, Any]) -> Dict[str, Any]:
+def whole_batch_swaps(tower_spec: Any, merged: Dict[str,
+                                                    Any]) -> Dict[str, Any]:
   """Tower 0's tensor name -> the whole batch's, for loss and predictions."""
-  swaps = {}
+  swaps: Dict[str, Any] = {}
   pairs = [(tower_spec.loss, merged.get("loss"))]
   tower_predictions = tower_spec.predictions
   merged_predictions = merged.get("predictions")
@@ -82,13 +89,16 @@ def whole_batch_swaps(tower_spec, merged: Dict[str, Any]) -> Dict[str, Any]:
   elif tower_predictions is not None:
     pairs.append((tower_predictions, merged_predictions))
   for tower, whole in pairs:
-    if _name(tower) and whole is not None and whole is not tower:
-      swaps[_name(tower)] = whole
+    name = _name(tower)
+    if name and whole is not None and whole is not tower:
+      swaps[name] = whole
   return swaps
 
 
-def wrap_hooks(hooks: Optional[Sequence[_SessionRunHook]], swaps: Dict[str,
-                                                                       Any]):
+def wrap_hooks(
+    hooks: Optional[Sequence[tf.compat.v1.train.SessionRunHook]],
+    swaps: Dict[str,
+                Any]) -> Optional[Sequence[tf.compat.v1.train.SessionRunHook]]:
   """Each hook wrapped to fetch the whole batch's tensors (see above)."""
   if not hooks or not swaps:
     return hooks

@@ -11,7 +11,7 @@ order, those computed on phantom rows (see `_prepare.split`) left out.
 """
 
 import re
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 from absl import logging
 import tensorflow as tf
@@ -33,7 +33,7 @@ _OP_NAME = re.compile(r"[A-Za-z0-9.][A-Za-z0-9_.\\/>-]*")
 _INVALID_RUN = re.compile(r"[^A-Za-z0-9_.>-]+")
 
 
-def concat_name(key) -> str:
+def concat_name(key: Any) -> str:
   """The name of the op concatenating one prediction or export output.
 
   `concat_<key>` where that is a valid op name, as before; any other key a
@@ -52,7 +52,7 @@ def concat_name(key) -> str:
 
 
 def _merged(tensors: Sequence[Any], path: str, name: str,
-            replication: _context.Replication):
+            replication: _context.Replication) -> Any:
   """One device's value of a per-tower output: tower 0's, or the rows.
 
   Raises:
@@ -95,7 +95,7 @@ def _merged(tensors: Sequence[Any], path: str, name: str,
 
 
 def concat_predictions(predictions: Sequence[Any],
-                       replication: _context.Replication):
+                       replication: _context.Replication) -> Any:
   """Concatenates every tower's predictions (a dict or one tensor).
 
   Args:
@@ -115,7 +115,7 @@ def concat_predictions(predictions: Sequence[Any],
 
 
 def _concat_export_output(outputs: Sequence[Any], path: str,
-                          replication: _context.Replication):
+                          replication: _context.Replication) -> Any:
   first = outputs[0]
   if isinstance(first, _export.ClassificationOutput):
     return _export.ClassificationOutput(
@@ -140,8 +140,9 @@ def _concat_export_output(outputs: Sequence[Any], path: str,
       "ClassificationOutput.")
 
 
-def concat_export_outputs(export_outputs: Sequence[Dict[str, Any]],
-                          replication: _context.Replication):
+def concat_export_outputs(
+    export_outputs: Sequence[Dict[str, Any]],
+    replication: _context.Replication) -> Optional[Dict[str, Any]]:
   """Concatenates every tower's export outputs, key by key (see above)."""
   if export_outputs[0] is None:
     return None
@@ -153,7 +154,7 @@ def concat_export_outputs(export_outputs: Sequence[Dict[str, Any]],
   }
 
 
-def check_same_metrics(specs):
+def check_same_metrics(specs: Sequence[Any]) -> None:
   """Every tower must return the same eval_metric_ops keys.
 
   Checked before the towers' state writes are combined, whose error about
@@ -171,13 +172,14 @@ def check_same_metrics(specs):
           f"returned {keys[0]}; every tower must return the same metrics.")
 
 
-def _resolved(replication, value):
+def _resolved(replication: _context.Replication, value: Any) -> Any:
   if isinstance(value, tf.Tensor):
     return replication.rewiring.resolve(value)
   return value
 
 
-def _whole_loss(loss: tf.Tensor, replication: _context.Replication):
+def _whole_loss(loss: tf.Tensor,
+                replication: _context.Replication) -> tf.Tensor:
   """Tower 0's loss, which is the whole batch's (see `_meet.rewiring`)."""
   loss = replication.rewiring.resolve(loss)
   kind = replication.rewiring.kind(loss)
@@ -190,7 +192,7 @@ def _whole_loss(loss: tf.Tensor, replication: _context.Replication):
                                       "the loss the model_fn returned"))
 
 
-def _whole_summaries(replication: _context.Replication):
+def _whole_summaries(replication: _context.Replication) -> None:
   """The summaries TensorBoard shows are tower 0's, with their whole batch's
   values; one that is not (a value of tower 0's own) is logged."""
   summaries = replication.graph.get_collection_ref(
@@ -208,7 +210,8 @@ def _whole_summaries(replication: _context.Replication):
           "reduction over them instead", summary.op.name, kind.op, kind.why)
 
 
-def merge_specs(mode, specs: List[Any], replication: _context.Replication):
+def merge_specs(mode: str, specs: List[Any],
+                replication: _context.Replication) -> Any:
   """Builds the one EstimatorSpec the Estimator sees (see above).
 
   TPUEstimatorSpecs merge into one (see `_merge.tpu`): `eval_metrics` and

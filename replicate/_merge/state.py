@@ -30,7 +30,22 @@ error.
 import collections
 import enum
 import functools
-from typing import Dict, List, NamedTuple, Optional, Sequence
+from typing import (
+    AbstractSet,
+    Any,
+    Counter,
+    DefaultDict,
+    Dict,
+    Iterable,
+    List,
+    NamedTuple,
+    NoReturn,
+    Optional,
+    Sequence,
+    Set,
+    Tuple,
+    cast,
+)
 
 from absl import logging
 import numpy as np
@@ -98,7 +113,8 @@ class _Write(NamedTuple):
   variable: tf.Variable
 
 
-def combine_state_writes(replication: Replication, specs: Sequence = ()):
+def combine_state_writes(
+    replication: Replication, specs: Sequence[Any] = ()) -> None:
   """Makes the towers' writes to each model variable one write per step.
 
   Raises:
@@ -140,7 +156,7 @@ def _state_variables(replication: Replication) -> Dict[str, tf.Variable]:
   return variables
 
 
-def _initializer_ops(variables) -> set:
+def _initializer_ops(variables: Iterable[tf.Variable]) -> Set[str]:
   names = set()
   for variable in variables:
     initializer = variable.initializer
@@ -160,8 +176,10 @@ def _is_initializer(op: tf.Operation) -> bool:
   return any(_source(t).type in _RESTORES for t in op.inputs[1:])
 
 
-def _check_writes_in_functions(replication: Replication, variables, skip,
-                               specs: Sequence):
+def _check_writes_in_functions(replication: Replication,
+                               variables: Dict[str, tf.Variable],
+                               skip: AbstractSet[str],
+                               specs: Sequence[Any]) -> None:
   """Refuses writes inside tf.cond / tf.while_loop bodies that differ.
 
   A function call's writes cannot be combined with another tower's (its
@@ -211,12 +229,15 @@ def _call_writes(op: tf.Operation, tensor: tf.Tensor) -> bool:
       t is tensor and i not in read_only for i, t in enumerate(op.inputs))
 
 
-def _function_writes(ops, variables, skip):
+def _function_writes(
+    ops: Iterable[tf.Operation], variables: Dict[str, tf.Variable],
+    skip: AbstractSet[str]
+) -> Dict[Tuple[str, int], Tuple[tf.Operation, tf.Variable]]:
   """(variable name, n) -> (op, variable): the n-th function call writing it.
 
   A call writes the resource inputs TensorFlow does not mark read-only.
   """
-  counts = collections.Counter()
+  counts: Counter[str] = collections.Counter()
   writes = {}
   for op in ops:
     if op.name in skip:
@@ -236,9 +257,11 @@ def _function_writes(ops, variables, skip):
   return writes
 
 
-def _tower_writes(ops, variables, skip):
+def _tower_writes(ops: Iterable[tf.Operation], variables: Dict[str,
+                                                               tf.Variable],
+                  skip: AbstractSet[str]) -> Dict[Tuple[str, int], _Write]:
   """(variable name, n) -> the tower's n-th write to that variable."""
-  counts = collections.Counter()
+  counts: Counter[str] = collections.Counter()
   writes = {}
   for op in ops:
     if op.name in skip or not op.inputs:
@@ -261,12 +284,12 @@ def _tower_writes(ops, variables, skip):
   return writes
 
 
-def _aggregation(variable) -> _Aggregation:
+def _aggregation(variable: Any) -> tf.VariableAggregation:
   value = int(getattr(variable, "aggregation", _Aggregation.NONE).value)
   return _Aggregation(value)
 
 
-def _written_kind(replication: Replication, write: _Write):
+def _written_kind(replication: Replication, write: _Write) -> Any:
   """The kind (`_batch.rows`) of what tower 0's write writes."""
   kinds = [replication.rewiring.kind(t) for t in write.op.inputs[1:]]
   for kind in kinds:
@@ -279,7 +302,7 @@ def _written_kind(replication: Replication, write: _Write):
 
 
 def _combine(replication: Replication, group: List[Optional[_Write]],
-             sinks: "_Sinks", order: "_Order"):
+             sinks: "_Sinks", order: "_Order") -> None:
   """One write for one (variable, occurrence) across the towers."""
   present = [w for w in group if w is not None]
   first = present[0]
@@ -305,8 +328,16 @@ def _combine(replication: Replication, group: List[Optional[_Write]],
           f"Variable {name!r} is assigned a value with a row per example "
           f"({first.op.name}); a variable cannot hold the batch's rows "
           "across towers: write a reduction of them, or scatter rows.")
+    missing = [i for i, w in enumerate(group) if w is None]
+    if missing:
+      raise ValueError(
+          f"Variable {name!r} is scattered rows of the batch by tower 0 but "
+          f"not by towers {missing}; every tower must make the same writes "
+          "(look for Python code that depends on replicate.current_tower()).")
     with tf.name_scope("combined_writes"), tf.device(first.variable.device):
-      _set_rows(first, *_concatenated_rows(replication, group, None))
+      _set_rows(
+          first,
+          *_concatenated_rows(replication, cast(List[_Write], group), None))
     how = "every tower's rows"
   else:
     how = _combine_by_aggregation(replication, group, present, aggregation)
@@ -322,7 +353,7 @@ def _combine(replication: Replication, group: List[Optional[_Write]],
                name, first.kind.value, how)
 
 
-def _check_written_alike(group: List[Optional[_Write]]):
+def _check_written_alike(group: List[Optional[_Write]]) -> None:
   """A value one device computes once must be computed alike in every tower.
 
   Where a tower's write differs from tower 0's in a constant (a shard's
@@ -330,6 +361,7 @@ def _check_written_alike(group: List[Optional[_Write]]):
   not agree on it and tower 0's is not one device's.
   """
   first = group[0]
+  assert first is not None  # `_combine` refuses a group without tower 0
   for index, write in enumerate(group[1:], start=1):
     if write is None:
       continue
@@ -382,7 +414,10 @@ def _difference(a: tf.Tensor, b: tf.Tensor, budget: List[int]) -> Optional[str]:
   return None
 
 
-def _combine_by_aggregation(replication, group, present, aggregation) -> str:
+def _combine_by_aggregation(replication: Replication,
+                            group: List[Optional[_Write]],
+                            present: List[_Write],
+                            aggregation: tf.VariableAggregation) -> str:
   """Each tower's own value, combined by the variable's aggregation."""
   first = present[0]
   name = first.variable.op.name
@@ -394,16 +429,18 @@ def _combine_by_aggregation(replication, group, present, aggregation) -> str:
         f"Variable {name!r} (aggregation {aggregation.name}) is written by "
         f"towers {[i for i, w in enumerate(group) if w]} only; every tower "
         "must make the same writes for them to be combined.")
+  # Every tower writes: `present` is `group`.
   if aggregation in (_Aggregation.SUM, _Aggregation.MEAN):
-    _feed_combined(replication, group, aggregation)
+    _feed_combined(replication, cast(List[_Write], group), aggregation)
   elif extremum:
-    _feed_extremum(replication, group, extremum)
+    _feed_extremum(replication, cast(List[_Write], group), extremum)
   elif aggregation == _Aggregation.NONE:
     _check_same_in_every_tower(replication, group)
   return f"each tower's value, aggregation {aggregation.name}"
 
 
-def _feed_combined(replication, group: List[_Write], aggregation):
+def _feed_combined(replication: Replication, group: List[_Write],
+                   aggregation: tf.VariableAggregation) -> None:
   """Gives tower 0's write the towers' combined value or rows."""
   first = group[0]
   mean = aggregation == _Aggregation.MEAN
@@ -529,7 +566,8 @@ def _running_extremum(writes: Sequence[_Write]) -> Optional[str]:
   return kinds.pop() if len(kinds) == 1 else None
 
 
-def _feed_extremum(replication, group: List[_Write], extremum: str):
+def _feed_extremum(replication: Replication, group: List[_Write],
+                   extremum: str) -> None:
   """Gives tower 0's write the maximum (minimum) over the towers.
 
   Each tower's value is the maximum of the old value and its shard's, so
@@ -554,7 +592,7 @@ def _read(write: _Write) -> tf.Tensor:
         resource=write.op.inputs[0], dtype=write.op.get_attr("dtype"))
 
 
-def _weights(replication: Replication):
+def _weights(replication: Replication) -> List[Any]:
   """Each tower's share of the batch (tower 0 holds all of an empty batch).
 
   With an empty batch tower 0's shard is the whole batch, so its value is
@@ -563,7 +601,8 @@ def _weights(replication: Replication):
   return list(replication.fractions)
 
 
-def _real_sum(replication, values: Sequence[tf.Tensor]) -> tf.Tensor:
+def _real_sum(replication: Replication,
+              values: Sequence[tf.Tensor]) -> tf.Tensor:
   """The towers' values added up, those computed on phantom rows as zero.
 
   So a SUM counter fed a phantom tower's row count counts one device's rows.
@@ -571,7 +610,8 @@ def _real_sum(replication, values: Sequence[tf.Tensor]) -> tf.Tensor:
   return sums.real_sum(values, replication.validity)
 
 
-def _weighted_sum(replication, values: Sequence[tf.Tensor]) -> tf.Tensor:
+def _weighted_sum(replication: Replication,
+                  values: Sequence[tf.Tensor]) -> tf.Tensor:
   """Sum of weight * value; a tower with weight 0 adds 0 even if NaN."""
   terms = []
   dtype = values[0].dtype
@@ -590,7 +630,7 @@ def _weighted_sum(replication, values: Sequence[tf.Tensor]) -> tf.Tensor:
   return tf.cast(combined, dtype)
 
 
-def _row_layout(write: _Write):
+def _row_layout(write: _Write) -> Tuple[Optional[int], tf.TensorShape]:
   """(depth of an Nd scatter's indices or None, shape of one row)."""
   if "Nd" not in write.op.type:
     return None, write.variable.shape[1:]
@@ -602,7 +642,7 @@ def _row_layout(write: _Write):
   return depth, write.variable.shape[depth:]
 
 
-def _set_rows(write: _Write, indices: tf.Tensor, updates: tf.Tensor):
+def _set_rows(write: _Write, indices: tf.Tensor, updates: tf.Tensor) -> None:
   """Makes a scatter write `updates` at `indices` instead."""
   depth, row_shape = _row_layout(write)
   # Inputs change one at a time, and each must stay compatible with the
@@ -615,7 +655,9 @@ def _set_rows(write: _Write, indices: tf.Tensor, updates: tf.Tensor):
   _tf.update_input(write.op, 2, updates)
 
 
-def _concatenated_rows(replication, group: List[_Write], weights):
+def _concatenated_rows(
+    replication: Replication, group: List[_Write],
+    weights: Optional[Sequence[Any]]) -> Tuple[tf.Tensor, tf.Tensor]:
   """Every tower's scatter indices and updates, in tower order, flattened.
 
   A tower that computed on a phantom row writes no rows.
@@ -639,9 +681,11 @@ def _concatenated_rows(replication, group: List[_Write], weights):
   return tf.concat(all_indices, 0), tf.concat(all_updates, 0)
 
 
-def _check_same_in_every_tower(replication, group: List[Optional[_Write]]):
+def _check_same_in_every_tower(replication: Replication,
+                               group: List[Optional[_Write]]) -> NoReturn:
   """NONE: a value each tower computes from its own shard has no answer."""
   write = group[0]
+  assert write is not None  # `_combine` refuses a group without tower 0
   name = write.variable.op.name
   fix = ("wrap every optimizer in replicate.TowerOptimizer"
          if write.variable.trainable else
@@ -664,7 +708,7 @@ def _follow(write: _Write,
             first: _Write,
             sinks: "_Sinks",
             order: "_Order",
-            values: bool = True):
+            values: bool = True) -> None:
   """Makes a later tower's write run after tower 0's and change nothing.
 
   On one device every read the model makes before its write (batch
@@ -701,13 +745,15 @@ class _Order:
   The order is the model's own, taken before any write is combined.
   """
 
-  def __init__(self, graph: tf.Graph, tower_ops: Sequence[Sequence],
-               writes: Sequence[Dict]):
+  def __init__(self, graph: tf.Graph,
+               tower_ops: Sequence[Sequence[tf.Operation]],
+               writes: Sequence[Dict[Tuple[str, int], _Write]]) -> None:
     self._tower_of = {
         op: index for index, ops in enumerate(tower_ops) for op in ops
     }
     self._writes = writes
-    self._control_outputs = collections.defaultdict(list)
+    self._control_outputs: DefaultDict[tf.Operation, List[tf.Operation]] = (
+        collections.defaultdict(list))
     for op in graph.get_operations():
       for control in op.control_inputs:
         self._control_outputs[control].append(op)
@@ -725,6 +771,7 @@ class _Order:
       return []
     name = write.variable.op.name
     after = set()
+    assert tower is not None  # `write` is one of the towers' writes
     for (written, _), other in self._writes[tower].items():
       if written == name:
         after |= self._after(other.op)
@@ -741,7 +788,7 @@ class _Order:
           found.append(consumer)
     return found
 
-  def _after(self, op: tf.Operation) -> set:
+  def _after(self, op: tf.Operation) -> Set[tf.Operation]:
 
     def later(current: tf.Operation) -> List[tf.Operation]:
       return _graph.consumer_ops(current) + list(
@@ -755,8 +802,8 @@ class _Sinks:
   dtype and shape (creating a variable per model variable was a tenth of
   a deep model's state combining)."""
 
-  def __init__(self):
-    self._sinks = {}
+  def __init__(self) -> None:
+    self._sinks: Dict[Tuple[Any, ...], tf.Tensor] = {}
 
   def get(self, write: _Write) -> tf.Tensor:
     variable = write.variable
@@ -768,7 +815,8 @@ class _Sinks:
       self._sinks[key] = self._make(*key)
     return self._sinks[key]
 
-  def _make(self, device, dtype, shape, is_ref) -> tf.Tensor:
+  def _make(self, device: Optional[str], dtype: tf.DType,
+            shape: Tuple[Optional[int], ...], is_ref: bool) -> tf.Tensor:
     name = "_".join([dtype.name] + [str(d) for d in shape] +
                     (["ref"] if is_ref else []))
     with tf.device(device):

@@ -14,7 +14,7 @@ Under TPUEstimator, `params['batch_size']` is the batch the model_fn sees
 (TPU code shapes tensors with it); each tower is given its shard's size.
 """
 
-from typing import Any, Dict, List, Sequence
+from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 from absl import logging
 import tensorflow as tf
@@ -27,16 +27,16 @@ _USE_TPU = "use_tpu"
 _HOST_CALLS = ("eval_metrics", "host_call")
 
 
-def _spec_class():
+def _spec_class() -> Any:
   return tf.compat.v1.estimator.tpu.TPUEstimatorSpec
 
 
-def is_tpu_spec(spec) -> bool:
+def is_tpu_spec(spec: Any) -> bool:
   """Whether a model_fn returned a `TPUEstimatorSpec`."""
   return isinstance(spec, _spec_class())
 
 
-def _under_tpu_estimator(params, config) -> bool:
+def _under_tpu_estimator(params: Any, config: Any) -> bool:
   """Whether TPUEstimator calls the model_fn: it always sets 'use_tpu'.
 
   TPUEstimator requires a `tf.compat.v1.estimator.tpu.RunConfig`, passes
@@ -46,7 +46,7 @@ def _under_tpu_estimator(params, config) -> bool:
           isinstance(params, dict) and _USE_TPU in params)
 
 
-def tower_params(params, config, index: int, num_towers: int):
+def tower_params(params: Any, config: Any, index: int, num_towers: int) -> Any:
   """Tower `index`'s params: under TPUEstimator, its shard's batch size.
 
   TPUEstimator sets `params['batch_size']` to the batch each model_fn call
@@ -70,7 +70,7 @@ def tower_params(params, config, index: int, num_towers: int):
   return params
 
 
-def as_estimator_spec(spec, params):
+def as_estimator_spec(spec: Any, params: Any) -> Any:
   """The EstimatorSpec TPUEstimator(use_tpu=False) would make of `spec`.
 
   Anything but a `TPUEstimatorSpec`, and one made for a TPU
@@ -88,13 +88,13 @@ def as_estimator_spec(spec, params):
   return _rebuilt(spec, {}).as_estimator_spec()
 
 
-def _rebuilt(spec, fields: Dict[str, Any]):
+def _rebuilt(spec: Any, fields: Dict[str, Any]) -> Any:
   values = spec._asdict()
   values.update(fields)
   return _spec_class()(**values)
 
 
-def metric_keys(spec) -> List[str]:
+def metric_keys(spec: Any) -> List[str]:
   """The names of `spec`'s eval_metrics tensors, for comparing towers."""
   if not spec.eval_metrics:
     return []
@@ -104,7 +104,12 @@ def metric_keys(spec) -> List[str]:
   return [f"eval_metrics tensor {i}" for i in range(len(tensors))]
 
 
-def _merge_host_call(calls, name: str, merge):
+# `merge(tensors, path, name)`: one device's value of the towers' tensors.
+_Merge = Callable[[List[Any], str, str], Any]
+
+
+def _merge_host_call(calls: Sequence[Tuple[Callable[..., Any], Any]], name: str,
+                     merge: _Merge) -> Tuple[Callable[..., Any], Any]:
   """(fn, tensors) with each tensor merged across the towers."""
   fn, first = calls[0]
   keys = list(first) if isinstance(first, dict) else range(len(first))
@@ -118,7 +123,7 @@ def _merge_host_call(calls, name: str, merge):
   return (fn, merged)
 
 
-def merge_host_calls(specs: Sequence[Any], merge) -> Dict[str, Any]:
+def merge_host_calls(specs: Sequence[Any], merge: _Merge) -> Dict[str, Any]:
   """The merged spec's `eval_metrics` and `host_call`.
 
   Args:
@@ -135,7 +140,7 @@ def merge_host_calls(specs: Sequence[Any], merge) -> Dict[str, Any]:
   return fields
 
 
-def merged_spec(tower_spec, fields: Dict[str, Any]):
+def merged_spec(tower_spec: Any, fields: Dict[str, Any]) -> Any:
   """Tower 0's TPUEstimatorSpec with the merged fields (its scaffold_fn)."""
   fields = {
       key: value for key, value in fields.items() if key in tower_spec._fields

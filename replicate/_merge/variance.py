@@ -17,7 +17,17 @@ inputs) and `tf.math.reduce_variance` build it, and
   var(batch) = (sum_i (n_i - 1) var_i + n_i (mean_i - mean)^2) / (n - 1).
 """
 
-from typing import NamedTuple, Optional, Sequence
+from typing import (
+    Any,
+    Callable,
+    FrozenSet,
+    List,
+    NamedTuple,
+    Optional,
+    Sequence,
+    Tuple,
+    cast,
+)
 
 from absl import logging
 import tensorflow as tf
@@ -41,11 +51,17 @@ class _Statistic(NamedTuple):
   position: int  # which input of the consumer
   variance: tf.Tensor  # the shard's variance
   mean: tf.Tensor  # the shard's mean, same shape as variance
-  count: Optional[tf.Tensor]  # values per channel (Bessel-corrected only)
+  sample_size: Optional[tf.Tensor]  # values per channel (Bessel-corrected only)
 
 
-def add_between_shard_variance(writes: Sequence[tf.Operation], weights,
-                               weighted_sum) -> bool:
+# The edges (op, input position) from a write back to an op reading a
+# statistic.
+_Path = Tuple[Tuple[tf.Operation, int], ...]
+
+
+def add_between_shard_variance(
+    writes: Sequence[tf.Operation], weights: Sequence[Any],
+    weighted_sum: Callable[[List[tf.Tensor]], tf.Tensor]) -> bool:
   """Adds the between-shard term to each tower's variance before a MEAN.
 
   Args:
@@ -57,18 +73,19 @@ def add_between_shard_variance(writes: Sequence[tf.Operation], weights,
   Returns:
     Whether the writes were moving variances and got the term.
   """
-  statistics = [_find_statistic(write) for write in writes]
-  if any(s is None for s in statistics):
+  found = [_find_statistic(write) for write in writes]
+  if any(s is None for s in found):
     return False
-  bessel = statistics[0].count is not None
-  if any((s.count is not None) != bessel for s in statistics):
+  statistics = cast(List[_Statistic], found)  # None is ruled out above
+  bessel = statistics[0].sample_size is not None
+  if any((s.sample_size is not None) != bessel for s in statistics):
     return False
   batch_mean = weighted_sum([s.mean for s in statistics])
   if bessel:
     # A tower of weight 0 holds no example (a phantom row's, see
     # _prepare.split).
     counts = [
-        sums.gate(tf.cast(s.count, s.variance.dtype), weight > 0)
+        sums.gate(tf.cast(s.sample_size, s.variance.dtype), weight > 0)
         for s, weight in zip(statistics, weights)
     ]
     total = tf.add_n(counts)
@@ -92,7 +109,7 @@ def add_between_shard_variance(writes: Sequence[tf.Operation], weights,
   return True
 
 
-def _replace_input(statistic: _Statistic, corrected: tf.Tensor):
+def _replace_input(statistic: _Statistic, corrected: tf.Tensor) -> None:
   old = statistic.consumer.inputs[statistic.position]
   corrected = tf.reshape(tf.cast(corrected, old.dtype), tf.shape(old))
   # Ops have no public way to change an input once built.
@@ -106,7 +123,7 @@ def _find_statistic(write: tf.Operation) -> Optional[_Statistic]:
   without changing any tensor read elsewhere (see `_rewire_point`).
   """
   found = []
-  pending = [(write, 1, 0, ())]
+  pending: List[Tuple[tf.Operation, int, int, _Path]] = [(write, 1, 0, ())]
   while pending:
     op, position, depth, path = pending.pop()
     path += ((op, position),)
@@ -133,7 +150,7 @@ def _find_statistic(write: tf.Operation) -> Optional[_Statistic]:
   return statistic._replace(consumer=point[0], position=point[1])
 
 
-def _rewire_point(path):
+def _rewire_point(path: _Path) -> Optional[Tuple[tf.Operation, int]]:
   """Where a corrected statistic may enter the write's path, or None.
 
   `path` is the edges (op, input position) from the write back to the op
@@ -157,7 +174,8 @@ def _rewire_point(path):
   return None
 
 
-def _statistic(consumer, position, tensor) -> Optional[_Statistic]:
+def _statistic(consumer: tf.Operation, position: int,
+               tensor: tf.Tensor) -> Optional[_Statistic]:
   op = tensor.op
   if op.type in _FUSED and tensor.value_index == 2 and op.get_attr(
       "is_training"):
@@ -181,7 +199,8 @@ def _statistic(consumer, position, tensor) -> Optional[_Statistic]:
                     tf.reshape(mean, tf.shape(tensor)), None)
 
 
-def _squared_difference(op: tf.Operation):
+def _squared_difference(
+    op: tf.Operation) -> Optional[Tuple[tf.Tensor, tf.Tensor]]:
   """(x, m) for SquaredDifference(x, m) or Square(x - m); else None."""
   if op.type == "SquaredDifference":
     return op.inputs[0], op.inputs[1]
@@ -190,7 +209,7 @@ def _squared_difference(op: tf.Operation):
   return None
 
 
-def _axes(mean_op: tf.Operation) -> Optional[frozenset]:
+def _axes(mean_op: tf.Operation) -> Optional[FrozenSet[int]]:
   """The axes a Mean op averages over, made non-negative; None if unknown."""
   axes = tf.get_static_value(mean_op.inputs[1])
   rank = mean_op.inputs[0].shape.rank

@@ -7,7 +7,17 @@ device function each tower builds under.
 
 import enum
 import itertools
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import (
+    Callable,
+    Dict,
+    Iterable,
+    List,
+    Optional,
+    Sequence,
+    Set,
+    Tuple,
+    Union,
+)
 
 from absl import logging
 import tensorflow as tf
@@ -50,7 +60,8 @@ class VariablePlacement(str, enum.Enum):
   ROUND_ROBIN = "round_robin"
 
 
-def as_variable_placement(value) -> VariablePlacement:
+def as_variable_placement(
+    value: Union[VariablePlacement, str]) -> VariablePlacement:
   """Accepts a VariablePlacement or its string value."""
   try:
     return VariablePlacement(value)
@@ -112,14 +123,15 @@ def resolve_devices(devices: Optional[Sequence[str]]) -> List[str]:
   return resolved
 
 
-def _local_device_counts(config) -> Dict[str, int]:
+def _local_device_counts(
+    config: Optional[tf.estimator.RunConfig]) -> Dict[str, int]:
   """Device type -> how many devices of that type this process has.
 
   The logical devices, and for CPU at least as many as the session config
   of `config` (the Estimator's RunConfig) asks for with `device_count`, the
   way graph-mode sessions get virtual CPU devices.
   """
-  counts = {}
+  counts: Dict[str, int] = {}
   for device in tf.config.list_logical_devices():
     spec = tf.DeviceSpec.from_string(device.name)
     counts[spec.device_type] = max(
@@ -136,7 +148,8 @@ def _device_names(counts: Dict[str, int]) -> str:
                    for index in range(counts[kind]))
 
 
-def _missing_device_message(device: str, kind: str, counts) -> str:
+def _missing_device_message(device: str, kind: str, counts: Dict[str,
+                                                                 int]) -> str:
   """Why `device` is refused, what exists and how to get more devices."""
   if kind not in counts:
     what = f"this machine has no {kind} device"
@@ -153,7 +166,9 @@ def _missing_device_message(device: str, kind: str, counts) -> str:
   return message + "."
 
 
-def check_local_devices(devices: Sequence[str], config=None) -> None:
+def check_local_devices(
+    devices: Sequence[str],
+    config: Optional[tf.estimator.RunConfig] = None) -> None:
   """Refuses device names that provably no local device answers to.
 
   Only devices of this process are checked: a name with a job, replica or
@@ -209,10 +224,12 @@ def check_local_devices(devices: Sequence[str], config=None) -> None:
 
 # (devices, session CPUs) already warned about: the model_fn runs for every
 # train, evaluate and predict call, the decision is the same each time.
-_WARNED_SESSION_CPUS = set()
+_WARNED_SESSION_CPUS: Set[Tuple[Tuple[str, ...], int]] = set()
 
 
-def _check_session_cpus(cpus: Sequence[str], session_config) -> None:
+def _check_session_cpus(
+    cpus: Sequence[str],
+    session_config: Optional[tf.compat.v1.ConfigProto]) -> None:
   """Says so where towers name CPUs the Estimator's session will not have.
 
   A logical split of the CPU (`tf.config.set_logical_device_configuration`)
@@ -255,7 +272,8 @@ def _check_session_cpus(cpus: Sequence[str], session_config) -> None:
       "'/device:CPU:0', one after another; %s", missing, have, fix)
 
 
-def _session_cpus_unknown(config, counts: Dict[str, int]) -> bool:
+def _session_cpus_unknown(config: Optional[tf.estimator.RunConfig],
+                          counts: Dict[str, int]) -> bool:
   """Whether the session that runs the graph may have more CPUs than known.
 
   With a RunConfig the Estimator's session has what its `device_count` asks
@@ -310,7 +328,7 @@ def tower_device_function(
   `tf.device`) takes precedence field by field, as `tf.device` nests.
   """
 
-  def device_function(op):
+  def device_function(op: tf.Operation) -> str:
     user_spec = tf.DeviceSpec.from_string(op.device or "")
     if op.type in _STATEFUL_VARIABLE_OPS:
       base = tf.DeviceSpec.from_string(choose_variable_device(op))
@@ -391,7 +409,7 @@ def _captured(tensor: tf.Tensor) -> Optional[tf.Tensor]:
   return None
 
 
-def _task(device: str):
+def _task(device: str) -> Tuple[Optional[str], Optional[int], Optional[int]]:
   spec = tf.DeviceSpec.from_string(device or "")
   return spec.job, spec.replica, spec.task
 
@@ -402,7 +420,8 @@ def other_task(device: str, other: str) -> bool:
                                                          != _task(other))
 
 
-def cache_device(graph: tf.Graph, op_names, hub: str) -> Optional[str]:
+def cache_device(graph: tf.Graph, op_names: Iterable[str],
+                 hub: str) -> Optional[str]:
   """Where a parameter-server variable's one read per step is, or None.
 
   The consolidation device as the outer device functions placed it (the

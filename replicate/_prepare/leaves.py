@@ -12,7 +12,7 @@ one holding a tensor, a numpy array or a dict is a structure, as
 
 import collections.abc
 import copy
-from typing import Any, Tuple
+from typing import Any, Sequence, Tuple
 
 import numpy as np
 import tensorflow as tf
@@ -22,7 +22,7 @@ from replicate import _graph
 _SCALARS = (int, float, complex, bool, str, bytes, np.generic)
 
 
-def _is_value(sequence) -> bool:
+def _is_value(sequence: Sequence[Any]) -> bool:
   """Whether a list or tuple holds only numbers, strings and lists of those."""
   if hasattr(sequence, "_fields"):  # a namedtuple is always a structure
     return False
@@ -38,7 +38,7 @@ def _is_value(sequence) -> bool:
   return True
 
 
-def _convert(path: str, value) -> tf.Tensor:
+def _convert(path: str, value: Any) -> tf.Tensor:
   try:
     return tf.convert_to_tensor(value)
   except (TypeError, ValueError) as e:
@@ -48,7 +48,7 @@ def _convert(path: str, value) -> tf.Tensor:
         "or pass a tf.RaggedTensor or tf.SparseTensor.") from None
 
 
-def _converted(structure, path: str) -> Tuple[Any, bool]:
+def _converted(structure: Any, path: str) -> Tuple[Any, bool]:
   """`structure` with its value lists as tensors, and whether any was."""
   if isinstance(structure, (list, tuple)):
     if _is_value(structure):
@@ -63,22 +63,24 @@ def _converted(structure, path: str) -> Tuple[Any, bool]:
       return type(structure)(*values), True
     return type(structure)(values), True
   if isinstance(structure, collections.abc.Mapping):
-    items = {
+    entries = {
         key: _converted(value, f"{path}[{key!r}]")
         for key, value in structure.items()
     }
-    if not any(changed for _, changed in items.values()):
+    if not any(changed for _, changed in entries.values()):
       return structure, False
     if isinstance(structure, collections.abc.MutableMapping):
       result = copy.copy(structure)
-      for key, (value, _) in items.items():
+      for key, (value, _) in entries.items():
         result[key] = value
       return result, True
-    return type(structure)({k: v for k, (v, _) in items.items()}), True
+    converted = {k: v for k, (v, _) in entries.items()}
+    # Mapping's stub takes no arguments; the concrete type takes a dict.
+    return type(structure)(converted), True  # type: ignore[call-arg]
   return structure, False
 
 
-def as_tensors(structure, path: str):
+def as_tensors(structure: Any, path: str) -> Any:
   """`structure` with every Python list or tuple that is a value a tensor.
 
   Converted as `tf.convert_to_tensor` converts it (what a feature column or
@@ -92,7 +94,7 @@ def as_tensors(structure, path: str):
   return _converted(structure, path)[0]
 
 
-def reads_batch(tensors, inputs) -> bool:
+def reads_batch(tensors: Any, inputs: Any) -> bool:
   """Whether a value of `tensors` (a tensor or a list) is computed from
   `inputs`.
 

@@ -9,7 +9,7 @@ replicated model_fn would start from fresh initial values instead.
 """
 
 import inspect
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from absl import logging
 import tensorflow as tf
@@ -17,7 +17,8 @@ import tensorflow as tf
 _ESTIMATORS = (tf.estimator.Estimator, tf.compat.v1.estimator.Estimator)
 
 
-def estimator_of(model_fn) -> Optional[tf.compat.v1.estimator.Estimator]:
+def estimator_of(
+    model_fn: Callable[..., Any]) -> Optional[tf.compat.v1.estimator.Estimator]:
   """The Estimator whose `model_fn` property returned `model_fn`, or None."""
   try:
     estimator = inspect.getclosurevars(model_fn).nonlocals.get("self")
@@ -26,7 +27,7 @@ def estimator_of(model_fn) -> Optional[tf.compat.v1.estimator.Estimator]:
   return estimator if isinstance(estimator, _ESTIMATORS) else None
 
 
-def warm_starter(model_fn) -> Optional[Callable[[], None]]:
+def warm_starter(model_fn: Callable[..., Any]) -> Optional[Callable[[], None]]:
   """Warm-starts the built graph as `model_fn`'s Estimator trains, or None.
 
   The returned function, called in a TRAIN graph once its variables exist,
@@ -41,7 +42,7 @@ def warm_starter(model_fn) -> Optional[Callable[[], None]]:
   if settings is None:
     return None
 
-  def warm_start():
+  def warm_start() -> None:
     logging.info("replicate: warm-starting as %s does on one device: %s",
                  type(estimator).__name__, settings)
     tf.compat.v1.train.warm_start(*settings)

@@ -21,7 +21,7 @@ tensors first, as feature columns and heads convert them on one device
 """
 
 import itertools
-from typing import Any, List, NamedTuple, Union
+from typing import Any, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import tensorflow as tf
@@ -40,7 +40,7 @@ class Shards(NamedTuple):
   valid: List[Any]  # False for a phantom row's tower: bools or tensors
 
 
-def _paths(structure, prefix):
+def _paths(structure: Any, prefix: str) -> List[str]:
   """Names of the leaves of `structure`, in `tf.nest.flatten` order."""
   if isinstance(structure, dict):
     return [
@@ -55,7 +55,7 @@ def _paths(structure, prefix):
   return [prefix]
 
 
-def _as_tensor(path, value):
+def _as_tensor(path: str, value: Any) -> Any:
   if value is None or isinstance(value,
                                  (tf.Tensor, tf.SparseTensor, tf.RaggedTensor)):
     return value
@@ -73,14 +73,14 @@ def _as_tensor(path, value):
         "of them.") from None
 
 
-def _scalar_message(path, value=None):
+def _scalar_message(path: str, value: Any = None) -> str:
   shown = "" if value is None else f" (its value: {value})"
   return (f"`{path}` is a scalar and has no batch dimension to split across "
           f"towers{shown}; give every feature and label a leading batch "
           "dimension (one row per example).")
 
 
-def _static_batch_size(path, tensor):
+def _static_batch_size(path: str, tensor: Any) -> Optional[int]:
   shape = tensor.shape
   if isinstance(tensor, tf.SparseTensor):
     known = tf.get_static_value(tensor.dense_shape)
@@ -93,7 +93,7 @@ def _static_batch_size(path, tensor):
   return tf.compat.dimension_value(shape[0])
 
 
-def _rank_check(path, leaf):
+def _rank_check(path: str, leaf: Any) -> tf.Operation:
   """A runtime check that a leaf of unknown rank is not a scalar."""
   rank = (
       tf.size(leaf.dense_shape)
@@ -102,7 +102,7 @@ def _rank_check(path, leaf):
       rank > 0, [_scalar_message(path)], name="check_rank")
 
 
-def _dynamic_batch_size(path, leaf):
+def _dynamic_batch_size(path: str, leaf: Any) -> tf.Tensor:
   """The size of dimension 0 as an int64 scalar, once a leaf's rank is known."""
   checks = [_rank_check(path, leaf)] if leaf.shape.rank is None else []
   with tf.control_dependencies(checks):
@@ -113,7 +113,8 @@ def _dynamic_batch_size(path, leaf):
     return tf.shape(leaf, out_type=tf.int64)[0]
 
 
-def _size_check(path, size, reference_path, reference):
+def _size_check(path: str, size: tf.Tensor, reference_path: str,
+                reference: Size) -> tf.Operation:
   """A runtime check that leaf `path` has the batch size of another leaf."""
   return tf.debugging.Assert(
       tf.equal(size, reference), [
@@ -126,7 +127,8 @@ def _size_check(path, size, reference_path, reference):
       name="check_batch")
 
 
-def _batch_size(named_leaves):
+def _batch_size(
+    named_leaves: Sequence[Tuple[str, Any]]) -> Tuple[Size, List[tf.Operation]]:
   """The batch size shared by all leaves, and the checks that they share it.
 
   Returns:
@@ -218,14 +220,16 @@ def _valid(sizes: List[Size]) -> List[Any]:
   ]
 
 
-def _split_dense(tensor, sizes, windows, tiled):
+def _split_dense(tensor: tf.Tensor, sizes: List[Size], windows: List[_Window],
+                 tiled: bool) -> List[tf.Tensor]:
   """tf.split where the shards tile the batch statically, else slices."""
   if tiled:
     return tf.split(tensor, sizes, axis=0)
   return [tensor[w.start:w.start + w.size] for w in windows]
 
 
-def _split_sparse(sparse, windows):
+def _split_sparse(sparse: tf.SparseTensor,
+                  windows: List[_Window]) -> List[tf.SparseTensor]:
   """Row slices of a SparseTensor, each as wide as the batch.
 
   A shard keeps the batch's extent in every dimension after the first, as
@@ -280,12 +284,14 @@ def padded_to_widest(tensors: List[tf.Tensor]) -> List[tf.Tensor]:
   return padded
 
 
-def _split_ragged(ragged, windows):
+def _split_ragged(ragged: tf.RaggedTensor,
+                  windows: List[_Window]) -> List[tf.RaggedTensor]:
   """Row slices; python ints where the sizes are, so shapes stay static."""
   return [ragged[w.start:w.start + w.size] for w in windows]
 
 
-def _split_leaf(leaf, sizes, windows, tiled):
+def _split_leaf(leaf: Any, sizes: List[Size], windows: List[_Window],
+                tiled: bool) -> List[Any]:
   if leaf is None:
     return [None] * len(sizes)
   if isinstance(leaf, tf.SparseTensor):
@@ -295,7 +301,7 @@ def _split_leaf(leaf, sizes, windows, tiled):
   return _split_dense(leaf, sizes, windows, tiled)
 
 
-def _fractions(sizes, batch_size):
+def _fractions(sizes: List[Size], batch_size: Size) -> List[Any]:
   """Each tower's share of the batch; tower 0 holds all of an empty batch.
 
   So the shares always add up to one, and with an empty batch tower 0's
@@ -324,7 +330,7 @@ def _opaque(tensor: tf.Tensor) -> tf.Tensor:
   return tf.compat.v1.placeholder_with_default(tensor, shape)
 
 
-def _unfolded(shard):
+def _unfolded(shard: Any) -> Any:
   """A shard as the model_fn sees it: its size in dimension 0 unknown.
 
   A tower's code that reads the shard's size when built (`x.shape[0]`,
@@ -350,7 +356,7 @@ def _unfolded(shard):
   return _opaque(shard)
 
 
-def split_batch(features, labels, num_shards: int) -> Shards:
+def split_batch(features: Any, labels: Any, num_shards: int) -> Shards:
   """Splits `features` and `labels` into `num_shards` row-aligned shards.
 
   A tower left without examples by a non-empty batch gets one phantom row

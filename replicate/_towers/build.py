@@ -21,7 +21,7 @@ model_fn would; TensorBoard shows tower 0's summaries.
 """
 
 import contextlib
-from typing import Any, Callable, List, Sequence
+from typing import Any, Callable, Iterator, List, Sequence
 
 from absl import logging
 import tensorflow as tf
@@ -44,8 +44,9 @@ def order(num_towers: int) -> List[int]:
 
 
 @contextlib.contextmanager
-def _tower_scope(replication: Replication, index: int,
-                 device_function: Callable[[tf.Operation], str]):
+def _tower_scope(
+    replication: Replication, index: int,
+    device_function: Callable[[tf.Operation], str]) -> Iterator[None]:
   """Builds tower `index`: its name scope, reuse, devices and variables."""
   graph = replication.graph
   with contextlib.ExitStack() as stack:

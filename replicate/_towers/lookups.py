@@ -14,7 +14,7 @@ safe sparse lookup, which embedding columns use, converts its tables
 first): on one device that read, too, is where the variable is.
 """
 
-from typing import Any, Callable, Dict
+from typing import Any, Callable, ContextManager, Dict
 
 import tensorflow as tf
 
@@ -47,7 +47,7 @@ def _own_reads(params: Any, copies: Dict[Any, Any]) -> Any:
 
 def _lookup(original: Callable[..., Any]) -> Callable[..., Any]:
 
-  def embedding_lookup(params, ids, *args, **kwargs):
+  def embedding_lookup(params: Any, ids: Any, *args: Any, **kwargs: Any) -> Any:
     replication = _context.replication_on_thread()
     copies = {} if replication is None else replication.shared_copies
     return original(_own_reads(params, copies), ids, *args, **kwargs)
@@ -65,6 +65,6 @@ def _install() -> _tf.Patched:
 _PATCHES = _tf.Patches("embedding lookups of reference variables", _install)
 
 
-def routed(replication: _context.Replication):
+def routed(replication: _context.Replication) -> ContextManager[None]:
   """Lookups built inside read reference variables where they are."""
   return _PATCHES.applied(replication.num_towers > 1)

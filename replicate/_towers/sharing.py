@@ -8,7 +8,7 @@ variable-scope reuse), matched by the name asked for and how often.
 
 import collections
 import re
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Counter, Dict, Optional, Set, Union
 
 from absl import logging
 import tensorflow as tf
@@ -19,7 +19,7 @@ from replicate._context import Replication
 from replicate._prepare import devices
 
 
-def _is_model_state(kwargs) -> bool:
+def _is_model_state(kwargs: Dict[str, Any]) -> bool:
   """Whether a variable being created would be saved in checkpoints."""
   collections_ = kwargs.get("collections")
   if collections_ is None:
@@ -65,14 +65,15 @@ def _after_writes_possible() -> bool:
   return _tf.active_control_inputs(tf.compat.v1.get_default_graph())
 
 
-def _is_resource(variable) -> bool:
+def _is_resource(variable: tf.Variable) -> bool:
   """Whether `variable` is a resource variable (a reference one has no
   handle)."""
   handle = getattr(variable, "handle", None)
   return isinstance(handle, tf.Tensor) and handle.dtype == tf.resource
 
 
-def read_once_per_step(variable, device: str, replication: Replication) -> None:
+def read_once_per_step(variable: tf.Variable, device: str,
+                       replication: Replication) -> None:
   """Makes the towers share one read of `variable` per step, on `device`.
 
   For a trained variable on another task than the towers (a parameter
@@ -98,7 +99,7 @@ def read_once_per_step(variable, device: str, replication: Replication) -> None:
     with tf.name_scope(variable.op.name + "/"):
       cached = tf.identity(own(), name="read_once_per_step")
 
-  def value():
+  def value() -> tf.Tensor:
     return own() if _after_writes_possible() else cached
 
   # Tensor conversion calls the variable's own `value`.
@@ -110,7 +111,8 @@ def read_once_per_step(variable, device: str, replication: Replication) -> None:
     replication.shared_copies[variable.ref()] = own
 
 
-def own_read(value, copies: Dict[Any, Any]) -> Optional[tf.Tensor]:
+def own_read(value: Union[tf.Tensor, tf.Variable],
+             copies: Dict[Any, Any]) -> Optional[tf.Tensor]:
   """The variable's own read where the towers share a copy of it, else None.
 
   For the ops that must run where the variable is (see `_towers.lookups`).
@@ -121,7 +123,7 @@ def own_read(value, copies: Dict[Any, Any]) -> Optional[tf.Tensor]:
   return None if own is None else own()
 
 
-def _shape_of(kwargs) -> Optional[tf.TensorShape]:
+def _shape_of(kwargs: Dict[str, Any]) -> Optional[tf.TensorShape]:
   shape = kwargs.get("shape")
   if shape is None:
     initial = kwargs.get("initial_value")
@@ -132,7 +134,8 @@ def _shape_of(kwargs) -> Optional[tf.TensorShape]:
     return None
 
 
-def variable_creator(replication: Replication, index: int, name_root: str):
+def variable_creator(replication: Replication, index: int,
+                     name_root: str) -> Callable[..., tf.Variable]:
   """Returns a creator sharing the first built tower's variables.
 
   The first tower built (`replication.creator`) creates each variable under
@@ -146,14 +149,15 @@ def variable_creator(replication: Replication, index: int, name_root: str):
   the first tower did not create, or asked for with another shape, is an error;
   a local one is the tower's.
   """
-  counts = collections.Counter()
+  counts: Counter[str] = collections.Counter()
   created = replication.created[index]
   creating = index == replication.creator
   # Trained variables of a parameter server are read once per step.
   cache = _cache_device(replication) if creating else None
   root = replication.root_name_scope
 
-  def creator(next_creator, **kwargs):
+  def creator(next_creator: Callable[..., tf.Variable],
+              **kwargs: Any) -> tf.Variable:
     if replication.unshared:
       return next_creator(**kwargs)
     graph = tf.compat.v1.get_default_graph()
@@ -191,13 +195,14 @@ def variable_creator(replication: Replication, index: int, name_root: str):
   return creator
 
 
-def _obtained(replication: Replication, index: int) -> set:
+def _obtained(replication: Replication, index: int) -> Set[int]:
   """Ids of the variables tower `index` created or was given."""
   store = _context.graph_store(replication.graph, "variables per tower")
   return store.setdefault((id(replication), index), set())
 
 
-def _check_shape(replication, index, relative, original, kwargs):
+def _check_shape(replication: Replication, index: int, relative: str,
+                 original: tf.Variable, kwargs: Dict[str, Any]) -> None:
   shape = _shape_of(kwargs)
   if shape is not None and not shape.is_compatible_with(original.shape):
     raise ValueError(
@@ -207,7 +212,7 @@ def _check_shape(replication, index, relative, original, kwargs):
         "(e.g. not draw a layer's width in each model_fn call).")
 
 
-def sharing_getter(replication: Replication, index: int):
+def sharing_getter(replication: Replication, index: int) -> Callable[..., Any]:
   """A custom getter for `tf.compat.v1.get_variable` in a later tower.
 
   It gets the first tower's variables back (variable-scope reuse, for the
@@ -216,7 +221,8 @@ def sharing_getter(replication: Replication, index: int):
   its errors are given the towers' terms here.
   """
 
-  def getter(getter, *args, **kwargs):  # pylint: disable=redefined-outer-name
+  def getter(  # pylint: disable=redefined-outer-name
+      getter: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     if replication.unshared:
       return getter(*args, **kwargs)
     name = kwargs.get("name", args[0] if args else None)

@@ -76,7 +76,9 @@ def session_config(
   return merged_session_config(num_devices, base)
 
 
-def merged_session_config(num_devices, base):
+def merged_session_config(
+    num_devices: int,
+    base: Optional[tf.compat.v1.ConfigProto]) -> tf.compat.v1.ConfigProto:
   check_count(num_devices)
   config = tf.compat.v1.ConfigProto(allow_soft_placement=True)
   if base is not None:
@@ -93,7 +95,7 @@ def merged_session_config(num_devices, base):
   return config
 
 
-def _carry_logical_gpus(gpu_options):
+def _carry_logical_gpus(gpu_options: tf.compat.v1.GPUOptions) -> None:
   """Repeats tf.config's logical split of the visible GPUs in `gpu_options`.
 
   As TensorFlow's eager context writes it (a GPU with no split of its own
@@ -154,7 +156,7 @@ def run_config(
       **run_config_kwargs)
 
 
-def check_count(num_devices: int):
+def check_count(num_devices: int) -> None:
   if not isinstance(num_devices, int) or num_devices < 1:
     raise ValueError(
         f"{num_devices!r} devices: pass a number of devices of at least 1.")

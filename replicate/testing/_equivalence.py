@@ -15,10 +15,13 @@ from typing import (
     Any,
     Callable,
     Dict,
+    Iterable,
+    Iterator,
     List,
     NamedTuple,
     Optional,
     Sequence,
+    Tuple,
     Union,
 )
 
@@ -40,7 +43,8 @@ _NAMES_LISTED = 5
 # A checkpoint is saved when training starts (step 0) and when it ends.
 _NEVER = 10**9
 
-_UNTIL_STEPS = object()
+# `eval_steps`' default: as many as `steps` (typed Any to be that default).
+_UNTIL_STEPS: Any = object()
 
 # A summed loss on uneven shards (sizes n_i of n) is weighted to
 # Σ n_i² / n² of one device's, not exactly 1/N: 0.26 for 3, 3, 2, 2.
@@ -90,7 +94,8 @@ def assert_replicates(
     atol: float = 1e-6,
     seed: int = 0,
     model_dir: Optional[str] = None,
-    variable_placement=_devices.VariablePlacement.SHARED,
+    variable_placement: Union[_devices.VariablePlacement,
+                              str] = _devices.VariablePlacement.SHARED,
 ) -> Summary:
   """Checks that `model_fn` replicated over N towers gives one device's results.
 
@@ -183,7 +188,7 @@ class _Tolerance(NamedTuple):
   rtol: float
   atol: float
 
-  def describe(self, expected) -> str:
+  def describe(self, expected: float) -> str:
     return f"atol {self.atol:g} + rtol {self.rtol:g} × {abs(expected):.6g}"
 
 
@@ -246,7 +251,8 @@ class _Check(NamedTuple):
         predictions=len(reference.get("predictions", [])),
         closest_to_tolerance=closest)
 
-  def _report_lines(self, devices, phases: Dict[str, _Phase]) -> List[str]:
+  def _report_lines(self, devices: List[str],
+                    phases: Dict[str, _Phase]) -> List[str]:
     lines = []
     for phase, outcome in phases.items():
       if not outcome.differences:
@@ -273,16 +279,17 @@ class _Check(NamedTuple):
         save_summary_steps=None,
         log_step_count_steps=None)
 
-  def _results(self, model_fn, model_dir, start, trained) -> Dict[str, Any]:
+  def _results(self, model_fn: Callable[..., Any], model_dir: str,
+               start: Optional[str], trained: Optional[str]) -> Dict[str, Any]:
     """Trains (from `start`), evaluates and predicts (from `trained`)."""
     if start is not None and "train" in self.modes:
       _copy_checkpoint(start, model_dir)
-    losses = []
+    losses: List[float] = []
     estimator = tf.estimator.Estimator(
         _recording_losses(model_fn, losses),
         config=self._config(model_dir),
         params=self.params)
-    results = {}
+    results: Dict[str, Any] = {}
     if "train" in self.modes or start is None:
       _train(estimator, self.input_fn, self.steps)
       results["losses"] = np.array(losses)
@@ -298,7 +305,8 @@ class _Check(NamedTuple):
     return results
 
 
-def _compare(expected, actual, tolerance, num_towers) -> Dict[str, _Phase]:
+def _compare(expected: Dict[str, Any], actual: Dict[str, Any],
+             tolerance: _Tolerance, num_towers: int) -> Dict[str, _Phase]:
   """Compares each mode's results; returns what differs, by mode."""
   where = f"{num_towers} towers"
   phases = {}
@@ -327,7 +335,7 @@ def _compare(expected, actual, tolerance, num_towers) -> Dict[str, _Phase]:
   return phases
 
 
-def _by_step(losses) -> Dict[str, float]:
+def _by_step(losses: Iterable[float]) -> Dict[str, float]:
   return {f"loss at step {i + 1}": loss for i, loss in enumerate(losses)}
 
 
@@ -352,12 +360,12 @@ _LABELS = {
 
 def _compare_values(expected: Dict[str, Any],
                     actual: Dict[str, Any],
-                    tolerance,
-                    where,
-                    kind,
-                    first_only=False) -> _Phase:
+                    tolerance: _Tolerance,
+                    where: str,
+                    kind: str,
+                    first_only: bool = False) -> _Phase:
   """Compares two name -> value dicts, in the expected dict's order."""
-  differences = []
+  differences: List[_Difference] = []
   missing = [n for n in expected if n not in actual]
   extra = [n for n in actual if n not in expected]
   label = _LABELS[kind]
@@ -383,14 +391,16 @@ def _compare_values(expected: Dict[str, Any],
   return _Phase(differences, closest)
 
 
-def _compare_predictions(expected, actual, tolerance, where) -> _Phase:
+def _compare_predictions(expected: Sequence[Any], actual: Sequence[Any],
+                         tolerance: _Tolerance, where: str) -> _Phase:
   if len(expected) != len(actual):
     return _Phase([
         _Difference(
             "count", f"{len(actual)} examples predicted on {where}, "
             f"{len(expected)} on 1 device")
     ], 0.0)
-  differences, closest = [], 0.0
+  differences: List[_Difference] = []
+  closest = 0.0
   for index, (one, other) in enumerate(zip(expected, actual)):
     phase = _compare_values(
         _flat(one, f"prediction {index}"), _flat(other, f"prediction {index}"),
@@ -401,13 +411,15 @@ def _compare_predictions(expected, actual, tolerance, where) -> _Phase:
   return _Phase(differences, closest)
 
 
-def _flat(prediction, prefix: str) -> Dict[str, Any]:
+def _flat(prediction: Any, prefix: str) -> Dict[str, Any]:
   if isinstance(prediction, dict):
     return {f"{prefix}[{k!r}]": v for k, v in sorted(prediction.items())}
   return {prefix: prediction}
 
 
-def _first_difference(name, expected, actual, tolerance, where):
+def _first_difference(name: str, expected: Any, actual: Any,
+                      tolerance: _Tolerance,
+                      where: str) -> Tuple[Optional[str], float]:
   """(report line or None, largest |difference| / allowed) for one value."""
   expected, actual = np.asarray(expected), np.asarray(actual)
   if expected.shape != actual.shape:
@@ -440,15 +452,16 @@ def _is_float(array: np.ndarray) -> bool:
   return np.issubdtype(array.dtype, np.floating)
 
 
-def _index(index) -> str:
+def _index(index: Tuple[Any, ...]) -> str:
   return f"[{', '.join(str(int(i)) for i in index)}]" if index else ""
 
 
-def _unique(names) -> List[str]:
+def _unique(names: Iterable[str]) -> List[str]:
   return list(dict.fromkeys(names))
 
 
-def _train(estimator, input_fn, steps):
+def _train(estimator: tf.estimator.Estimator, input_fn: Callable[..., Any],
+           steps: int) -> None:
   try:
     estimator.train(input_fn, steps=steps)
   except (RuntimeError, ValueError) as e:
@@ -461,7 +474,9 @@ def _train(estimator, input_fn, steps):
         "tf.keras.optimizers.legacy.Adagrad(0.05)).") from e
 
 
-def _predictions(estimator, input_fn, checkpoint, limit) -> List[Any]:
+def _predictions(estimator: tf.estimator.Estimator, input_fn: Callable[...,
+                                                                       Any],
+                 checkpoint: Optional[str], limit: int) -> List[Any]:
   predictions = estimator.predict(input_fn, checkpoint_path=checkpoint)
   try:
     return list(itertools.islice(predictions, limit))
@@ -469,11 +484,13 @@ def _predictions(estimator, input_fn, checkpoint, limit) -> List[Any]:
     predictions.close()
 
 
-def _recording_losses(model_fn, losses: List[float]):
+def _recording_losses(model_fn: Callable[..., Any],
+                      losses: List[float]) -> Callable[..., Any]:
   """model_fn whose TRAIN spec also records its loss after every step."""
   accepted = _core.accepted_arguments(model_fn)
 
-  def recording_model_fn(features, labels, mode, params, config):
+  def recording_model_fn(features: Any, labels: Any, mode: str, params: Any,
+                         config: tf.estimator.RunConfig) -> Any:
     arguments = {
         "features": features,
         "labels": labels,
@@ -497,10 +514,10 @@ class _LossRecorder(tf.estimator.SessionRunHook):
     self._loss = loss
     self._losses = losses
 
-  def before_run(self, run_context):
+  def before_run(self, run_context: Any) -> tf.estimator.SessionRunArgs:
     return tf.estimator.SessionRunArgs(self._loss)
 
-  def after_run(self, run_context, run_values):
+  def after_run(self, run_context: Any, run_values: Any) -> None:
     self._losses.append(run_values.results)
 
 
@@ -510,7 +527,7 @@ def _checkpoint_values(checkpoint: str) -> Dict[str, np.ndarray]:
   return {name: reader.get_tensor(name) for name in names}
 
 
-def _copy_checkpoint(checkpoint: str, model_dir: str):
+def _copy_checkpoint(checkpoint: str, model_dir: str) -> None:
   """Makes `checkpoint` the latest one of the empty `model_dir`."""
   tf.io.gfile.makedirs(model_dir)
   for path in tf.io.gfile.glob(checkpoint + ".*"):
@@ -519,7 +536,10 @@ def _copy_checkpoint(checkpoint: str, model_dir: str):
       model_dir, os.path.join(model_dir, os.path.basename(checkpoint)))
 
 
-def _model_fn_and_params(model_fn, params):
+def _model_fn_and_params(
+    model_fn: Union[Callable[..., Any],
+                    tf.estimator.Estimator], params: Optional[Dict[str, Any]]
+) -> Tuple[Callable[..., Any], Optional[Dict[str, Any]]]:
   if isinstance(model_fn,
                 (tf.estimator.Estimator, tf.compat.v1.estimator.Estimator)):
     return model_fn.model_fn, params if params is not None else model_fn.params
@@ -544,7 +564,7 @@ def _cpus_needed(tower_devices: List[List[str]]) -> int:
              [1])
 
 
-def _check_modes(modes: Sequence[str]):
+def _check_modes(modes: Sequence[str]) -> None:
   unknown = [m for m in modes if m not in _MODES]
   if unknown or not modes:
     raise ValueError(
@@ -552,7 +572,7 @@ def _check_modes(modes: Sequence[str]):
 
 
 @contextlib.contextmanager
-def _directory(model_dir: Optional[str]):
+def _directory(model_dir: Optional[str]) -> Iterator[str]:
   if model_dir is not None:
     yield model_dir
     return

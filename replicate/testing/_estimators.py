@@ -7,7 +7,7 @@ would call it, with its optimizers wrapped and its model_fn replicated.
 import functools
 import inspect
 import math
-from typing import Callable, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import tensorflow as tf
 
@@ -17,6 +17,9 @@ from replicate._meet import tower_optimizer
 from replicate.testing._configs import check_count
 from replicate.testing._configs import cpu_names
 from replicate.testing._configs import merged_session_config
+
+# A canned estimator class, or a function building one.
+_EstimatorFn = Callable[..., tf.compat.v1.estimator.Estimator]
 
 # The canned estimators' constructor arguments that take an optimizer.
 _OPTIMIZER_ARGUMENTS = ("optimizer", "dnn_optimizer", "linear_optimizer")
@@ -87,8 +90,9 @@ def replicated(
   devices = cpu_names(num_towers)
 
   @functools.wraps(estimator_fn)
-  def build(*args, **kwargs):
-    built = []  # the canned estimator, once built: names resolve by its type
+  def build(*args: Any, **kwargs: Any) -> tf.compat.v1.estimator.Estimator:
+    # The canned estimator, once built: names resolve by its type.
+    built: List[tf.compat.v1.estimator.Estimator] = []
     if wrap_optimizers:
       args, kwargs = _with_tower_optimizers(estimator_fn, args, kwargs, built)
     canned = estimator_fn(*args, **kwargs)
@@ -115,7 +119,10 @@ def replicated(
   return build
 
 
-def _with_tower_optimizers(estimator_fn, args, kwargs, built):
+def _with_tower_optimizers(
+    estimator_fn: _EstimatorFn, args: Tuple[Any, ...], kwargs: Dict[str, Any],
+    built: List[tf.compat.v1.estimator.Estimator]
+) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
   """(args, kwargs) with every optimizer argument in a TowerOptimizer.
 
   Optimizer arguments are `estimator_fn`'s parameters of those names (given
@@ -140,7 +147,11 @@ def _with_tower_optimizers(estimator_fn, args, kwargs, built):
   return bound.args, bound.kwargs
 
 
-def _tower_optimizer(value, argument: str, num_columns: int, built):
+def _tower_optimizer(
+    value: Any, argument: str, num_columns: int,
+    built: List[tf.compat.v1.estimator.Estimator]
+) -> Union[tower_optimizer.TowerOptimizer, tower_optimizer.KerasTowerOptimizer,
+           None]:
   """`value` (an optimizer argument) in a TowerOptimizer."""
   if isinstance(
       value,
@@ -154,8 +165,9 @@ def _tower_optimizer(value, argument: str, num_columns: int, built):
   return tower_optimizer.TowerOptimizer(value)
 
 
-def _canned_optimizer(built, argument: str, name: Optional[str],
-                      num_columns: int):
+def _canned_optimizer(built: List[tf.compat.v1.estimator.Estimator],
+                      argument: str, name: Optional[str],
+                      num_columns: int) -> Any:
   """The optimizer `built[0]` (a canned estimator) builds from `name`.
 
   The learning rates are tensorflow_estimator's (2.13 to 2.15): DNN 0.05 (v1)
@@ -182,4 +194,5 @@ def _canned_optimizer(built, argument: str, name: Optional[str],
         "optimizer, or a function returning one.")
   if v2:
     return _tf.canned_optimizer_v2(name, rate)
+  assert rate is not None  # None only for a v2 DNN: Keras' default
   return _tf.canned_optimizer(name, rate)
