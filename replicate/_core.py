@@ -102,13 +102,26 @@ def replicate_model_fn(
     A model_fn `(features, labels, mode, params=None, config=None)`.
 
   Raises:
-    TypeError: `loss_reduction` is not a string.
+    TypeError: `model_fn` is not callable, `loss_reduction` is not a
+      string, `devices` is not a list of strings, `variable_placement` is
+      neither a `VariablePlacement` nor a string, or `sync_batch_norm` is
+      not a bool.
     ValueError: the reduction is unknown, a device name is bad or
       repeated, the placement is unknown, or `TF_CONFIG` is not JSON or
       names a task its cluster does not have. The returned model_fn raises
       it for a device that does not exist locally or is on another task of
       the cluster.
   """
+  if not callable(model_fn):
+    raise TypeError(
+        f"model_fn={model_fn!r} is of type {type(model_fn).__name__}, not a "
+        "function; pass the model_fn you give tf.estimator.Estimator (for a "
+        "canned estimator, its .model_fn).")
+  if not isinstance(sync_batch_norm, bool):
+    raise TypeError(
+        f"sync_batch_norm={sync_batch_norm!r} is of type "
+        f"{type(sync_batch_norm).__name__}; pass True (the whole batch's "
+        "statistics, the default) or False (each tower's own).")
   sums.validate_loss_reduction(loss_reduction)
   placement = _devices.as_variable_placement(variable_placement)
   given = None if devices is None else _devices.resolve_devices(devices)

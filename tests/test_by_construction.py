@@ -681,7 +681,6 @@ def test_integer_rows_picked_by_position_are_refused_where_whole(towers):
   with tf.Graph().as_default():
     tf.compat.v1.train.create_global_step()
     features, labels = harness.batches(_data(), 8)
-    replicated = replicate.replicate_model_fn(model_fn,
-                                              devices=_towers(towers))
+    replicated = replicate.replicate_model_fn(model_fn, devices=_towers(towers))
     with pytest.raises(ValueError, match="picks integer rows"):
       replicated(features, labels, TRAIN, {})

@@ -1,4 +1,5 @@
-"""Every bad input gets a ValueError that names the value and the fix."""
+"""Every bad input gets an error that names the value and the fix: a
+TypeError for a wrong type, a ValueError for a wrong value."""
 
 from absl.testing import parameterized
 import numpy as np
@@ -58,15 +59,23 @@ class ArgumentErrorsTest(parameterized.TestCase):
         models.classifier_model_fn, loss_reduction="sum_over_batch_size")
 
   @parameterized.parameters(
+      ("/gpu:0", r"devices='/gpu:0' is of type str; pass a list of device "
+       "names"),
+      (7, "devices=7 is of type int; pass a list"),
+      ([3], "Device 3 is of type int, not a device name"),
+  )
+  def test_devices_of_a_wrong_type_are_a_type_error(self, devices, message):
+    with self.assertRaisesRegex(TypeError, message):
+      replicate.replicate_model_fn(models.classifier_model_fn, devices=devices)
+
+  @parameterized.parameters(
       ([], "names no device"),
-      ("/gpu:0", "must be a list of device names"),
-      (["/gpu:0", ""], "'' is not a device name"),
+      (["/gpu:0", ""], "Device '' is empty"),
       (["/gpu:0", "/job:worker/task:1"], "needs a type and an index"),
       (["/gpu:0", "/device:GPU"], "not a valid device name"),
       (["/gpu:0", "/device:GPU:0"], r"'/device:GPU:0' is listed twice.*as "
        r"'/device:GPU:0'"),
       (["/gpu:0", "gpu!1"], "'gpu!1' is not a valid device name"),
-      ([3], "3 is not a device name"),
   )
   def test_bad_devices_are_refused(self, devices, message):
     with self.assertRaisesRegex(ValueError, message):
@@ -92,14 +101,33 @@ class ArgumentErrorsTest(parameterized.TestCase):
       replicate.replicate_model_fn(
           models.classifier_model_fn, variable_placement="mirrored")
 
+  def test_placement_of_a_wrong_type_is_a_type_error(self):
+    with self.assertRaisesRegex(
+        TypeError, "variable_placement=3 is of type int; pass a "
+        "replicate.VariablePlacement"):
+      replicate.replicate_model_fn(
+          models.classifier_model_fn, variable_placement=3)
+
+  def test_model_fn_must_be_callable(self):
+    with self.assertRaisesRegex(
+        TypeError, "model_fn='model_fn' is of type str, not a function"):
+      replicate.replicate_model_fn("model_fn")
+
+  def test_sync_batch_norm_must_be_a_bool(self):
+    with self.assertRaisesRegex(
+        TypeError, "sync_batch_norm='yes' is of type str; pass True"):
+      replicate.replicate_model_fn(
+          models.classifier_model_fn, sync_batch_norm="yes")
+
   def test_tower_optimizer_needs_an_optimizer(self):
-    with self.assertRaisesRegex(ValueError, "TowerOptimizer got 0.1"):
+    with self.assertRaisesRegex(TypeError,
+                                "TowerOptimizer got 0.1 of type float"):
       replicate.TowerOptimizer(0.1)
 
   def test_optimizer_fn_must_return_an_optimizer(self):
     model_fn = _linear_model_fn(
         lambda loss: replicate.TowerOptimizer(lambda: "adam").minimize(loss))
-    with self.assertRaisesRegex(ValueError, "returned 'adam'"):
+    with self.assertRaisesRegex(TypeError, "returned 'adam' of type str"):
       _call(model_fn)
 
 
@@ -229,7 +257,7 @@ class InputErrorsTest(parameterized.TestCase):
 
   def test_non_tensor_feature_is_refused(self):
     with self.assertRaisesRegex(
-        ValueError, r"`features\['f'\]` of type "
+        TypeError, r"`features\['f'\]` of type "
         "object cannot be split"):
       self._split({
           "x": np.zeros((4, 5), np.float32),

@@ -318,13 +318,13 @@ def test_summary_of_a_gradient_transform_is_kept_once():
 
 def test_gradient_transform_must_be_functions():
   with pytest.raises(
-      ValueError,
+      TypeError,
       match="got gradient_transform=3; pass a "
       "function from a list of"):
     replicate.TowerOptimizer(
         tf.compat.v1.train.AdagradOptimizer(0.1), gradient_transform=3)
   with pytest.raises(
-      ValueError, match="got gradient_transform=.*; pass a "
+      TypeError, match="got gradient_transform=.*; pass a "
       "function"):
     replicate.TowerOptimizer(KerasAdagrad(0.1), gradient_transform=[len, 3])
 
@@ -334,6 +334,9 @@ def test_clip_norm_must_be_positive():
       ValueError, match="got clip_norm=0; pass the largest "
       "global norm"):
     replicate.TowerOptimizer.clip_by_global_norm(0)
+  with pytest.raises(
+      TypeError, match="got clip_norm='5' of type str; pass the largest"):
+    replicate.TowerOptimizer.clip_by_global_norm("5")
 
 
 def test_gradient_transform_returning_none_is_an_error():

@@ -367,7 +367,9 @@ class ScalarPredictionsTest(parameterized.TestCase):
     # sum, at most n * eps * mean(|logits|) on the mean.
     eps = np.finfo(np.float32).eps
     np.testing.assert_allclose(
-        scalar, logits.mean(), rtol=0,
+        scalar,
+        logits.mean(),
+        rtol=0,
         atol=logits.size * eps * np.abs(logits).mean())
 
   @parameterized.parameters(tf.estimator.ModeKeys.TRAIN,

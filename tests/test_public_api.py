@@ -20,8 +20,8 @@ def test_public_names_are_exactly_all():
 def test_testing_module_exports_exactly_all():
   public = {
       name for name in vars(replicate.testing) if not name.startswith("_") and
-      getattr(vars(replicate.testing)[name], "__module__",
-              "").startswith("replicate.testing")
+      getattr(vars(replicate.testing)[name], "__module__", "").startswith(
+          "replicate.testing")
   }
   assert public == set(replicate.testing.__all__) == {
       "ReplicationMismatch", "Summary", "assert_replicates", "replicated",

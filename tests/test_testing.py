@@ -389,6 +389,12 @@ def test_bad_arguments_are_refused():
     testing.assert_replicates(_model_fn(), _input_fn(), towers=(0,))
   with pytest.raises(ValueError, match=r"modes=\['fit'\]: pass one or more"):
     testing.assert_replicates(_model_fn(), _input_fn(), modes=("fit",))
+  with pytest.raises(TypeError, match="devices='2' is of type str"):
+    testing.assert_replicates(_model_fn(), _input_fn(), towers=("2",))
+  with pytest.raises(TypeError, match="model_fn=3 is neither a model_fn"):
+    testing.assert_replicates(3, _input_fn())
+  with pytest.raises(TypeError, match="2.0 devices is of type float"):
+    testing.run_config(2.0)
 
 
 _VIRTUAL_CPUS_SCRIPT = """

@@ -159,5 +159,5 @@ def test_keeps_the_canned_estimators_settings(cls, estimator_class, tmp_path):
 def test_refuses_what_it_cannot_build():
   with pytest.raises(ValueError, match="at least 1"):
     testing.replicated(_V2.DNNRegressor, num_towers=0)
-  with pytest.raises(ValueError, match="not an Estimator"):
+  with pytest.raises(TypeError, match="not an Estimator"):
     testing.replicated(lambda: "a model", num_towers=2)()

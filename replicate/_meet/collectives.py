@@ -68,8 +68,9 @@ def batch_sum(x: Any) -> Any:
     The sum over the towers, with the structure of `x`.
 
   Raises:
-    ValueError: `x` holds a SparseTensor or RaggedTensor, or the call is
-      inside a tf.cond / tf.while_loop body of a tower.
+    TypeError: `x` holds a SparseTensor or RaggedTensor.
+    ValueError: the call is inside a tf.cond / tf.while_loop body of a
+      tower.
   """
   replication = _tower_replication("batch_sum")
   if replication is None:
@@ -102,7 +103,7 @@ def _whole_sum(replication: _context.Replication,
 
 def _as_summable(value: Any) -> tf.Tensor:
   if isinstance(value, (tf.SparseTensor, tf.RaggedTensor)):
-    raise ValueError(
+    raise TypeError(
         f"replicate.batch_sum got a {type(value).__name__}, whose shape "
         "differs from tower to tower; sum it to a dense tensor in the tower "
         "first (e.g. tf.sparse.reduce_sum), or concatenate it with "
@@ -153,6 +154,7 @@ def batch_concat(x: Any) -> Any:
     The concatenation over the towers, with the structure of `x`.
 
   Raises:
+    TypeError: `x` holds a RaggedTensor.
     ValueError: `x` has a scalar, or the call is inside a tf.cond /
       tf.while_loop body of a tower.
   """
@@ -184,7 +186,7 @@ def _concat_spec(
         tf.compat.dimension_value(tensor.dense_shape.shape[0]),
         tensor.values.dtype)
   if isinstance(tensor, tf.RaggedTensor):
-    raise ValueError(
+    raise TypeError(
         f"replicate.batch_concat got a {type(tensor).__name__}; concatenate "
         "its dense form (tf.sparse.to_dense, RaggedTensor.to_tensor) or its "
         "values.")

@@ -45,9 +45,10 @@ class _PerGraph:
     elif callable(optimizer_or_fn):
       self._fixed, self._fn = None, optimizer_or_fn
     else:
-      raise ValueError(
-          f"TowerOptimizer got {optimizer_or_fn!r}; pass {what} or a function "
-          "of no arguments that returns one.")
+      raise TypeError(
+          f"TowerOptimizer got {optimizer_or_fn!r} of type "
+          f"{type(optimizer_or_fn).__name__}; pass {what} or a function of no "
+          "arguments that returns one.")
     self._types, self._what = expected_types, what
 
   @property
@@ -64,9 +65,10 @@ class _PerGraph:
       assert self._fn is not None  # _fixed is None: a function was given
       optimizer = self._fn()
       if not isinstance(optimizer, self._types):
-        raise ValueError(
+        raise TypeError(
             f"The optimizer function given to TowerOptimizer returned "
-            f"{optimizer!r}; it must return {self._what}.")
+            f"{optimizer!r} of type {type(optimizer).__name__}; it must "
+            f"return {self._what}.")
       built[self] = optimizer
     return built[self]
 
@@ -150,7 +152,7 @@ class TowerOptimizer(
       (e.g. Keras clipping, a loss-scale optimizer's finite check).
 
   Raises:
-    ValueError: the argument is neither an optimizer nor callable, or
+    TypeError: the argument is neither an optimizer nor callable, or
       `gradient_transform` is neither a function nor a list of them.
   """
 
@@ -199,6 +201,10 @@ class TowerOptimizer(
 
     Returns:
       A function from (gradient, variable) pairs to the clipped pairs.
+
+    Raises:
+      TypeError: `clip_norm` is not a number or a tensor.
+      ValueError: `clip_norm` is not positive.
     """
     return transforms.clip_by_global_norm(clip_norm)
 

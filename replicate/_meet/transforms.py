@@ -38,6 +38,13 @@ def clip_by_global_norm(clip_norm: float) -> GradientTransform:
 
   See `TowerOptimizer.clip_by_global_norm`.
   """
+  if not (isinstance(clip_norm,
+                     (int, float)) or tf.is_tensor(clip_norm)) or (isinstance(
+                         clip_norm, bool)):
+    raise TypeError(
+        f"clip_by_global_norm got clip_norm={clip_norm!r} of type "
+        f"{type(clip_norm).__name__}; pass the largest global norm to apply, "
+        "a positive number.")
   if isinstance(clip_norm, (int, float)) and not clip_norm > 0:
     raise ValueError(
         f"clip_by_global_norm got clip_norm={clip_norm!r}; pass the largest "
@@ -64,7 +71,7 @@ class Pipeline:
         callable(t) for t in gradient_transform):
       transforms = tuple(gradient_transform)
     else:
-      raise ValueError(
+      raise TypeError(
           f"TowerOptimizer got gradient_transform={gradient_transform!r}; pass "
           "a function from a list of (gradient, variable) pairs to such a "
           "list, or a list of such functions.")

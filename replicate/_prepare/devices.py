@@ -62,7 +62,17 @@ class VariablePlacement(str, enum.Enum):
 
 def as_variable_placement(
     value: Union[VariablePlacement, str]) -> VariablePlacement:
-  """Accepts a VariablePlacement or its string value."""
+  """Accepts a VariablePlacement or its string value.
+
+  Raises:
+    TypeError: `value` is neither.
+    ValueError: a string that names no placement.
+  """
+  if not isinstance(value, (VariablePlacement, str)):
+    raise TypeError(
+        f"variable_placement={value!r} is of type {type(value).__name__}; "
+        "pass a replicate.VariablePlacement or its string value, e.g. "
+        "'shared'.")
   try:
     return VariablePlacement(value)
   except ValueError:
@@ -82,10 +92,14 @@ def local_devices() -> List[str]:
 
 def canonical_device(device: str) -> str:
   """Returns `device` in TensorFlow's full form, e.g. '/device:GPU:1'."""
-  if not isinstance(device, str) or not device.strip():
+  if not isinstance(device, str):
+    raise TypeError(
+        f"Device {device!r} is of type {type(device).__name__}, not a device "
+        "name; pass strings such as '/device:GPU:0' or '/cpu:1'.")
+  if not device.strip():
     raise ValueError(
-        f"Device {device!r} is not a device name; pass strings such as "
-        "'/device:GPU:0' or '/cpu:1'.")
+        f"Device {device!r} is empty; pass names such as '/device:GPU:0' or "
+        "'/cpu:1'.")
   try:
     spec = tf.DeviceSpec.from_string(device.strip())
   except (ValueError, TypeError) as e:
@@ -104,9 +118,10 @@ def resolve_devices(devices: Optional[Sequence[str]]) -> List[str]:
   if devices is None:
     return local_devices()
   if isinstance(devices, (str, bytes)) or not hasattr(devices, "__iter__"):
-    raise ValueError(
-        f"devices={devices!r} must be a list of device names, e.g. "
-        "['/device:GPU:0', '/device:GPU:1'], or None for every local GPU.")
+    raise TypeError(
+        f"devices={devices!r} is of type {type(devices).__name__}; pass a "
+        "list of device names, e.g. ['/device:GPU:0', '/device:GPU:1'], or "
+        "None for every local GPU.")
   devices = list(devices)
   if not devices:
     raise ValueError(

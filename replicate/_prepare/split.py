@@ -67,7 +67,7 @@ def _as_tensor(path: str, value: Any) -> Any:
   try:
     return tf.convert_to_tensor(value)
   except (TypeError, ValueError) as e:
-    raise ValueError(
+    raise TypeError(
         f"`{path}` of type {type(value).__name__} cannot be split across "
         f"towers ({e}); pass Tensors, SparseTensors, RaggedTensors or nests "
         "of them.") from None

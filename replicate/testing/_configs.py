@@ -157,7 +157,11 @@ def run_config(
 
 
 def check_count(num_devices: int) -> None:
-  if not isinstance(num_devices, int) or num_devices < 1:
+  if not isinstance(num_devices, int) or isinstance(num_devices, bool):
+    raise TypeError(
+        f"{num_devices!r} devices is of type {type(num_devices).__name__}; "
+        "pass a number of devices, an int of at least 1.")
+  if num_devices < 1:
     raise ValueError(
         f"{num_devices!r} devices: pass a number of devices of at least 1.")
 

@@ -544,7 +544,7 @@ def _model_fn_and_params(
                 (tf.estimator.Estimator, tf.compat.v1.estimator.Estimator)):
     return model_fn.model_fn, params if params is not None else model_fn.params
   if not callable(model_fn):
-    raise ValueError(
+    raise TypeError(
         f"assert_replicates: model_fn={model_fn!r} is neither a model_fn nor "
         "an Estimator; pass the function you give tf.estimator.Estimator.")
   return model_fn, params

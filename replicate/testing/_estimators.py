@@ -97,7 +97,7 @@ def replicated(
       args, kwargs = _with_tower_optimizers(estimator_fn, args, kwargs, built)
     canned = estimator_fn(*args, **kwargs)
     if not isinstance(canned, tf.compat.v1.estimator.Estimator):
-      raise ValueError(
+      raise TypeError(
           f"replicated: {estimator_fn!r} returned {canned!r}, not an "
           "Estimator; pass a canned estimator class or a function "
           "returning one.")
