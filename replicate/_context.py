@@ -29,6 +29,10 @@ class Tower:
   num_towers: int
   device: Optional[str]
 
+  def __iter__(self) -> Iterator[Any]:
+    """Unpacks as `index, num_towers, device = tower`."""
+    return iter((self.index, self.num_towers, self.device))
+
 
 @dataclasses.dataclass
 class Replication:

@@ -86,6 +86,40 @@ class PlacementTest(parameterized.TestCase):
     slot = graph.get_operation_by_name("logits/kernel/Adagrad")
     self.assertEqual(slot.device, GPUS[2])  # slots live with their variable
 
+  @parameterized.parameters(2, 4)
+  def test_round_robin_balances_bytes_moving_statistics_counted(self, n):
+    # Layers of very different sizes, with batch norm's moving statistics
+    # created among them: one variable after another would put every
+    # kernel on the even devices and the small vectors on the odd ones.
+    def model_fn(features, labels, mode):
+      x = features["x"]
+      for width in (256, 256, 16):
+        x = tf.compat.v1.layers.dense(x, width)
+        x = tf.compat.v1.layers.batch_normalization(x, training=True)
+      logits = tf.compat.v1.layers.dense(x, 3, name="logits")
+      loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
+      opt = tf.compat.v1.train.GradientDescentOptimizer(0.1)
+      with tf.control_dependencies(
+          tf.compat.v1.get_collection(tf.compat.v1.GraphKeys.UPDATE_OPS)):
+        train_op = opt.minimize(loss, tf.compat.v1.train.get_global_step())
+      return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+    graph, _ = _build(model_fn, GPUS[:n], "round_robin")
+    held = {device: 0 for device in GPUS[:n]}
+    sizes = []
+    for variable in graph.get_collection(
+        tf.compat.v1.GraphKeys.GLOBAL_VARIABLES):
+      if variable.op.name == "global_step":
+        continue
+      size = variable.shape.num_elements() * variable.dtype.size
+      held[variable.device] += size
+      sizes.append(size)
+    mean = sum(held.values()) / n
+    # Greedy by bytes: no device holds more than the mean plus the largest
+    # variable, and each device holds something.
+    self.assertLessEqual(max(held.values()), mean + max(sizes))
+    self.assertTrue(all(held.values()), held)
+
   def test_explicit_device_in_the_model_fn_is_kept(self):
 
     def model_fn(features, labels, mode):

@@ -33,6 +33,7 @@ def test_tower_is_what_current_tower_returns():
   tower = replicate.Tower(index=1, num_towers=2, device="/device:GPU:1")
   assert (tower.index, tower.num_towers, tower.device) == (1, 2,
                                                            "/device:GPU:1")
+  assert tuple(tower) == (1, 2, "/device:GPU:1")  # unpacks as before
   assert replicate.current_tower() is None
 
 

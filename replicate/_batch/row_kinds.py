@@ -142,6 +142,12 @@ def is_local(kind: Kind) -> "TypeGuard[Local]":
   return isinstance(kind, Local)
 
 
+def non_row(kind: Kind) -> Kind:
+  """The kind of a value computed from one value of `kind`, not rows: a
+  Local or SHARD value stays what it is; anything else is WHOLE."""
+  return kind if is_local(kind) or kind is SHARD else WHOLE
+
+
 def shares_value(kind: Kind) -> bool:
   """Whether a tensor of this kind is one device's value in every tower."""
   return kind is WHOLE

@@ -74,10 +74,7 @@ def _arg_reduction(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
                    ctx: row_kinds.Context) -> Sequence[row_kinds.Kind]:
   kind = kinds[0]
   if not isinstance(kind, row_kinds.Rows):
-    return [
-        kind if row_kinds.is_local(kind) or kind is row_kinds.SHARD else
-        row_kinds.WHOLE
-    ]
+    return [row_kinds.non_row(kind)]
   axis = static.static_ints(op.inputs[1])
   if axis is None or static.axis_in(axis[0], static.rank_of(
       op.inputs[0])) == kind.axis:
@@ -237,9 +234,7 @@ def _along_axis_input(axis_index: int, what: str) -> row_kinds.Rule:
            ctx: row_kinds.Context) -> Sequence[row_kinds.Kind]:
     kind = kinds[0]
     if not isinstance(kind, row_kinds.Rows):
-      return row_kinds.same_for_outputs(
-          op, kind if row_kinds.is_local(kind) or kind is row_kinds.SHARD else
-          row_kinds.WHOLE)
+      return row_kinds.same_for_outputs(op, row_kinds.non_row(kind))
     axes = static.static_ints(op.inputs[axis_index])
     rank = static.rank_of(op.inputs[0])
     if axes is None or kind.axis in {static.axis_in(a, rank) for a in axes}:
@@ -286,9 +281,7 @@ def _fused_norm(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
                 ctx: row_kinds.Context) -> Sequence[row_kinds.Kind]:
   kind = kinds[0]
   if not isinstance(kind, row_kinds.Rows):
-    return row_kinds.same_for_outputs(
-        op, kind if row_kinds.is_local(kind) or kind is row_kinds.SHARD else
-        row_kinds.WHOLE)
+    return row_kinds.same_for_outputs(op, row_kinds.non_row(kind))
   rank = static.rank_of(op.inputs[0])
   channel = 1 if op.get_attr("data_format").decode().startswith("NC") else (
       None if rank is None else rank - 1)
@@ -511,10 +504,7 @@ def _bias_add_grad(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
   """A bias's gradient sums every axis but the channels'."""
   kind = kinds[0]
   if not isinstance(kind, row_kinds.Rows):
-    return [
-        kind if row_kinds.is_local(kind) or kind is row_kinds.SHARD else
-        row_kinds.WHOLE
-    ]
+    return [row_kinds.non_row(kind)]
   rank = static.rank_of(op.inputs[0])
   nchw = op.type == "BiasAddGrad" and (op.get_attr("data_format")
                                        in (b"NCHW", "NCHW"))

@@ -6,7 +6,6 @@ device function each tower builds under.
 """
 
 import enum
-import itertools
 from typing import (
     Callable,
     Dict,
@@ -53,8 +52,8 @@ class VariablePlacement(str, enum.Enum):
   """Where the one shared set of variables lives.
 
   SHARED puts every variable on the consolidation device (the single GPU,
-  else the host CPU). ROUND_ROBIN spreads them over the tower devices, one
-  variable after another.
+  else the host CPU). ROUND_ROBIN spreads them over the tower devices, each
+  new variable to the device holding the fewest bytes of variables so far.
   """
   SHARED = "shared"
   ROUND_ROBIN = "round_robin"
@@ -327,8 +326,39 @@ def variable_device_chooser(
   if placement is VariablePlacement.SHARED:
     device = consolidation_device(devices)
     return lambda op: device
-  cycle = itertools.cycle(devices)
-  return lambda op: next(cycle)
+  return _LeastBytes(devices)
+
+
+class _LeastBytes:
+  """ROUND_ROBIN: each new variable op goes to the device holding the fewest
+  bytes of variables so far (the first such in `devices` on a tie), so that
+  devices hold about as many bytes, moving statistics and other non-trained
+  variables counted, whatever order the model creates them in."""
+
+  def __init__(self, devices: Sequence[str]) -> None:
+    self._held = {device: 0 for device in devices}
+
+  def __call__(self, op: tf.Operation) -> str:
+    device = min(self._held, key=self._held.__getitem__)
+    self._held[device] += _variable_bytes(op)
+    logging.vlog(1, "replicate: variable %s on %s", op.name, device)
+    return device
+
+
+def _variable_bytes(op: tf.Operation) -> int:
+  """The bytes a variable op holds, from its shape and dtype attributes (an
+  unknown dimension counted as 1; 0 for ops without them, e.g. tables)."""
+  try:
+    shape = tf.TensorShape(op.get_attr("shape"))
+    dtype = tf.as_dtype(op.get_attr("dtype"))
+  except ValueError:
+    return 0
+  dims = [1 if d is None else d for d in shape.as_list()
+         ] if shape.rank is not None else [1]
+  size = 1
+  for dim in dims:
+    size *= dim
+  return size * dtype.size
 
 
 def tower_device_function(
