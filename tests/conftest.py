@@ -26,20 +26,22 @@ tf.compat.v1.logging.set_verbosity(tf.compat.v1.logging.ERROR)
 
 
 def _legacy_tf_layers():
-  """TensorFlow 2.15's tensorflow.python.layers.normalization (which tf-slim's
-  batch_norm builds on) loads tf_keras.legacy_tf_layers, which no package of
-  this stack provides; Keras 2.15 has it as keras.src.legacy_tf_layers."""
+  """TensorFlow's tensorflow.python.layers.normalization (which tf-slim's
+  batch_norm builds on) loads `tf_keras.legacy_tf_layers` (2.15) or
+  `keras.legacy_tf_layers` (2.13, 2.14), which no package of these stacks
+  provides; Keras has it as keras.src.legacy_tf_layers."""
   import importlib  # pylint: disable=g-import-not-at-top
   import sys  # pylint: disable=g-import-not-at-top
-  name = "tf_keras.legacy_tf_layers.normalization"
   try:
-    importlib.import_module(name)
+    from keras.src.legacy_tf_layers import normalization  # pylint: disable=g-import-not-at-top
   except ImportError:
+    return
+  for name in ("tf_keras.legacy_tf_layers.normalization",
+               "keras.legacy_tf_layers.normalization"):
     try:
-      from keras.src.legacy_tf_layers import normalization  # pylint: disable=g-import-not-at-top
+      importlib.import_module(name)
     except ImportError:
-      return
-    sys.modules[name] = normalization
+      sys.modules[name] = normalization
 
 
 _legacy_tf_layers()

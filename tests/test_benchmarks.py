@@ -290,3 +290,21 @@ def test_native_batch_norm_kernels_give_one_devices_gradients():
     assert differences[variant] <= 1e-4, (variant, differences)
   rows = [line for line in proc.stdout.splitlines() if line.startswith("| 2 |")]
   assert [row.split("|")[2].strip() for row in rows] == variants
+
+
+def test_device_bytes_counts_what_each_placement_moves():
+  # SHARED: every tower reads every parameter from the host and sends its
+  # gradient back; ROUND_ROBIN: only the input shards leave the host, the
+  # parameters move between the towers.
+  import device_bytes  # pylint: disable=g-import-not-at-top
+  shared = device_bytes.measure("mlp", "shared", 2, 64)
+  spread = device_bytes.measure("mlp", "round_robin", 2, 64)
+  parameters = shared["P_MB"]
+  inputs = 64 * (784 + 1) * 4 / 1e6  # float32 features, int32 labels
+  assert shared["between_towers_MB"] == 0
+  assert shared["host_towers_MB"] >= 2 * 2 * parameters + inputs
+  assert spread["host_towers_MB"] < inputs * 1.01
+  # Each parameter crosses between the two towers twice (read, gradient)
+  # when it lives on the other one: about P in each direction in all.
+  assert 0.99 * 2 * parameters <= spread["between_towers_MB"] <= (2.01 *
+                                                                  parameters)
