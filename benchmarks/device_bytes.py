@@ -18,7 +18,9 @@ workload, variant and N:
 - `busiest x min`: that device's bytes over 2(N-1)/N x P, what each device
   moves in a ring all-reduce of the gradients (the bandwidth minimum for
   dense parameters);
-- `transfers`: `_Send`s per step.
+- `transfers`: `_Send`s per step;
+- `held heaviest / mean`: the variables' bytes (optimizer slots included)
+  on the tower device holding most, over the mean.
 
 Variants: `plain` (the unwrapped model_fn on CPU:1, inputs from the host),
 `shared` and `round_robin` (`replicate.VariablePlacement`).
@@ -50,6 +52,10 @@ flags.DEFINE_list("workloads", ["mlp", "cnn_bn"], "Workloads (workloads.py).")
 flags.DEFINE_list("towers", ["2", "4", "8"], "Tower counts N.")
 flags.DEFINE_list("variants", ["plain", "shared", "round_robin"], "Variants.")
 flags.DEFINE_integer("batch_size", 256, "Global batch.")
+flags.DEFINE_bool(
+    "run_step", True,
+    "Run a traced step; without, only the variables' bytes per "
+    "device (held_MB), from the graph (e.g. for resnet50).")
 
 _HOST = "/device:CPU:0"
 
@@ -115,11 +121,40 @@ def _transfers(run_metadata: Any) -> List[Tuple[str, str, int]]:
   return found
 
 
-def measure(workload: str, variant: str, num_towers: int,
-            batch_size: int) -> Dict[str, Any]:
+def _held(num_towers: int) -> Dict[str, float]:
+  """MB of variables (slots included) per tower device, in this graph."""
+  held = {_short(d): 0.0 for d in _tower_devices(num_towers)}
+  for variable in tf.compat.v1.global_variables():
+    device = _short(variable.device)
+    if device in held:
+      held[device] += variable.shape.num_elements() * variable.dtype.size / 1e6
+  return held
+
+
+def measure(workload: str,
+            variant: str,
+            num_towers: int,
+            batch_size: int,
+            run_step: bool = True) -> Dict[str, Any]:
   """One traced step of one variant: its transfers, summed per device."""
   with tf.Graph().as_default():
     train_op, parameters = _build(workload, variant, num_towers, batch_size)
+    held = _held(num_towers)
+    held_mean = sum(held.values()) / num_towers
+    stored = {
+        "held_MB":
+            held,
+        "held_heaviest_over_mean":
+            max(held.values()) / held_mean if held_mean else 0.0,
+    }
+    if not run_step:
+      return {
+          "workload": workload,
+          "variant": variant,
+          "towers": num_towers,
+          "P_MB": parameters / 1e6,
+          **stored
+      }
     config = tf.compat.v1.ConfigProto(device_count={"CPU": num_towers + 1})
     with tf.compat.v1.Session(config=config) as session:
       session.run(tf.compat.v1.global_variables_initializer())
@@ -158,21 +193,27 @@ def measure(workload: str, variant: str, num_towers: int,
       "per_device_MB": {
           d: moved[d] / 1e6 for d in sorted(moved)
       },
+      **stored,
   }
 
 
 def _table(rows: List[Dict[str, Any]]) -> str:
+  if "transfers" not in rows[0]:
+    return "\n".join(
+        f"{r['workload']} {r['variant']} N={r['towers']}: held heaviest / "
+        f"mean {r['held_heaviest_over_mean']:.2f}, MB per device "
+        f"{[round(v, 1) for v in r['held_MB'].values()]}" for r in rows)
   lines = [
       "| workload | variant | N | P MB | host<->towers MB | between towers MB"
-      " | busiest / mean | busiest x min | transfers |",
-      "|---|---|---:|---:|---:|---:|---:|---:|---:|"
+      " | busiest / mean | busiest x min | transfers | held heaviest / mean |",
+      "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"
   ]
   for r in rows:
     lines.append(f"| {r['workload']} | {r['variant']} | {r['towers']} | "
                  f"{r['P_MB']:.2f} | {r['host_towers_MB']:.2f} | "
                  f"{r['between_towers_MB']:.2f} | "
                  f"{r['busiest_over_mean']:.2f} | {r['busiest_x_min']:.2f} | "
-                 f"{r['transfers']} |")
+                 f"{r['transfers']} | {r['held_heaviest_over_mean']:.2f} |")
   return "\n".join(lines)
 
 
@@ -197,7 +238,7 @@ def main(argv: List[str]) -> None:
           continue
         rows.append(
             measure(workload, variant, 1 if variant == "plain" else n,
-                    FLAGS.batch_size))
+                    FLAGS.batch_size, FLAGS.run_step))
         print(rows[-1], flush=True)
   print(_table(rows))
 
