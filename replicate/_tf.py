@@ -2,10 +2,17 @@
 
 TensorFlow has no public API to rewire an op's input after it is built,
 to read a function call's body, to see a graph's control-flow context or
-its per-thread scope stacks, or to reach Keras' name counters and batch
-normalization internals. Each access below says what it reads or changes
-and was checked on TensorFlow 2.13, 2.14 and 2.15 (with Keras of the same
-line); nothing else in the library touches a private name (a test checks).
+its per-thread scope stacks, to reach Keras' name counters, a Keras
+optimizer's own name, step counter and gradient computation, an
+Estimator's warm-start settings, or the checkpoint dependencies of an
+object wrapping an optimizer. Public TensorFlow functions the towers route
+(`tf.gradients`, `GradientTape.gradient`, optimizer methods,
+`embedding_lookup`, tf.nn's moments, `tf.shape`, `Graph.name_scope`) are
+patched only here, through `Patches`, while towers are built. Each access
+below says what it reads or changes and was checked on TensorFlow 2.13,
+2.14 and 2.15 (with Keras and tensorflow_estimator of the same line);
+nothing else in the library touches a private name or patches an
+attribute (tests/test_layout.py checks).
 """
 
 import contextlib
