@@ -684,3 +684,40 @@ def test_integer_rows_picked_by_position_are_refused_where_whole(towers):
     replicated = replicate.replicate_model_fn(model_fn, devices=_towers(towers))
     with pytest.raises(ValueError, match="picks integer rows"):
       replicated(features, labels, TRAIN, {})
+
+
+@pytest.mark.parametrize("towers", TOWERS)
+def test_every_read_of_a_variable_runs_before_its_update(towers):
+  # Keras' minimize(loss_fn) builds the loss again inside its tape: the
+  # loss the step reports reads the variables apart from the gradients'
+  # forward pass. On one device those reads run when the step starts; in
+  # every tower they must run before the update too, or a loaded machine
+  # could report the next step's weights.
+  with tf.Graph().as_default() as graph:
+    tf.compat.v1.train.create_global_step()
+    features, labels = harness.batches(_data(), 8)
+    spec = replicate.replicate_model_fn(
+        _keras_minimize_model_fn, devices=_towers(towers))(features, labels,
+                                                           TRAIN, {})
+
+  def ancestors(op):
+    found, pending = set(), [op]
+    while pending:
+      current = pending.pop()
+      if current not in found:
+        found.add(current)
+        pending.extend(t.op for t in current.inputs)
+        pending.extend(current.control_inputs)
+    return found
+
+  updates = [
+      op for op in graph.get_operations() if op.type.startswith("ResourceApply")
+  ]
+  assert len(updates) == 4
+  reads = [op for op in ancestors(spec.loss.op) if op.type == "ReadVariableOp"]
+  assert len(reads) == 4 * towers
+  for update in updates:
+    before = ancestors(update)
+    for read in reads:
+      if read.inputs[0].op is update.inputs[0].op:
+        assert read in before, (read.name, update.name)

@@ -130,11 +130,52 @@ def combine_state_writes(
   ]
   sinks = _Sinks()
   order = _Order(replication.graph, replication.tower_ops, writes)
+  _order_reads_before_updates(replication, order)
   for key in sorted({k for tower in writes for k in tower}):
     group = [tower.get(key) for tower in writes]
     _combine(replication, group, sinks, order)
   # After the writes are combined: what the step runs then is final.
   _check_writes_in_functions(replication, variables, skip, specs)
+
+
+def _order_reads_before_updates(replication: Replication,
+                                order: "_Order") -> None:
+  """Every tower's reads of a variable run before the optimizer updates it.
+
+  A model_fn may read a variable for a value the step fetches apart from
+  the gradients' forward pass (Keras' `minimize(loss_fn)` builds the loss
+  again inside its tape; a metric of the weights): nothing orders such a
+  read against the update. On one device the read is ready when the step
+  starts and runs first; a tower's read is one of many ready ops, on
+  another device, and under load could run after the update, reporting
+  the next step's weights. The update waits for every read that it does
+  not itself precede, in every tower, so the step sees the weights as one
+  device's program order has them.
+  """
+  # The updates are built by the optimizer's meeting, outside the towers'
+  # own ops: every op since the first tower began.
+  first = min(
+      start for start, _ in replication.ranges.values() if start is not None)
+  updates = [
+      op for op in replication.graph.get_operations()[first:]
+      if op.type.startswith(_TRAINING_OP_PREFIXES) and op.inputs
+  ]
+  if not updates:
+    return
+  after = order.after_all(updates)
+  in_towers = {op for ops in replication.tower_ops for op in ops}
+  for update in updates:
+    reads = [
+        op for op in order.readers(_source(update.inputs[0]))
+        if op in in_towers and op not in after and not op.type.startswith(
+            _TRAINING_OP_PREFIXES) and not _tf.op_in_v1_control_flow(op)
+    ]
+    known = set(update.control_inputs)
+    for read in reads:
+      if read not in known:
+        _tf.add_control_input(update, read)
+  logging.vlog(1, "replicate: %d optimizer updates wait for their reads",
+               len(updates))
 
 
 def _state_variables(replication: Replication) -> Dict[str, tf.Variable]:
@@ -776,6 +817,19 @@ class _Order:
       if written == name:
         after |= self._after(other.op)
     return [op for op in reads if op not in after]
+
+  def readers(self, handle: tf.Operation) -> List[tf.Operation]:
+    """The ops reading the variable `handle` makes (through Identity)."""
+    return self._readers(handle)
+
+  def after_all(self, ops: Sequence[tf.Operation]) -> Set[tf.Operation]:
+    """Every op that runs after any of `ops` (data or control edges)."""
+
+    def later(current: tf.Operation) -> List[tf.Operation]:
+      return _graph.consumer_ops(current) + list(
+          self._control_outputs.get(current, []))
+
+    return set(_graph.walk([c for op in ops for c in later(op)], later))
 
   def _readers(self, handle: tf.Operation) -> List[tf.Operation]:
     found, pending = [], list(handle.outputs)
