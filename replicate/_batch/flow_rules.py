@@ -209,11 +209,9 @@ _unknown_logged: Set[str] = set()
 def unknown(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
             ctx: row_kinds.Context) -> Sequence[row_kinds.Kind]:
   """An op of unknown row semantics: rows stay rows (logged once a type)."""
-  if all(k is row_kinds.WHOLE for k in kinds):
-    return row_kinds.same_for_outputs(op, row_kinds.WHOLE)
-  local = row_kinds.any_local(kinds)
-  if local:
-    return row_kinds.same_for_outputs(op, local)
+  settled = row_kinds.without_rows(op, kinds)
+  if settled is not None:
+    return settled
   if all(k is row_kinds.WHOLE or k is row_kinds.SHARD for k in kinds):
     return row_kinds.same_for_outputs(op, row_kinds.SHARD)
   rows = [k for k in kinds if isinstance(k, row_kinds.Rows)]

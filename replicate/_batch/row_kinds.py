@@ -142,6 +142,18 @@ def is_local(kind: Kind) -> "TypeGuard[Local]":
   return isinstance(kind, Local)
 
 
+def without_rows(op: tf.Operation,
+                 kinds: Sequence[Kind]) -> Optional[List[Kind]]:
+  """`op`'s output kinds where its inputs leave no rows to follow: all
+  WHOLE (WHOLE outputs), or one Local (that Local); None otherwise."""
+  if all(k is WHOLE for k in kinds):
+    return same_for_outputs(op, WHOLE)
+  local = any_local(kinds)
+  if local:
+    return same_for_outputs(op, local)
+  return None
+
+
 def non_row(kind: Kind) -> Kind:
   """The kind of a value computed from one value of `kind`, not rows: a
   Local or SHARD value stays what it is; anything else is WHOLE."""

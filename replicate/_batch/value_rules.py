@@ -448,11 +448,9 @@ def _sparse_reduce(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
 def _sparse_rows(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
                  ctx: row_kinds.Context) -> Sequence[row_kinds.Kind]:
   """Sparse ops whose (indices, values, shape) outputs keep the rows."""
-  if all(k is row_kinds.WHOLE for k in kinds):
-    return row_kinds.same_for_outputs(op, row_kinds.WHOLE)
-  local = row_kinds.any_local(kinds)
-  if local:
-    return row_kinds.same_for_outputs(op, local)
+  settled = row_kinds.without_rows(op, kinds)
+  if settled is not None:
+    return settled
   outputs: List[row_kinds.Kind] = []
   for tensor in op.outputs:
     if tensor.dtype == tf.int64 and tensor.shape.rank == 1 and (
