@@ -90,6 +90,24 @@ class Replication:
   apply_calls: int = 0
   # How deep tower 0 is in building meetings (calls inside pass through).
   meeting_depth: int = 0
+  # MIRRORED in training: each tower device keeps copies of the trained
+  # variables, and the towers meet on tower 0's device, not the hub.
+  mirrored: bool = False
+  # Gradients summed between the tower devices (`_meet.all_reduce`), in the
+  # order they were built.
+  mirrored_gradients: List[Any] = dataclasses.field(default_factory=list)
+  # True while a meeting's gradients are being summed between the towers.
+  summing: bool = False
+  # How deep `library()` calls are nested.
+  library_depth: int = 0
+
+  @property
+  def meeting_device(self) -> Optional[str]:
+    """Where meetings combine the towers' values: tower 0's device when the
+    variables are mirrored (no round trip through the host), else the hub."""
+    if self.mirrored and self.placed:
+      return self.placed[0]
+    return self.hub
 
   @contextlib.contextmanager
   def unshared_creation(self) -> Iterator[None]:
@@ -103,11 +121,17 @@ class Replication:
 
   @contextlib.contextmanager
   def library(self) -> Iterator[None]:
-    """Ops built inside are the library's, not the model's."""
+    """Ops built inside are the library's, not the model's (a nested call
+    is part of the outer one's range)."""
+    if self.library_depth:
+      yield
+      return
     start = self.graph.version
+    self.library_depth += 1
     try:
       yield
     finally:
+      self.library_depth -= 1
       end = self.graph.version
       if end > start:
         if self.library_ranges and self.library_ranges[-1][1] == start:

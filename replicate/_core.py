@@ -39,6 +39,7 @@ from replicate._meet import meetings
 from replicate._meet import own_gradients
 from replicate._meet import rewiring
 from replicate._meet import routing
+from replicate._merge import mirrored as _mirrored
 from replicate._merge import specs as _specs
 from replicate._merge import state
 from replicate._merge import tpu
@@ -57,8 +58,7 @@ def replicate_model_fn(
     model_fn: Callable[..., tf.estimator.EstimatorSpec],
     loss_reduction: str = tf.compat.v1.losses.Reduction.SUM_BY_NONZERO_WEIGHTS,
     devices: Optional[Sequence[str]] = None,
-    variable_placement: Union[_devices.VariablePlacement,
-                              str] = _devices.VariablePlacement.SHARED,
+    variable_placement: Union[_devices.VariablePlacement, str, None] = None,
     sync_batch_norm: bool = True,
 ) -> Callable[..., tf.estimator.EstimatorSpec]:
   """Wraps an Estimator model_fn to run one tower per device.
@@ -89,7 +89,9 @@ def replicate_model_fn(
       accepted with a warning.
     variable_placement: a `replicate.VariablePlacement` (or its string):
       SHARED keeps every variable on the consolidation device, ROUND_ROBIN
-      spreads them over the towers' devices.
+      spreads them over the towers' devices, MIRRORED keeps a copy of each
+      trained variable on every tower device. None (the default) means
+      MIRRORED for GPU towers and SHARED otherwise.
     sync_batch_norm: whether batch normalization in training (Keras
       `BatchNormalization`, `tf.compat.v1.layers.batch_normalization`, the
       canned DNN estimators' `batch_norm=True`, and `tf.nn.moments`,
@@ -144,7 +146,9 @@ def replicate_model_fn(
       return _run_on_one_device(model_fn, features, labels, arguments,
                                 tower_devices[0])
     return _run_towers(model_fn, features, labels, mode, arguments,
-                       tower_devices, placement, sync_batch_norm)
+                       tower_devices, placement or
+                       _devices.default_placement(tower_devices),
+                       sync_batch_norm)
 
   warm_start = source.warm_starter(model_fn)
 
@@ -267,6 +271,23 @@ _TOWER_ROOTS = _tf.Patches("absolute name scopes of towers",
                            _tf.install_tower_roots)
 
 
+def _mirrors(placement: _devices.VariablePlacement, mode: str,
+             hub: str) -> bool:
+  """Whether MIRRORED copies the variables: in training, on one machine.
+
+  On a cluster the variables stay on the parameter servers, read once per
+  step by each machine (see docs/several_machines.md).
+  """
+  if placement is not _devices.VariablePlacement.MIRRORED:
+    return False
+  if cluster.on_cluster(hub):
+    logging.info(
+        "replicate: MIRRORED on a cluster: the variables stay where the "
+        "cluster's device function puts them (%s's parameter servers)", hub)
+    return False
+  return mode == _ModeKeys.TRAIN
+
+
 def _run_towers(model_fn: Callable[..., Any], features: Any, labels: Any,
                 mode: str, arguments: _Arguments, devices: Sequence[str],
                 placement: _devices.VariablePlacement,
@@ -284,6 +305,7 @@ def _run_towers(model_fn: Callable[..., Any], features: Any, labels: Any,
   # the towers, outside every scope, goes there.
   split = graph.get_operations()[first_op:]
   hub = next((op.device for op in split if op.device), hub)
+  mirrored = _mirrors(placement, mode, hub)
   replication = _context.Replication(
       num_towers=len(devices),
       fractions=shards.fractions,
@@ -295,10 +317,14 @@ def _run_towers(model_fn: Callable[..., Any], features: Any, labels: Any,
       sync_batch_norm=sync_batch_norm,
       placed=[_devices.on_task_of(device, hub) for device in devices],
       split_op_names={op.name for op in split},
-      inputs=list(zip(shards.features, shards.labels)))
+      inputs=list(zip(shards.features, shards.labels)),
+      mirrored=mirrored)
   replication.meetings = meetings.Meetings(replication)
   replication.rewiring = rewiring.Rewiring(replication)
-  choose = _devices.variable_device_chooser(placement, devices)
+  choose = _devices.variable_device_chooser(
+      _devices.VariablePlacement.SHARED if placement is
+      _devices.VariablePlacement.MIRRORED and cluster.on_cluster(hub) else
+      placement, devices, mirrored)
   device_functions = [
       _devices.tower_device_function(device, choose) for device in devices
   ]
@@ -323,6 +349,8 @@ def _run_towers(model_fn: Callable[..., Any], features: Any, labels: Any,
       raise ValueError(
           f"{name} cannot be replicated in {mode}: {other_modes}.") from error
     raise
+  if mirrored:
+    _mirrored.mirror(replication)
   return _specs.merge_specs(mode, specs, replication)
 
 

@@ -37,6 +37,7 @@ import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2 as _attr_value_pb2
 from tensorflow.python.framework import ops as _ops
 from tensorflow.python.ops import array_ops as _array_ops
+from tensorflow.python.ops import gradients_util as _gradients_util
 from tensorflow.python.ops import nn_impl as _nn_impl
 from tensorflow.python.ops import variable_scope as _variable_scope
 from tensorflow.python.ops.variables import PartitionedVariable
@@ -59,6 +60,31 @@ def update_input(op: tf.Operation, index: int, tensor: tf.Tensor) -> None:
 def add_control_input(op: tf.Operation, control: tf.Operation) -> None:
   """Makes `op` run after `control` (Operation._add_control_input)."""
   op._add_control_input(control)
+
+
+def remove_control_inputs(op: tf.Operation,
+                          drop: Iterable[tf.Operation]) -> None:
+  """Makes `op` no longer wait for the ops in `drop`
+  (Operation._remove_all_control_inputs, then _add_control_inputs)."""
+  dropped = set(drop)
+  kept = [c for c in op.control_inputs if c not in dropped]
+  op._remove_all_control_inputs()
+  op._add_control_inputs(kept)
+
+
+def op_id(op: tf.Operation) -> int:
+  """The position of `op` in its graph, in order of creation (Operation._id)."""
+  return op._id
+
+
+def control_outputs(op: tf.Operation) -> List[tf.Operation]:
+  """The ops that run after `op` (Operation._control_outputs)."""
+  return list(op._control_outputs)
+
+
+def set_device(op: tf.Operation, device: str) -> None:
+  """Places `op` on `device` after it is built (Operation._set_device)."""
+  op._set_device(device)
 
 
 def rewire(tensor: tf.Tensor,
@@ -344,6 +370,47 @@ def canned_optimizer_v2(name_or_optimizer: Any, learning_rate: Any) -> Any:
 
 # (owner, attribute name, original value), as an install function sets them.
 Patched = List[Tuple[Any, str, Any]]
+
+
+# Per thread: the function summing a variable's gradient terms, or None.
+_gradient_sums = threading.local()
+
+
+@contextlib.contextmanager
+def gradient_terms_summed_by(
+    sum_terms: Callable[[tf.Operation, List[Any]], Optional[Any]]
+) -> Iterator[None]:
+  """Inside, `tf.gradients` asks `sum_terms(op, terms)` for the gradient of
+  an op's only output with several terms, before adding them itself; a
+  None answer leaves the terms to TensorFlow. Needs `GRADIENT_TERMS`
+  applied."""
+  before = getattr(_gradient_sums, "current", None)
+  _gradient_sums.current = sum_terms
+  try:
+    yield
+  finally:
+    _gradient_sums.current = before
+
+
+def install_gradient_terms() -> Patched:
+  """Routes gradients_util._AggregatedGrads, where `tf.gradients` adds the
+  terms of each op's output gradient (an AddN colocated with the op)."""
+  original = _gradients_util._AggregatedGrads
+
+  def aggregated(grads: Dict[Any, Any], op: tf.Operation, *args: Any,
+                 **kwargs: Any) -> Any:
+    sum_terms = getattr(_gradient_sums, "current", None)
+    loop_state = args[1] if len(args) > 1 else kwargs.get("loop_state")
+    terms = grads.get(op)
+    if (sum_terms is not None and not loop_state and terms is not None and
+        len(terms) == 1 and isinstance(terms[0], list) and terms[0]):
+      summed = sum_terms(op, list(terms[0]))
+      if summed is not None:
+        terms[0] = summed
+        return terms
+    return original(grads, op, *args, **kwargs)
+
+  return [patch(_gradients_util, "_AggregatedGrads", aggregated)]
 
 
 def patch(owner: Any, name: str, value: Any) -> Tuple[Any, str, Any]:

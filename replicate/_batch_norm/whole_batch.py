@@ -87,7 +87,7 @@ def _on_concatenation(
   What one device runs, on the same rows in the same order: its outputs,
   statistics and gradients are one device's.
   """
-  with tf.device(replication.hub):
+  with tf.device(replication.meeting_device):
     whole, place = _concatenated(replication, shards)
     outputs = tf.raw_ops.FusedBatchNormV3(
         x=whole,
@@ -171,7 +171,7 @@ def relu_once(
   if not all(relus):
     return []
   whole, place = store[rows[0].ref()]
-  with tf.device(replication.hub):
+  with tf.device(replication.meeting_device):
     activated = place(tf.nn.relu(whole))
   return [(index, (relu, tower_rows))
           for index, (tower_relus,
@@ -224,7 +224,7 @@ def _through_hub(
 
     return (gamma, beta, mean, variance, corrected), backward
 
-  with tf.device(replication.hub):
+  with tf.device(replication.meeting_device):
     scale, offset, mean, variance, corrected = moments.merged(
         replication, stats, head, (kernel.scale, kernel.offset), corrected=True)
   rows = []
@@ -241,7 +241,7 @@ def _through_hub(
           is_training=False)
       rows.append(y if y.dtype == shard.dtype else tf.cast(y, shard.dtype))
   if kernel.factor != 1.0:
-    with tf.device(replication.hub):
+    with tf.device(replication.meeting_device):
       factor = kernel.factor
       mean = (1.0 - factor) * kernel.mean + factor * mean
       corrected = (1.0 - factor) * kernel.variance + factor * corrected

@@ -78,7 +78,7 @@ def batch_sum(x: Any) -> Any:
 
   def build(values: List[Any]) -> List[Any]:
     with _context.outside(replication, "batch_sum"), \
-        tf.device(replication.hub):
+        tf.device(replication.meeting_device):
       summed = [_whole_sum(replication, parts) for parts in zip(*values)]
     return [tf.nest.pack_sequence_as(x, summed)] * len(values)
 
@@ -164,7 +164,7 @@ def batch_concat(x: Any) -> Any:
 
   def build(values: List[Any]) -> List[Any]:
     with _context.outside(replication, "batch_concat"), \
-        tf.device(replication.hub):
+        tf.device(replication.meeting_device):
       joined = [_whole_rows(replication, parts) for parts in zip(*values)]
     return [tf.nest.pack_sequence_as(x, joined)] * len(values)
 

@@ -34,6 +34,7 @@ from replicate import _context
 from replicate import _graph
 from replicate import _tf
 from replicate._batch import row_kinds
+from replicate._meet import all_reduce
 from replicate._meet import meetings as _meetings
 from replicate._meet import rewiring
 from replicate._meet import transforms as _transforms
@@ -63,8 +64,9 @@ def meeting_scope(replication: _context.Replication,
   """Where tower 0 builds a meeting's optimizer work.
 
   Its variables (slots) belong to no tower; its ops that follow no
-  variable sit on the consolidation device (updates run where their
-  variables are). A `pure` computation (gradients) made inside a tf.cond
+  variable sit on the meeting device (updates run where their variables
+  are); under MIRRORED its gradients are summed between the tower devices
+  (`_meet.all_reduce`). A `pure` computation (gradients) made inside a tf.cond
   or tf.while_loop of tower 0 is built outside it, where the other towers'
   losses are.
   """
@@ -76,7 +78,8 @@ def meeting_scope(replication: _context.Replication,
     stack.enter_context(replication.unshared_creation())
     if pure or not inside:
       # Inside a function body the ops stay where its caller places them.
-      stack.enter_context(tf.device(replication.hub))
+      stack.enter_context(tf.device(replication.meeting_device))
+      stack.enter_context(all_reduce.summed_between_towers(replication))
     yield
 
 
@@ -99,7 +102,7 @@ def whole_batch_loss(replication: _context.Replication, losses: Sequence[Any],
         for i in range(replication.num_towers)
     ]
     with _context.outside(replication, "whole_batch_loss"), \
-        tf.device(replication.hub):
+        tf.device(replication.meeting_device):
       return tf.concat(rewiring.real_rows(parts, replication), 0)
   raise ValueError(not_whole_batch(loss, kind, f"the loss handed to {call}"))
 

@@ -179,7 +179,7 @@ class Rewiring:
       self._match(op, relative)
     events = self._analysis(0).run(ops)
     with replication.library(), _context.outside(replication), \
-        tf.device(replication.hub):
+        tf.device(replication.meeting_device):
       for event in events:
         self._handle(event)
 
@@ -410,7 +410,7 @@ class Rewiring:
         whole = self._copy(
             op,
             inputs,
-            replication.hub,
+            replication.meeting_device,
             name=op.name.replace("/", "_") +
             "_whole").outputs[tensor0.value_index]
     self._sizes[key] = whole
@@ -481,7 +481,7 @@ class Rewiring:
     once = self._copy(
         op0,
         inputs,
-        replication.hub,
+        replication.meeting_device,
         name=op0.name.replace("/", "_") + "_whole_batch")
     for position, (output, kind) in enumerate(zip(once.outputs, event.kinds)):
       if isinstance(kind, row_kinds.Rows) and place is not None:

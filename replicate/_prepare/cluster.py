@@ -88,3 +88,9 @@ def check_devices(devices: Sequence[str],
           f"(/job:{own_job}/task:{own_task}): a trainer's towers run on its "
           f"own devices; name them without a job (e.g. {local!r}) or with "
           f"'/job:{own_job}/task:{own_task}'.")
+
+
+def on_cluster(hub: Optional[str]) -> bool:
+  """Whether the towers' ops are placed on a cluster's task (the hub, as the
+  caller's device function placed the input split, names a job)."""
+  return bool(tf.DeviceSpec.from_string(hub or "").job)

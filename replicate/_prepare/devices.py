@@ -49,29 +49,37 @@ _FUNCTION_CALL_OPS = frozenset(["PartitionedCall", "StatefulPartitionedCall"])
 
 
 class VariablePlacement(str, enum.Enum):
-  """Where the one shared set of variables lives.
+  """Where the model's variables live.
 
   SHARED puts every variable on the consolidation device (the single GPU,
   else the host CPU). ROUND_ROBIN spreads them over the tower devices, each
   new variable to the device holding the fewest bytes of variables so far.
+  MIRRORED keeps a copy of each trained variable (and of its optimizer
+  slots) on every tower device: the gradients are summed between the
+  devices by a ring all-reduce and every device applies the same update to
+  its copy; checkpoints hold one copy. It is the default for GPU towers.
   """
   SHARED = "shared"
   ROUND_ROBIN = "round_robin"
+  MIRRORED = "mirrored"
 
 
 def as_variable_placement(
-    value: Union[VariablePlacement, str]) -> VariablePlacement:
-  """Accepts a VariablePlacement or its string value.
+    value: Union[VariablePlacement, str, None]) -> Optional[VariablePlacement]:
+  """Accepts a VariablePlacement or its string value (None: the default,
+  decided by `default_placement` once the devices are known).
 
   Raises:
     TypeError: `value` is neither.
     ValueError: a string that names no placement.
   """
+  if value is None:
+    return None
   if not isinstance(value, (VariablePlacement, str)):
     raise TypeError(
         f"variable_placement={value!r} is of type {type(value).__name__}; "
         "pass a replicate.VariablePlacement or its string value, e.g. "
-        "'shared'.")
+        "'shared', or None for the default.")
   try:
     return VariablePlacement(value)
   except ValueError:
@@ -319,13 +327,29 @@ def on_task_of(device: str, other: str) -> str:
       task=place.task).make_merged_spec(spec).to_string()
 
 
+def default_placement(devices: Sequence[str]) -> VariablePlacement:
+  """MIRRORED for several GPU towers, else SHARED."""
+  gpus = all(
+      tf.DeviceSpec.from_string(d).device_type == "GPU" for d in devices)
+  return (VariablePlacement.MIRRORED
+          if gpus and len(devices) > 1 else VariablePlacement.SHARED)
+
+
 def variable_device_chooser(
-    placement: VariablePlacement,
-    devices: Sequence[str]) -> Callable[[tf.Operation], str]:
-  """Returns a function that picks the device of each new variable op."""
+    placement: VariablePlacement, devices: Sequence[str],
+    mirrored: bool) -> Callable[[tf.Operation], str]:
+  """Returns a function that picks the device of each new variable op.
+
+  `mirrored`: whether MIRRORED copies the variables this time (in
+  training, on one machine): then every variable starts on tower 0's
+  device, where the update is built; otherwise MIRRORED spreads them as
+  ROUND_ROBIN does (evaluation and prediction read each variable once).
+  """
   if placement is VariablePlacement.SHARED:
     device = consolidation_device(devices)
     return lambda op: device
+  if mirrored:
+    return lambda op: devices[0]
   return _LeastBytes(devices)
 
 

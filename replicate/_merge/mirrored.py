@@ -1,0 +1,334 @@
+"""MIRRORED: a copy of each trained variable on every tower device.
+
+The towers are built with one set of variables on tower 0's device, the
+optimizer's gradients summed between the devices (`_meet.all_reduce`) and
+its update built once, on tower 0's device. Once the graph is complete,
+`mirror` makes it run on every device at the bandwidth minimum:
+
+- each variable the update writes (the trained variables, their slots)
+  gets a copy on every other tower device, a local variable initialised
+  from the original (so checkpoints hold the original only, under its own
+  name, and a restore or warm start reaches every copy when the session's
+  local variables are initialised);
+- each tower's reads of such a variable read its own device's copy;
+- the update (every op from the summed gradients to the writes: the code
+  between compute and apply, the optimizer's own ops) is copied onto every
+  other device, reading that device's sums and copies. Each copy runs the
+  same ops on the same bits as tower 0's: the copies stay bitwise equal.
+
+Where that cannot give one device's result (a variable also written
+outside the update, an update inside a v1 tf.cond) nothing is mirrored:
+the variables stay on tower 0's device, read from there, as exact as
+before and slower, and the log says why.
+"""
+
+from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
+
+from absl import logging
+import tensorflow as tf
+
+from replicate import _context
+from replicate import _graph
+from replicate import _tf
+
+# Ops that take a variable's handle and only read it.
+_READS = frozenset([
+    "ReadVariableOp", "ResourceGather", "ResourceGatherNd", "VariableShape",
+    "VarIsInitializedOp", "_ReadVariablesOp"
+])
+
+
+def _components(value: Any) -> List[tf.Tensor]:
+  if isinstance(value, tf.IndexedSlices):
+    return [value.values, value.indices]
+  return [value]
+
+
+def _variable_handle_op(tensor: tf.Tensor) -> Optional[tf.Operation]:
+  return tensor.op if tensor.op.type == "VarHandleOp" else None
+
+
+def _written(op: tf.Operation) -> List[tf.Operation]:
+  """The variables `op` may write: those whose handle it takes, unless it
+  only reads them."""
+  if op.type in _READS:
+    return []
+  return [
+      source for source in (_variable_handle_op(t) for t in op.inputs)
+      if source is not None
+  ]
+
+
+class _Plan:
+  """What `mirror` copies: the variables and the update's ops."""
+
+  def __init__(self, replication: _context.Replication) -> None:
+    self.replication = replication
+    graph = replication.graph
+    gradients = replication.mirrored_gradients
+    # Seen gradient tensor -> its sums on every tower's device.
+    self.sums: Dict[Any, List[tf.Tensor]] = {}
+    for gradient in gradients:
+      for position, seen in enumerate(_components(gradient.seen)):
+        self.sums[seen.ref()] = [
+            _components(own)[position] for own in gradient.per_tower
+        ]
+    seeds = [seen.deref() for seen in self.sums]
+    # What the sums are computed from (the towers' forward and backward
+    # passes, the all-reduce): never copied.
+    self.before: Set[tf.Operation] = set(
+        _graph.walk([
+            t.op for g in gradients for own in g.per_tower
+            for t in _components(own)
+        ], _graph.input_and_control_ops))
+    initializers = _initializer_ops()
+    self.excluded = self.before | initializers
+    self.variables: Set[tf.Operation] = set()
+    self.ops: List[tf.Operation] = []
+    self.refusal: Optional[str] = None
+    from_gradients = self._descendants([t.op for t in seeds], seeds)
+    for op in from_gradients:
+      self.variables.update(_written(op))
+    while True:
+      starts = [c for v in self.variables for c in v.outputs[0].consumers()]
+      region = from_gradients | self._descendants(starts, [])
+      writes = [
+          op for op in region
+          if _written(op) and set(_written(op)) <= self.variables or
+          op in from_gradients and _written(op)
+      ]
+      grown = {v for op in writes for v in _written(op)} - self.variables
+      if not grown:
+        break
+      self.variables |= grown
+    updating = set(
+        _graph.walk(writes, lambda op: [
+            t.op for t in op.inputs if t.op in region and t.ref() not in self.
+            sums
+        ] + [c for c in op.control_inputs if c in region]))
+    self.ops = sorted(updating, key=_tf.op_id)
+    self._check(graph, initializers)
+
+  def _descendants(self, starts: Iterable[tf.Operation],
+                   seeds: List[tf.Tensor]) -> Set[tf.Operation]:
+    """Ops reading (through data edges) `starts` or `seeds`, outside the
+    forward pass, the sums and the initialisers."""
+    first = [c for t in seeds for c in t.consumers()]
+    found = set(
+        _graph.walk([op for op in list(starts) + first], _graph.consumer_ops))
+    return {
+        op for op in found
+        if op not in self.excluded and op.type != "VarHandleOp" and
+        not any(t.ref() in self.sums for t in op.outputs)
+    }
+
+  def _check(self, graph: tf.Graph, initializers: Set[tf.Operation]) -> None:
+    members = set(self.ops)
+    device = _spec(self.replication.placed[0])
+    for variable in sorted(self.variables, key=lambda v: v.name):
+      if _spec(variable.device) != device:
+        self.refusal = (f"variable {variable.name} is on {variable.device}, "
+                        "not on tower 0's device")
+        return
+      for reader in variable.outputs[0].consumers():
+        if (_written(reader) and reader not in members and
+            reader not in initializers):
+          self.refusal = (f"variable {variable.name} is also written by "
+                          f"{reader.name} ({reader.type}), outside the "
+                          "optimizer's update")
+          return
+    for op in self.ops:
+      if _tf.op_in_v1_control_flow(op):
+        self.refusal = (f"the update's op {op.name} is inside a v1 tf.cond or "
+                        "tf.while_loop")
+        return
+    del graph
+
+
+def _spec(device: Optional[str]) -> Tuple[Any, ...]:
+  spec = tf.DeviceSpec.from_string(device or "")
+  return spec.job, spec.replica, spec.task, spec.device_type, spec.device_index
+
+
+def _initializer_ops() -> Set[tf.Operation]:
+  """Every variable's initialiser op, and the ops only it runs."""
+  ops = set()
+  for variable in (*tf.compat.v1.global_variables(),
+                   *tf.compat.v1.local_variables()):
+    initializer = getattr(variable, "initializer", None)
+    if initializer is not None:
+      ops.add(initializer)
+  return ops
+
+
+def _variables_by_handle() -> Dict[tf.Operation, tf.Variable]:
+  found = {}
+  for variable in (*tf.compat.v1.global_variables(),
+                   *tf.compat.v1.local_variables()):
+    handle = getattr(variable, "handle", None)
+    if isinstance(handle, tf.Tensor):
+      found[handle.op] = variable
+  return found
+
+
+def mirror(replication: _context.Replication) -> None:
+  """Copies the trained variables and their update onto every tower device.
+
+  See the module docstring. Call once the towers and their merged state
+  writes are built, before anything else reads the graph's ops.
+  """
+  if not replication.mirrored_gradients:
+    return
+  plan = _Plan(replication)
+  if plan.refusal is not None or not plan.variables:
+    logging.warning(
+        "replicate: MIRRORED keeps the variables on %s only (each tower "
+        "reads them from there; results unchanged): %s",
+        replication.placed[0], plan.refusal or "no variable is updated")
+    return
+  graph = replication.graph
+  by_handle = _variables_by_handle()
+  copies: Dict[tf.Operation, List[tf.Tensor]] = {}
+  with _context.outside(replication), replication.library():
+    for variable in sorted(plan.variables, key=lambda v: v.name):
+      original = by_handle.get(variable)
+      if original is None:
+        logging.warning(
+            "replicate: MIRRORED keeps the variables on %s only: variable "
+            "%s is in no collection", replication.placed[0], variable.name)
+        return
+      copies[variable] = [variable.outputs[0]] + [
+          _copy_variable(original, index, device)
+          for index, device in enumerate(replication.placed) if index
+      ]
+  _read_own_copies(replication, copies)
+  clones = _copy_update(replication, plan, copies)
+  _wait_for_copies(plan, clones)
+  _order_own_reads(plan, clones, copies)
+  logging.info(
+      "replicate: MIRRORED: %d variables copied on %d devices, their update "
+      "(%d ops) applied on each", len(copies), replication.num_towers,
+      len(plan.ops))
+  del graph
+
+
+def _copy_variable(original: tf.Variable, index: int,
+                   device: str) -> tf.Tensor:
+  """A local copy of `original` on `device`, initialised from it."""
+  name = original.op.name
+  with tf.device(original.device):
+    value = original.read_value()
+  with tf.device(device):
+    copy = tf.compat.v1.Variable(
+        value,
+        trainable=False,
+        collections=[tf.compat.v1.GraphKeys.LOCAL_VARIABLES],
+        name=f"tower_{index}/{name}",
+        dtype=original.dtype.base_dtype,
+        shape=original.shape,
+        use_resource=True)
+  return copy.handle
+
+
+def _read_own_copies(replication: _context.Replication,
+                     copies: Dict[tf.Operation, List[tf.Tensor]]) -> None:
+  """Each tower's reads of a mirrored variable read its device's copy.
+
+  The ops of tower i's model_fn call (not the variables' creation, which
+  the first tower built runs for all) that take the variable's handle.
+  """
+  tower_of = {
+      op: index
+      for index, ops in enumerate(replication.tower_ops) if index
+      for op in ops
+  }
+  for variable, handles in copies.items():
+    for reader in list(variable.outputs[0].consumers()):
+      index = tower_of.get(reader, 0)
+      if not index:
+        continue
+      for position, value in enumerate(reader.inputs):
+        if value is variable.outputs[0]:
+          _tf.update_input(reader, position, handles[index])
+      _tf.set_device(reader, replication.placed[index])
+
+
+def _copy_update(
+    replication: _context.Replication, plan: _Plan,
+    copies: Dict[tf.Operation, List[tf.Tensor]]
+) -> Dict[tf.Operation, List[tf.Operation]]:
+  """The update's ops once more on every other tower device."""
+  graph = replication.graph
+  clones: Dict[tf.Operation, List[tf.Operation]] = {op: [op] for op in plan.ops}
+  for op in plan.ops:
+    _tf.set_device(op, replication.placed[0])
+  with _context.outside(replication), replication.library():
+    for index in range(1, replication.num_towers):
+      device = replication.placed[index]
+      mapped: Dict[Any, tf.Tensor] = {}
+      for variable, handles in copies.items():
+        mapped[variable.outputs[0].ref()] = handles[index]
+      for seen, sums in plan.sums.items():
+        mapped[seen] = sums[index]
+      for op in plan.ops:
+        inputs = [mapped.get(t.ref(), t) for t in op.inputs]
+        attrs = {k: v for k, v in op.node_def.attr.items() if k != "_class"}
+        with tf.device(device):
+          clone = graph.create_op(
+              op.type,
+              inputs, [t.dtype for t in op.outputs],
+              name=f"tower_{index}/{op.name}",
+              attrs=attrs)
+        for control in op.control_inputs:
+          own = clones.get(control)
+          _tf.add_control_input(clone, own[index] if own else control)
+        for output, copied in zip(op.outputs, clone.outputs):
+          mapped[output.ref()] = copied
+          copied.set_shape(output.shape)
+        clones[op].append(clone)
+  return clones
+
+
+def _wait_for_copies(plan: _Plan, clones: Dict[tf.Operation,
+                                                List[tf.Operation]]) -> None:
+  """Whatever runs after a step of the update runs after each copy of it."""
+  members = set(plan.ops)
+  copied = {c for own in clones.values() for c in own}
+  for op in plan.ops:
+    for follower in {
+        *(c for t in op.outputs for c in t.consumers()),
+        *_tf.control_outputs(op)
+    }:
+      if follower in members or follower in copied:
+        continue
+      for clone in clones[op][1:]:
+        if clone not in follower.control_inputs:
+          _tf.add_control_input(follower, clone)
+
+
+def _order_own_reads(plan: _Plan, clones: Dict[tf.Operation,
+                                               List[tf.Operation]],
+                     copies: Dict[tf.Operation, List[tf.Tensor]]) -> None:
+  """Each copy's writes wait for the reads of their own copy only.
+
+  The update waited for every tower's reads of its variable (see
+  `_merge.state`); those reads now read their own device's copy, so each
+  device's writes wait for that device's reads alone.
+  """
+  instance: Dict[tf.Operation, int] = {}
+  for handles in copies.values():
+    for index, handle in enumerate(handles):
+      instance[handle.op] = index
+  for op in plan.ops:
+    for index, clone in enumerate(clones[op]):
+      others = []
+      for control in clone.control_inputs:
+        read = [
+            instance[t.op]
+            for t in control.inputs
+            if t.op in instance and control.type in _READS
+        ]
+        if read and read[0] != index:
+          others.append(control)
+      if others:
+        _tf.remove_control_inputs(clone, others)
