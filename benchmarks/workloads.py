@@ -157,7 +157,27 @@ def resnet50_logits(x: tf.Tensor, training: bool) -> tf.Tensor:
   return logits
 
 
+# The embedding workload's table: rows and width.
+VOCABULARY = 50000
+EMBEDDING_WIDTH = 64
+
+
+def embedding_logits(x: tf.Tensor, training: bool) -> tf.Tensor:
+  """An embedding table of 50000 x 64 (12.8 MB), looked up with 16 ids per
+  example drawn from the features, averaged, then a dense layer: a sparse
+  gradient touching at most 16 rows per example."""
+  del training
+  ids = tf.math.floormod(
+      tf.cast(tf.abs(x[:, :16]) * 10000.0, tf.int64), VOCABULARY)
+  table = tf.compat.v1.get_variable(
+      "embedding", [VOCABULARY, EMBEDDING_WIDTH],
+      initializer=tf.compat.v1.random_normal_initializer(stddev=0.1, seed=7))
+  pooled = tf.reduce_mean(tf.nn.embedding_lookup(table, ids), axis=1)
+  return _dense(pooled, NUM_CLASSES, "logits", seed=8)
+
+
 _LOGITS = {
+    "embedding": embedding_logits,
     "mlp": mlp_logits,
     "cnn": cnn_logits,
     "cnn_bn": cnn_bn_logits,

@@ -82,6 +82,22 @@ def control_outputs(op: tf.Operation) -> List[tf.Operation]:
   return list(op._control_outputs)
 
 
+def replace_colocation(op: tf.Operation, renamed: Dict[bytes, bytes]) -> bool:
+  """Makes `op` colocated with renamed ops (its `_class` attribute, through
+  Operation._set_attr); returns whether it changed."""
+  if "_class" not in op.node_def.attr:
+    return False
+  groups = list(op.get_attr("_class"))
+  changed = [renamed.get(g, g) for g in groups]
+  if changed == groups:
+    return False
+  op._set_attr(
+      "_class",
+      _attr_value_pb2.AttrValue(
+          list=_attr_value_pb2.AttrValue.ListValue(s=changed)))
+  return True
+
+
 def set_device(op: tf.Operation, device: str) -> None:
   """Places `op` on `device` after it is built (Operation._set_device)."""
   op._set_device(device)

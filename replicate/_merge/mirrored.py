@@ -9,7 +9,8 @@ its update built once, on tower 0's device. Once the graph is complete,
   gets a copy on every other tower device, a local variable initialised
   from the original (so checkpoints hold the original only, under its own
   name, and a restore or warm start reaches every copy when the session's
-  local variables are initialised);
+  local variables are initialised); the original's initialiser, which
+  `Variable.load` runs with the value fed, sets the copies too;
 - each tower's reads of such a variable read its own device's copy;
 - the update (every op from the summed gradients to the writes: the code
   between compute and apply, the optimizer's own ops) is copied onto every
@@ -101,11 +102,13 @@ class _Plan:
       if not grown:
         break
       self.variables |= grown
+    # Through data edges, and control edges from what the gradients feed
+    # (a read the update merely waits for is not part of it).
     updating = set(
         _graph.walk(writes, lambda op: [
             t.op for t in op.inputs if t.op in region and t.ref() not in self.
             sums
-        ] + [c for c in op.control_inputs if c in region]))
+        ] + [c for c in op.control_inputs if c in from_gradients]))
     self.ops = sorted(updating, key=_tf.op_id)
     self._check(graph, initializers)
 
@@ -216,8 +219,16 @@ def _copy_variable(original: tf.Variable, index: int,
                    device: str) -> tf.Tensor:
   """A local copy of `original` on `device`, initialised from it."""
   name = original.op.name
-  with tf.device(original.device):
-    value = original.read_value()
+  with tf.device(device):
+    # The original's value, or its initial value while it has none (both
+    # initialisers run in one step): the same draw of a random initialiser.
+    initial = original.initial_value
+    dtype = original.dtype.base_dtype
+    value = tf.cond(
+        tf.raw_ops.VarIsInitializedOp(resource=original.handle),
+        lambda: tf.raw_ops.ReadVariableOp(
+            resource=original.handle, dtype=dtype),
+        lambda: tf.identity(initial))
   with tf.device(device):
     copy = tf.compat.v1.Variable(
         value,
@@ -227,6 +238,14 @@ def _copy_variable(original: tf.Variable, index: int,
         dtype=original.dtype.base_dtype,
         shape=original.shape,
         use_resource=True)
+  initializer = original.initializer
+  if initializer is not None and initializer.type == "AssignVariableOp":
+    # What sets the original by its initialiser (Variable.load feeds its
+    # value) sets every copy too.
+    with tf.device(device):
+      also = tf.raw_ops.AssignVariableOp(
+          resource=copy.handle, value=initializer.inputs[1])
+    _tf.add_control_input(initializer, also)
   return copy.handle
 
 
@@ -251,6 +270,26 @@ def _read_own_copies(replication: _context.Replication,
         if value is variable.outputs[0]:
           _tf.update_input(reader, position, handles[index])
       _tf.set_device(reader, replication.placed[index])
+  # Ops a tower colocated with a variable (an embedding lookup's gather),
+  # and their gradients (named after them), go with its device's copy.
+  renamed = [{
+      f"loc:@{variable.name}".encode(): f"loc:@{handles[index].op.name}"
+      .encode() for variable, handles in copies.items()
+  } for index in range(replication.num_towers)]
+  for op in replication.graph.get_operations():
+    index = _named_tower(replication, op.name)
+    if index and _tf.replace_colocation(op, renamed[index]):
+      _tf.set_device(op, replication.placed[index])
+
+
+def _named_tower(replication: _context.Replication, name: str) -> int:
+  """The tower an op's name says it was built for ('tower_i/...' or a
+  gradient's '.../tower_i/...'); 0 for the rest."""
+  for index in range(1, replication.num_towers):
+    prefix = replication.tower_prefix(index)
+    if name.startswith(prefix) or f"/{prefix}" in name:
+      return index
+  return 0
 
 
 def _copy_update(

@@ -1,0 +1,479 @@
+"""MIRRORED: copies on every tower device, one device's results, one copy
+in checkpoints, gradients summed between the devices."""
+
+import functools
+import os
+import shutil
+import tempfile
+
+from absl.testing import parameterized
+import numpy as np
+import tensorflow as tf
+
+import replicate
+from tests import harness
+from tests import models
+
+MIRRORED = replicate.VariablePlacement.MIRRORED
+R = tf.compat.v1.losses.Reduction
+STEPS = 4
+BATCH = 8
+
+
+@functools.lru_cache(maxsize=None)
+def _one_device(layers="v1", optimizer="adagrad"):
+  params = {"layers": layers, "optimizer": optimizer}
+  return harness.train(
+      models.classifier_model_fn, models.data(), BATCH, STEPS, params=params)
+
+
+def _copies(graph=None):
+  """Primary name -> [its copies], the mirrored local variables."""
+  graph = graph or tf.compat.v1.get_default_graph()
+  found = {}
+  for variable in graph.get_collection(tf.compat.v1.GraphKeys.LOCAL_VARIABLES):
+    name = variable.op.name
+    if name.startswith("tower_"):
+      found.setdefault(name.split("/", 1)[1], []).append(variable)
+  return found
+
+
+def _embedding_model_fn(features, labels, mode, params):
+  """An embedding lookup (sparse gradients) feeding a dense layer."""
+  ids = tf.math.floormod(
+      tf.cast(tf.abs(features["x"]) * 100.0, tf.int64), 40)
+  table = tf.compat.v1.get_variable(
+      "table", [40, 4],
+      initializer=tf.compat.v1.random_normal_initializer(seed=1))
+  pooled = tf.reduce_mean(tf.nn.embedding_lookup(table, ids), axis=1)
+  logits = tf.compat.v1.layers.dense(pooled, models.NUM_CLASSES, name="logits")
+  loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
+  optimizer = tf.compat.v1.train.AdagradOptimizer(0.3)
+  train_op = optimizer.minimize(
+      loss, global_step=tf.compat.v1.train.get_global_step())
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+def _bn_model_fn(features, labels, mode, params):
+  """Batch norm (whole-batch statistics) and clipping by global norm
+  between compute and apply."""
+  training = mode == tf.estimator.ModeKeys.TRAIN
+  h = tf.compat.v1.layers.dense(features["x"], 8, name="hidden")
+  h = tf.compat.v1.layers.batch_normalization(h, training=training)
+  logits = tf.compat.v1.layers.dense(
+      tf.nn.relu(h), models.NUM_CLASSES, name="logits")
+  loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
+  optimizer = tf.compat.v1.train.MomentumOptimizer(0.1, 0.9)
+  grads_and_vars = optimizer.compute_gradients(loss)
+  grads, variables = zip(*grads_and_vars)
+  clipped, _ = tf.clip_by_global_norm(grads, 0.5)
+  with tf.control_dependencies(
+      tf.compat.v1.get_collection(tf.compat.v1.GraphKeys.UPDATE_OPS)):
+    train_op = optimizer.apply_gradients(
+        zip(clipped, variables),
+        global_step=tf.compat.v1.train.get_global_step())
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+def _own_gradients_model_fn(features, labels, mode, params):
+  """BERT's optimization.py: tf.gradients, clipping, apply_gradients."""
+  logits = tf.compat.v1.layers.dense(
+      tf.compat.v1.layers.dense(features["x"], 8, tf.nn.tanh, name="hidden"),
+      models.NUM_CLASSES,
+      name="logits")
+  loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
+  tvars = tf.compat.v1.trainable_variables()
+  grads = tf.gradients(loss, tvars)
+  grads, _ = tf.clip_by_global_norm(grads, clip_norm=1.0)
+  optimizer = tf.compat.v1.train.AdamOptimizer(0.05)
+  train_op = optimizer.apply_gradients(
+      zip(grads, tvars), global_step=tf.compat.v1.train.get_global_step())
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+def _two_optimizers_model_fn(features, labels, mode, params):
+  """Two optimizers, each training its own layer, in one train_op."""
+  hidden = tf.compat.v1.layers.dense(features["x"], 8, tf.nn.relu, name="a")
+  logits = tf.compat.v1.layers.dense(hidden, models.NUM_CLASSES, name="b")
+  loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
+  first = tf.compat.v1.train.GradientDescentOptimizer(0.2).minimize(
+      loss, var_list=tf.compat.v1.trainable_variables("a"))
+  second = tf.compat.v1.train.RMSPropOptimizer(0.01).minimize(
+      loss,
+      var_list=tf.compat.v1.trainable_variables("b"),
+      global_step=tf.compat.v1.train.get_global_step())
+  return tf.estimator.EstimatorSpec(
+      mode, loss=loss, train_op=tf.group(first, second))
+
+
+def _keras_optimizer_model_fn(features, labels, mode, params):
+  """A Keras legacy optimizer with a gradient_transform, minimizing a loss
+  function."""
+  hidden = tf.keras.layers.Dense(8, activation="relu")
+  dense = tf.keras.layers.Dense(models.NUM_CLASSES)
+
+  def loss_fn():
+    return tf.compat.v1.losses.sparse_softmax_cross_entropy(
+        labels, dense(hidden(features["x"])))
+
+  loss = loss_fn()
+  inner = tf.keras.optimizers.legacy.Adam(0.05)
+  inner.iterations = tf.compat.v1.train.get_global_step()
+  optimizer = replicate.TowerOptimizer(
+      inner, gradient_transform=lambda pairs: [(g * 0.5, v) for g, v in pairs])
+  train_op = optimizer.minimize(
+      loss_fn, lambda: hidden.trainable_weights + dense.trainable_weights)
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+def _hand_clipped_model_fn(features, labels, mode, params):
+  """A trained variable also written by the model after each update (its
+  weights clipped by hand): each device clips its own copy."""
+  logits = tf.compat.v1.layers.dense(
+      features["x"], models.NUM_CLASSES, name="logits")
+  loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
+  train_op = tf.compat.v1.train.GradientDescentOptimizer(0.5).minimize(
+      loss, global_step=tf.compat.v1.train.get_global_step())
+  kernel = [
+      v for v in tf.compat.v1.trainable_variables() if "kernel" in v.op.name
+  ][0]
+  with tf.control_dependencies([train_op]):
+    clip = kernel.assign(tf.clip_by_value(kernel, -0.3, 0.3))
+  return tf.estimator.EstimatorSpec(
+      mode, loss=loss, train_op=tf.group(train_op, clip))
+
+
+def _clipped_before_use_model_fn(features, labels, mode, params):
+  """A trained variable written before the forward pass reads it (clipped
+  at the start of each step): not part of the update, so not mirrored."""
+  kernel = tf.compat.v1.get_variable(
+      "kernel", [models.NUM_FEATURES, models.NUM_CLASSES],
+      initializer=tf.compat.v1.glorot_uniform_initializer(seed=2))
+  clip = kernel.assign(tf.clip_by_value(kernel, -0.3, 0.3))
+  with tf.control_dependencies([clip]):
+    logits = tf.matmul(features["x"], kernel.read_value())
+  loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
+  train_op = tf.compat.v1.train.GradientDescentOptimizer(0.5).minimize(
+      loss, global_step=tf.compat.v1.train.get_global_step())
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+class EquivalenceTest(parameterized.TestCase):
+
+  @parameterized.parameters(
+      ("v1", "adagrad", 2),
+      ("v1", "adam", 4),
+      ("keras", "momentum", 3),
+      ("keras", "adam", 2),
+  )
+  def test_training_matches_one_device(self, layers, optimizer, num_towers):
+    # 8 examples on 3 towers: shards of 3, 3 and 2.
+    expected_losses, expected = _one_device(layers, optimizer)
+    losses, values = harness.train(
+        models.classifier_model_fn,
+        models.data(),
+        BATCH,
+        STEPS,
+        tower_devices=harness.devices(harness.VIRTUAL_CPUS, num_towers),
+        placement=MIRRORED,
+        params={
+            "layers": layers,
+            "optimizer": optimizer
+        })
+    np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
+    self.assertEqual(sorted(values), sorted(expected))
+    harness.assert_close_nests(values, expected, rtol=1e-4, atol=1e-5)
+
+  @parameterized.product(
+      model_fn=(_embedding_model_fn, _bn_model_fn, _own_gradients_model_fn,
+                _two_optimizers_model_fn, _keras_optimizer_model_fn,
+                _hand_clipped_model_fn, _clipped_before_use_model_fn),
+      num_towers=(2, 4))
+  def test_model_fns_match_one_device(self, model_fn, num_towers):
+    expected_losses, expected = harness.train(model_fn, models.data(), BATCH,
+                                              STEPS)
+    losses, values = harness.train(
+        model_fn,
+        models.data(),
+        BATCH,
+        STEPS,
+        tower_devices=harness.devices(harness.VIRTUAL_CPUS, num_towers),
+        placement=MIRRORED)
+    np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
+    self.assertEqual(sorted(values), sorted(expected))
+    harness.assert_close_nests(values, expected, rtol=1e-4, atol=1e-5)
+
+
+def _build_and_run(model_fn, num_towers, steps, check):
+  """Builds the MIRRORED train graph; after each step `check(session)`."""
+  with tf.Graph().as_default() as graph:
+    tf.compat.v1.train.create_global_step()
+    features, labels = harness.batches(models.data(), BATCH)
+    spec = harness.wrap(model_fn,
+                        harness.devices(harness.VIRTUAL_CPUS, num_towers),
+                        placement=MIRRORED)(features, labels,
+                                            tf.estimator.ModeKeys.TRAIN, {})
+    with tf.compat.v1.Session(
+        config=harness.session_config(harness.VIRTUAL_CPUS)) as session:
+      session.run(tf.compat.v1.global_variables_initializer())
+      harness.set_trainable_weights(session)
+      session.run(tf.compat.v1.local_variables_initializer())
+      for _ in range(steps):
+        session.run(spec.train_op)
+        check(graph, session)
+
+
+class CopiesTest(parameterized.TestCase):
+
+  @parameterized.parameters(
+      (_bn_model_fn, 4),
+      (_embedding_model_fn, 3),
+      (_keras_optimizer_model_fn, 2),
+  )
+  def test_copies_are_bitwise_equal_after_every_step(self, model_fn,
+                                                     num_towers):
+    checked = []
+
+    def check(graph, session):
+      copies = _copies(graph)
+      primaries = {
+          v.op.name: v for v in tf.compat.v1.global_variables()
+      }
+      self.assertNotEmpty(copies)
+      for name, own in copies.items():
+        self.assertLen(own, num_towers - 1, name)
+        value = session.run(primaries[name])
+        for copy in own:
+          np.testing.assert_array_equal(session.run(copy), value, copy.name)
+      checked.append(len(copies))
+
+    _build_and_run(model_fn, num_towers, 3, check)
+    self.assertLen(checked, 3)
+
+  def test_each_device_holds_a_copy_and_reads_its_own(self):
+    num_towers = 3
+    # The host (CPU:0) apart from the towers, as with GPUs.
+    devices = harness.devices(harness.VIRTUAL_CPUS, num_towers + 1)[1:]
+    with tf.Graph().as_default() as graph:
+      tf.compat.v1.train.create_global_step()
+      features, labels = models.data(BATCH)
+      spec = harness.wrap(
+          models.classifier_model_fn, devices,
+          placement=MIRRORED)({"x": tf.constant(features["x"])},
+                              tf.constant(labels), tf.estimator.ModeKeys.TRAIN,
+                              {"optimizer": "momentum"})
+      del spec
+    copies = _copies(graph)
+    # Every trained variable and its Momentum slot, on every other device.
+    self.assertEqual(
+        sorted(copies),
+        sorted(f"{layer}/{kind}{slot}" for layer in ("hidden", "logits")
+               for kind in ("kernel", "bias") for slot in ("", "/Momentum")))
+    for name, own in copies.items():
+      self.assertEqual(
+          graph.get_operation_by_name(name).device, devices[0], name)
+      self.assertEqual([c.device for c in own], devices[1:])
+    # Tower i's forward pass reads tower i's copy.
+    for index in range(1, num_towers):
+      read = graph.get_operation_by_name(f"tower_{index}/hidden/MatMul")
+      kernel = read.inputs[1].op
+      self.assertEqual(kernel.type, "ReadVariableOp")
+      self.assertEqual(kernel.inputs[0].op.name, f"tower_{index}/hidden/kernel")
+      self.assertEqual(kernel.device, devices[index])
+    # Each device applies the update to its own copy; no optimizer work and
+    # no summed gradient on the host.
+    applies = [
+        op for op in graph.get_operations()
+        if op.type == "ResourceApplyMomentum"
+    ]
+    self.assertLen(applies, 4 * num_towers)
+    self.assertEqual(
+        sorted({op.device for op in applies}), sorted(devices))
+    # The host splits the batch and merges the outputs, nothing else.
+    for op in graph.get_operations():
+      if op.device == "/device:CPU:0":
+        self.assertTrue(
+            op.name.startswith(("split_inputs/", "merge_towers/")), op.name)
+
+  def test_load_after_initialisation_reaches_the_copies(self):
+
+    def check(graph, session):
+      primaries = {v.op.name: v for v in tf.compat.v1.global_variables()}
+      for name, own in _copies(graph).items():
+        value = session.run(primaries[name])
+        for copy in own:
+          np.testing.assert_array_equal(session.run(copy), value)
+
+    # _build_and_run loads the weights after the global initialiser and
+    # before the local one; load them once more after both.
+    with tf.Graph().as_default() as graph:
+      tf.compat.v1.train.create_global_step()
+      features, labels = harness.batches(models.data(), BATCH)
+      spec = harness.wrap(models.classifier_model_fn,
+                          harness.devices(harness.VIRTUAL_CPUS, 2),
+                          placement=MIRRORED)(features, labels,
+                                              tf.estimator.ModeKeys.TRAIN, {})
+      with tf.compat.v1.Session(
+          config=harness.session_config(harness.VIRTUAL_CPUS)) as session:
+        session.run([
+            tf.compat.v1.global_variables_initializer(),
+            tf.compat.v1.local_variables_initializer()
+        ])
+        harness.set_trainable_weights(session)
+        copies = _copies(graph)
+        kernel = [
+            v for v in tf.compat.v1.global_variables()
+            if v.op.name == "hidden/kernel"
+        ][0]
+        np.testing.assert_array_equal(
+            session.run(copies["hidden/kernel"][0]), session.run(kernel))
+        session.run(spec.train_op)
+        check(graph, session)
+
+  def test_a_variable_written_outside_the_update_is_not_mirrored(self):
+    with self.assertLogs("absl", "WARNING") as logs:
+      with tf.Graph().as_default() as graph:
+        tf.compat.v1.train.create_global_step()
+        features, labels = models.data(BATCH)
+        harness.wrap(_clipped_before_use_model_fn,
+                     harness.devices(harness.VIRTUAL_CPUS, 2),
+                     placement=MIRRORED)({"x": tf.constant(features["x"])},
+                                         tf.constant(labels),
+                                         tf.estimator.ModeKeys.TRAIN, {})
+    self.assertEqual(_copies(graph), {})
+    self.assertTrue(
+        any("also written by" in line and "kernel" in line
+            for line in logs.output), logs.output)
+
+
+class DefaultTest(parameterized.TestCase):
+
+  def test_gpu_towers_are_mirrored_by_default_cpu_towers_shared(self):
+    for devices, mirrored in ((["/gpu:0", "/gpu:1"], True),
+                              (["/cpu:1", "/cpu:2"], False)):
+      with tf.Graph().as_default() as graph:
+        tf.compat.v1.train.create_global_step()
+        features, labels = models.data(BATCH)
+        replicate.replicate_model_fn(
+            models.classifier_model_fn,
+            devices=devices)({"x": tf.constant(features["x"])},
+                             tf.constant(labels), tf.estimator.ModeKeys.TRAIN,
+                             {})
+      self.assertEqual(bool(_copies(graph)), mirrored, devices)
+
+  def test_gpu_names_on_cpu_train_as_one_device(self):
+    # GPU names with soft placement: the default (MIRRORED) runs on CPU.
+    expected_losses, expected = _one_device()
+    losses, values = harness.train(
+        models.classifier_model_fn,
+        models.data(),
+        BATCH,
+        STEPS,
+        tower_devices=harness.devices(harness.GPU_NAMES, 4),
+        placement=None,
+        kind=harness.GPU_NAMES)
+    np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
+    harness.assert_close_nests(values, expected, rtol=1e-4, atol=1e-5)
+
+
+class CheckpointTest(parameterized.TestCase):
+
+  def setUp(self):
+    super().setUp()
+    self._directory = tempfile.mkdtemp()
+
+  def tearDown(self):
+    shutil.rmtree(self._directory, ignore_errors=True)
+    super().tearDown()
+
+  def _estimator(self, name, devices, placement):
+    model_fn = models.classifier_model_fn
+    if devices:
+      model_fn = replicate.replicate_model_fn(
+          model_fn, devices=devices, variable_placement=placement)
+    return tf.estimator.Estimator(
+        model_fn,
+        model_dir=os.path.join(self._directory, name),
+        params={"optimizer": "adam"},
+        config=tf.estimator.RunConfig(
+            session_config=harness.session_config(harness.VIRTUAL_CPUS),
+            tf_random_seed=3))
+
+  def _input_fn(self):
+    return tf.data.Dataset.from_tensor_slices(models.data()).repeat().batch(
+        BATCH)
+
+  def test_checkpoints_restore_both_ways(self):
+    mirrored = harness.devices(harness.VIRTUAL_CPUS, 4)
+    start = self._estimator("start", None, None)
+    start.train(self._input_fn, steps=1)
+    for name in ("mirrored", "plain"):
+      shutil.copytree(start.model_dir, os.path.join(self._directory, name))
+    first = self._estimator("mirrored", mirrored, MIRRORED)
+    first.train(self._input_fn, steps=3)
+    plain = self._estimator("plain", None, None)
+    plain.train(self._input_fn, steps=3)
+    names = sorted(
+        name for name, _ in tf.train.list_variables(first.latest_checkpoint()))
+    # One copy of each variable and slot, under the unwrapped names.
+    self.assertNotIn("tower_", " ".join(names))
+    self.assertEqual(
+        names,
+        sorted(name for name, _ in tf.train.list_variables(
+            plain.latest_checkpoint())))
+    for name in names:
+      np.testing.assert_allclose(
+          first.get_variable_value(name),
+          plain.get_variable_value(name),
+          rtol=1e-4,
+          atol=1e-5,
+          err_msg=name)
+    # MIRRORED -> plain and SHARED, and back into MIRRORED on 2 towers.
+    for target, devices, placement in (("to_plain", None, None),
+                                       ("to_shared", mirrored[:3], "shared"),
+                                       ("back", mirrored[:2], MIRRORED)):
+      shutil.copytree(first.model_dir, os.path.join(self._directory, target))
+      estimator = self._estimator(target, devices, placement)
+      estimator.train(self._input_fn, steps=2)
+      self.assertEqual(estimator.get_variable_value("global_step"), 6)
+    for name in names:
+      values = [
+          self._estimator(target, None, None).get_variable_value(name)
+          for target in ("to_plain", "to_shared", "back")
+      ]
+      for value in values[1:]:
+        np.testing.assert_allclose(
+            value, values[0], rtol=1e-4, atol=1e-5, err_msg=name)
+
+  def test_restored_values_reach_every_copy_before_the_first_step(self):
+    source = self._estimator("source", None, None)
+    source.train(self._input_fn, steps=2)
+    checkpoint = source.latest_checkpoint()
+    devices = harness.devices(harness.VIRTUAL_CPUS, 3)
+    with tf.Graph().as_default() as graph:
+      tf.compat.v1.train.create_global_step()
+      features, labels = harness.batches(models.data(), BATCH)
+      replicate.replicate_model_fn(
+          models.classifier_model_fn,
+          devices=devices,
+          variable_placement=MIRRORED)(features, labels,
+                                       tf.estimator.ModeKeys.TRAIN,
+                                       {"optimizer": "adam"})
+      copies = _copies(graph)
+      self.assertNotEmpty(copies)
+      reads = {
+          name: [copy.read_value() for copy in own
+                ] for name, own in copies.items()
+      }
+      with tf.compat.v1.train.MonitoredSession(
+          tf.compat.v1.train.ChiefSessionCreator(
+              checkpoint_filename_with_path=checkpoint,
+              config=harness.session_config(harness.VIRTUAL_CPUS))) as session:
+        for name, own in reads.items():
+          restored = tf.train.load_variable(checkpoint, name)
+          for read in own:
+            np.testing.assert_array_equal(session.run(read), restored, name)
+
+
+if __name__ == "__main__":
+  tf.test.main()
