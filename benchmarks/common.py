@@ -16,7 +16,8 @@ WORKER = os.path.join(HERE, "worker.py")
 # statistics) only differs on batch-norm workloads, so it is asked for.
 DEFAULT_VARIANTS = ("plain", "mirrored", "replicate_shared",
                     "replicate_round_robin")
-VARIANTS = DEFAULT_VARIANTS + ("replicate_shared_unsynced",)
+VARIANTS = DEFAULT_VARIANTS + ("replicate_shared_unsynced",
+                                "replicate_mirrored")
 
 
 @dataclasses.dataclass

@@ -12,7 +12,7 @@ from absl import logging
 from common import Settings
 
 REPLICATE = ("replicate_shared", "replicate_round_robin",
-             "replicate_shared_unsynced")
+             "replicate_shared_unsynced", "replicate_mirrored")
 # sync_batch_norm=True vs False: replicate_shared's ratio to this one.
 UNSYNCED = "replicate_shared_unsynced"
 

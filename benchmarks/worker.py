@@ -15,6 +15,7 @@ Variants:
                          tf.distribute.MirroredStrategy(devices))
   replicate_shared       replicate.replicate_model_fn(..., SHARED)
   replicate_round_robin  replicate.replicate_model_fn(..., ROUND_ROBIN)
+  replicate_mirrored     replicate.replicate_model_fn(..., MIRRORED)
   replicate_shared_unsynced
                          replicate.replicate_model_fn(..., SHARED,
                          sync_batch_norm=False): per-tower batch-norm

@@ -73,8 +73,12 @@ def _placement_lines(devices: List[str]) -> List[str]:
       ("" if len(chosen) > 1 else " (one device: the model_fn runs "
        "unsplit; pass devices=[...] for several towers)"),
       f"this check's towers: {devices}",
+      f"default variable placement: "
+      f"{_devices.default_placement(devices).name}",
       f"variable placement SHARED: every variable on {hub}",
       f"variable placement ROUND_ROBIN: spread over {devices}",
+      f"variable placement MIRRORED: a copy on each of {devices}, "
+      "gradients summed between them",
       f"consolidation device (inputs split, results merged): {hub}",
   ]
 

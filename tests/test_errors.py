@@ -96,10 +96,10 @@ class ArgumentErrorsTest(parameterized.TestCase):
 
   def test_bad_placement_is_refused(self):
     with self.assertRaisesRegex(
-        ValueError, "'mirrored' is not supported.*"
-        "'shared', 'round_robin'"):
+        ValueError, "'mirror' is not supported.*"
+        "'shared', 'round_robin', 'mirrored'"):
       replicate.replicate_model_fn(
-          models.classifier_model_fn, variable_placement="mirrored")
+          models.classifier_model_fn, variable_placement="mirror")
 
   def test_placement_of_a_wrong_type_is_a_type_error(self):
     with self.assertRaisesRegex(
