@@ -17,7 +17,7 @@ WORKER = os.path.join(HERE, "worker.py")
 DEFAULT_VARIANTS = ("plain", "mirrored", "replicate_shared",
                     "replicate_round_robin")
 VARIANTS = DEFAULT_VARIANTS + ("replicate_shared_unsynced",
-                                "replicate_mirrored")
+                               "replicate_mirrored")
 
 
 @dataclasses.dataclass

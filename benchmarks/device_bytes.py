@@ -16,9 +16,9 @@ workload, variant and N:
 - `busiest / mean`: the tower device that sends and receives most, over
   the towers' mean;
 - `sent x min`, `received x min`: the most one tower device sends to, and
-  receives from, the other tower devices, over 2(N-1)/N x P, what each device sends and receives in a
-  ring all-reduce of the gradients (the bandwidth minimum for dense
-  parameters);
+  receives from, the other tower devices, over 2(N-1)/N x P, what each
+  device sends and receives in a ring all-reduce of the gradients (the
+  bandwidth minimum for dense parameters);
 - `transfers`: `_Send`s per step, and collective all-reduces (whose own
   transfers the partition graphs do not show: MirroredStrategy's default
   on CPU devices, `CollectiveReduceV2`; each device of such a ring is
@@ -287,8 +287,7 @@ def measure(workload: str,
               trace_level=tf.compat.v1.RunOptions.FULL_TRACE,
               output_partition_graphs=True),
           run_metadata=run_metadata)
-  return _summary(workload, variant, num_towers, parameters, held,
-                  run_metadata)
+  return _summary(workload, variant, num_towers, parameters, held, run_metadata)
 
 
 def _summary(workload: str, variant: str, num_towers: int, parameters: int,
@@ -329,24 +328,34 @@ def _summary(workload: str, variant: str, num_towers: int, parameters: int,
   minimum = 2 * (num_towers - 1) / num_towers * parameters  # 0 for N = 1
   held_mean = sum(held.values()) / num_towers
   return {
-      "workload": workload,
-      "variant": variant,
-      "towers": num_towers,
-      "P_MB": parameters / 1e6,
-      "host_towers_MB": host / 1e6,
-      "between_towers_MB": between / 1e6,
-      "busiest_over_mean": busiest / mean if mean else 0.0,
+      "workload":
+          workload,
+      "variant":
+          variant,
+      "towers":
+          num_towers,
+      "P_MB":
+          parameters / 1e6,
+      "host_towers_MB":
+          host / 1e6,
+      "between_towers_MB":
+          between / 1e6,
+      "busiest_over_mean":
+          busiest / mean if mean else 0.0,
       "sent_x_min":
           max(peer_sent[d] for d in towers) / minimum if minimum else 0.0,
       "received_x_min":
           max(peer_received[d] for d in towers) / minimum if minimum else 0.0,
-      "transfers": len(transfers) + len(_collectives(run_metadata)),
-      "collective_MB": collective / 1e6,
+      "transfers":
+          len(transfers) + len(_collectives(run_metadata)),
+      "collective_MB":
+          collective / 1e6,
       "per_device_MB": {
           d: (sent[d] + received[d]) / 1e6
           for d in sorted(set(sent) | set(received))
       },
-      "held_MB": held,
+      "held_MB":
+          held,
       "held_heaviest_over_mean":
           max(held.values()) / held_mean if held_mean else 0.0,
   }

@@ -321,10 +321,11 @@ def _run_towers(model_fn: Callable[..., Any], features: Any, labels: Any,
       mirrored=mirrored)
   replication.meetings = meetings.Meetings(replication)
   replication.rewiring = rewiring.Rewiring(replication)
-  choose = _devices.variable_device_chooser(
-      _devices.VariablePlacement.SHARED if placement is
-      _devices.VariablePlacement.MIRRORED and cluster.on_cluster(hub) else
-      placement, devices, mirrored)
+  if placement is _devices.VariablePlacement.MIRRORED and cluster.on_cluster(
+      hub):
+    # The cluster's device function puts the variables on its ps.
+    placement = _devices.VariablePlacement.SHARED
+  choose = _devices.variable_device_chooser(placement, devices, mirrored)
   device_functions = [
       _devices.tower_device_function(device, choose) for device in devices
   ]

@@ -387,7 +387,6 @@ def canned_optimizer_v2(name_or_optimizer: Any, learning_rate: Any) -> Any:
 # (owner, attribute name, original value), as an install function sets them.
 Patched = List[Tuple[Any, str, Any]]
 
-
 # Per thread: the function summing a variable's gradient terms, or None.
 _gradient_sums = threading.local()
 

@@ -40,8 +40,7 @@ def _copies(graph=None):
 
 def _embedding_model_fn(features, labels, mode, params):
   """An embedding lookup (sparse gradients) feeding a dense layer."""
-  ids = tf.math.floormod(
-      tf.cast(tf.abs(features["x"]) * 100.0, tf.int64), 40)
+  ids = tf.math.floormod(tf.cast(tf.abs(features["x"]) * 100.0, tf.int64), 40)
   table = tf.compat.v1.get_variable(
       "table", [40, 4],
       initializer=tf.compat.v1.random_normal_initializer(seed=1))
@@ -209,10 +208,10 @@ def _build_and_run(model_fn, num_towers, steps, check):
   with tf.Graph().as_default() as graph:
     tf.compat.v1.train.create_global_step()
     features, labels = harness.batches(models.data(), BATCH)
-    spec = harness.wrap(model_fn,
-                        harness.devices(harness.VIRTUAL_CPUS, num_towers),
-                        placement=MIRRORED)(features, labels,
-                                            tf.estimator.ModeKeys.TRAIN, {})
+    spec = harness.wrap(
+        model_fn,
+        harness.devices(harness.VIRTUAL_CPUS, num_towers),
+        placement=MIRRORED)(features, labels, tf.estimator.ModeKeys.TRAIN, {})
     with tf.compat.v1.Session(
         config=harness.session_config(harness.VIRTUAL_CPUS)) as session:
       session.run(tf.compat.v1.global_variables_initializer())
@@ -236,9 +235,7 @@ class CopiesTest(parameterized.TestCase):
 
     def check(graph, session):
       copies = _copies(graph)
-      primaries = {
-          v.op.name: v for v in tf.compat.v1.global_variables()
-      }
+      primaries = {v.op.name: v for v in tf.compat.v1.global_variables()}
       self.assertNotEmpty(copies)
       for name, own in copies.items():
         self.assertLen(own, num_towers - 1, name)
@@ -258,10 +255,11 @@ class CopiesTest(parameterized.TestCase):
       tf.compat.v1.train.create_global_step()
       features, labels = models.data(BATCH)
       spec = harness.wrap(
-          models.classifier_model_fn, devices,
-          placement=MIRRORED)({"x": tf.constant(features["x"])},
-                              tf.constant(labels), tf.estimator.ModeKeys.TRAIN,
-                              {"optimizer": "momentum"})
+          models.classifier_model_fn, devices, placement=MIRRORED)({
+              "x": tf.constant(features["x"])
+          }, tf.constant(labels), tf.estimator.ModeKeys.TRAIN, {
+              "optimizer": "momentum"
+          })
       del spec
     copies = _copies(graph)
     # Every trained variable and its Momentum slot, on every other device.
@@ -287,8 +285,7 @@ class CopiesTest(parameterized.TestCase):
         if op.type == "ResourceApplyMomentum"
     ]
     self.assertLen(applies, 4 * num_towers)
-    self.assertEqual(
-        sorted({op.device for op in applies}), sorted(devices))
+    self.assertEqual(sorted({op.device for op in applies}), sorted(devices))
     # The host splits the batch and merges the outputs, nothing else.
     for op in graph.get_operations():
       if op.device == "/device:CPU:0":
@@ -309,10 +306,10 @@ class CopiesTest(parameterized.TestCase):
     with tf.Graph().as_default() as graph:
       tf.compat.v1.train.create_global_step()
       features, labels = harness.batches(models.data(), BATCH)
-      spec = harness.wrap(models.classifier_model_fn,
-                          harness.devices(harness.VIRTUAL_CPUS, 2),
-                          placement=MIRRORED)(features, labels,
-                                              tf.estimator.ModeKeys.TRAIN, {})
+      spec = harness.wrap(
+          models.classifier_model_fn,
+          harness.devices(harness.VIRTUAL_CPUS, 2),
+          placement=MIRRORED)(features, labels, tf.estimator.ModeKeys.TRAIN, {})
       with tf.compat.v1.Session(
           config=harness.session_config(harness.VIRTUAL_CPUS)) as session:
         session.run([
@@ -335,11 +332,12 @@ class CopiesTest(parameterized.TestCase):
       with tf.Graph().as_default() as graph:
         tf.compat.v1.train.create_global_step()
         features, labels = models.data(BATCH)
-        harness.wrap(_clipped_before_use_model_fn,
-                     harness.devices(harness.VIRTUAL_CPUS, 2),
-                     placement=MIRRORED)({"x": tf.constant(features["x"])},
-                                         tf.constant(labels),
-                                         tf.estimator.ModeKeys.TRAIN, {})
+        harness.wrap(
+            _clipped_before_use_model_fn,
+            harness.devices(harness.VIRTUAL_CPUS, 2),
+            placement=MIRRORED)({
+                "x": tf.constant(features["x"])
+            }, tf.constant(labels), tf.estimator.ModeKeys.TRAIN, {})
     self.assertEqual(_copies(graph), {})
     self.assertTrue(
         any("also written by" in line and "kernel" in line
@@ -349,16 +347,16 @@ class CopiesTest(parameterized.TestCase):
 class DefaultTest(parameterized.TestCase):
 
   def test_gpu_towers_are_mirrored_by_default_cpu_towers_shared(self):
-    for devices, mirrored in ((["/gpu:0", "/gpu:1"], True),
-                              (["/cpu:1", "/cpu:2"], False)):
+    for devices, mirrored in ((["/gpu:0",
+                                "/gpu:1"], True), (["/cpu:1",
+                                                    "/cpu:2"], False)):
       with tf.Graph().as_default() as graph:
         tf.compat.v1.train.create_global_step()
         features, labels = models.data(BATCH)
         replicate.replicate_model_fn(
-            models.classifier_model_fn,
-            devices=devices)({"x": tf.constant(features["x"])},
-                             tf.constant(labels), tf.estimator.ModeKeys.TRAIN,
-                             {})
+            models.classifier_model_fn, devices=devices)({
+                "x": tf.constant(features["x"])
+            }, tf.constant(labels), tf.estimator.ModeKeys.TRAIN, {})
       self.assertEqual(bool(_copies(graph)), mirrored, devices)
 
   def test_gpu_names_on_cpu_train_as_one_device(self):
@@ -400,8 +398,8 @@ class CheckpointTest(parameterized.TestCase):
             tf_random_seed=3))
 
   def _input_fn(self):
-    return tf.data.Dataset.from_tensor_slices(models.data()).repeat().batch(
-        BATCH)
+    return tf.data.Dataset.from_tensor_slices(
+        models.data()).repeat().batch(BATCH)
 
   def test_checkpoints_restore_both_ways(self):
     mirrored = harness.devices(harness.VIRTUAL_CPUS, 4)
@@ -419,8 +417,9 @@ class CheckpointTest(parameterized.TestCase):
     self.assertNotIn("tower_", " ".join(names))
     self.assertEqual(
         names,
-        sorted(name for name, _ in tf.train.list_variables(
-            plain.latest_checkpoint())))
+        sorted(
+            name
+            for name, _ in tf.train.list_variables(plain.latest_checkpoint())))
     for name in names:
       np.testing.assert_allclose(
           first.get_variable_value(name),
@@ -457,13 +456,14 @@ class CheckpointTest(parameterized.TestCase):
           models.classifier_model_fn,
           devices=devices,
           variable_placement=MIRRORED)(features, labels,
-                                       tf.estimator.ModeKeys.TRAIN,
-                                       {"optimizer": "adam"})
+                                       tf.estimator.ModeKeys.TRAIN, {
+                                           "optimizer": "adam"
+                                       })
       copies = _copies(graph)
       self.assertNotEmpty(copies)
       reads = {
-          name: [copy.read_value() for copy in own
-                ] for name, own in copies.items()
+          name: [copy.read_value() for copy in own]
+          for name, own in copies.items()
       }
       with tf.compat.v1.train.MonitoredSession(
           tf.compat.v1.train.ChiefSessionCreator(

@@ -120,7 +120,8 @@ class _GradientSums:
       with tf.device(devices[0]), tf.name_scope(op.name + "_all_reduced"):
         if sparse:
           values = tf.compat.v1.placeholder(
-              dtype, tf.TensorShape([None]).concatenate(shape[1:]))
+              dtype,
+              tf.TensorShape([None]).concatenate(shape[1:]))
           indices = tf.compat.v1.placeholder(terms[0].indices.dtype, [None])
           seen: Any = tf.IndexedSlices(
               tf.identity(values), tf.identity(indices), terms[0].dense_shape)
@@ -138,8 +139,9 @@ class _GradientSums:
       return
     replication = self._replication
     with _context.outside(replication, "all_reduce"), replication.library():
-      dense = [p for p in self._pending if not isinstance(p.seen,
-                                                          tf.IndexedSlices)]
+      dense = [
+          p for p in self._pending if not isinstance(p.seen, tf.IndexedSlices)
+      ]
       for pack in _packs(dense):
         self._reduce(pack)
       for pending in self._pending:
@@ -208,8 +210,8 @@ def _packs(pending: Sequence[_Pending]) -> List[List[_Pending]]:
     pack = open_packs.setdefault(dtype, [])
     pack.append(item)
     size = sum(
-        tf.TensorShape(p.variable.get_attr("shape")).num_elements() *
-        dtype.size for p in pack)
+        tf.TensorShape(p.variable.get_attr("shape")).num_elements() * dtype.size
+        for p in pack)
     if size >= PACK_BYTES:
       packs.append(pack)
       open_packs[dtype] = []

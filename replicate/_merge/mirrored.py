@@ -79,7 +79,9 @@ class _Plan:
     # passes, the all-reduce): never copied.
     self.before: Set[tf.Operation] = set(
         _graph.walk([
-            t.op for g in gradients for own in g.per_tower
+            t.op
+            for g in gradients
+            for own in g.per_tower
             for t in _components(own)
         ], _graph.input_and_control_ops))
     initializers = _initializer_ops()
@@ -105,10 +107,12 @@ class _Plan:
     # Through data edges, and control edges from what the gradients feed
     # (a read the update merely waits for is not part of it).
     updating = set(
-        _graph.walk(writes, lambda op: [
-            t.op for t in op.inputs if t.op in region and t.ref() not in self.
-            sums
-        ] + [c for c in op.control_inputs if c in from_gradients]))
+        _graph.walk(
+            writes, lambda op: [
+                t.op
+                for t in op.inputs
+                if t.op in region and t.ref() not in self.sums
+            ] + [c for c in op.control_inputs if c in from_gradients]))
     self.ops = sorted(updating, key=_tf.op_id)
     self._check(graph, initializers)
 
@@ -121,8 +125,8 @@ class _Plan:
         _graph.walk([op for op in list(starts) + first], _graph.consumer_ops))
     return {
         op for op in found
-        if op not in self.excluded and op.type != "VarHandleOp" and
-        not any(t.ref() in self.sums for t in op.outputs)
+        if op not in self.excluded and op.type != "VarHandleOp" and not any(
+            t.ref() in self.sums for t in op.outputs)
     }
 
   def _check(self, graph: tf.Graph, initializers: Set[tf.Operation]) -> None:
@@ -186,8 +190,8 @@ def mirror(replication: _context.Replication) -> None:
   if plan.refusal is not None or not plan.variables:
     logging.warning(
         "replicate: MIRRORED keeps the variables on %s only (each tower "
-        "reads them from there; results unchanged): %s",
-        replication.placed[0], plan.refusal or "no variable is updated")
+        "reads them from there; results unchanged): %s", replication.placed[0],
+        plan.refusal or "no variable is updated")
     return
   graph = replication.graph
   by_handle = _variables_by_handle()
@@ -202,7 +206,8 @@ def mirror(replication: _context.Replication) -> None:
         return
       copies[variable] = [variable.outputs[0]] + [
           _copy_variable(original, index, device)
-          for index, device in enumerate(replication.placed) if index
+          for index, device in enumerate(replication.placed)
+          if index
       ]
   _read_own_copies(replication, copies)
   clones = _copy_update(replication, plan, copies)
@@ -215,8 +220,7 @@ def mirror(replication: _context.Replication) -> None:
   del graph
 
 
-def _copy_variable(original: tf.Variable, index: int,
-                   device: str) -> tf.Tensor:
+def _copy_variable(original: tf.Variable, index: int, device: str) -> tf.Tensor:
   """A local copy of `original` on `device`, initialised from it."""
   name = original.op.name
   with tf.device(device):
@@ -257,8 +261,7 @@ def _read_own_copies(replication: _context.Replication,
   the first tower built runs for all) that take the variable's handle.
   """
   tower_of = {
-      op: index
-      for index, ops in enumerate(replication.tower_ops) if index
+      op: index for index, ops in enumerate(replication.tower_ops) if index
       for op in ops
   }
   for variable, handles in copies.items():
@@ -273,9 +276,11 @@ def _read_own_copies(replication: _context.Replication,
   # Ops a tower colocated with a variable (an embedding lookup's gather),
   # and their gradients (named after them), go with its device's copy.
   renamed = [{
-      f"loc:@{variable.name}".encode(): f"loc:@{handles[index].op.name}"
-      .encode() for variable, handles in copies.items()
-  } for index in range(replication.num_towers)]
+      f"loc:@{variable.name}".encode():
+          f"loc:@{handles[index].op.name}".encode()
+      for variable, handles in copies.items()
+  }
+             for index in range(replication.num_towers)]
   for op in replication.graph.get_operations():
     index = _named_tower(replication, op.name)
     if index and _tf.replace_colocation(op, renamed[index]):
@@ -329,7 +334,7 @@ def _copy_update(
 
 
 def _wait_for_copies(plan: _Plan, clones: Dict[tf.Operation,
-                                                List[tf.Operation]]) -> None:
+                                               List[tf.Operation]]) -> None:
   """Whatever runs after a step of the update runs after each copy of it."""
   members = set(plan.ops)
   copied = {c for own in clones.values() for c in own}

@@ -329,15 +329,14 @@ def on_task_of(device: str, other: str) -> str:
 
 def default_placement(devices: Sequence[str]) -> VariablePlacement:
   """MIRRORED for several GPU towers, else SHARED."""
-  gpus = all(
-      tf.DeviceSpec.from_string(d).device_type == "GPU" for d in devices)
+  gpus = all(tf.DeviceSpec.from_string(d).device_type == "GPU" for d in devices)
   return (VariablePlacement.MIRRORED
           if gpus and len(devices) > 1 else VariablePlacement.SHARED)
 
 
-def variable_device_chooser(
-    placement: VariablePlacement, devices: Sequence[str],
-    mirrored: bool) -> Callable[[tf.Operation], str]:
+def variable_device_chooser(placement: VariablePlacement,
+                            devices: Sequence[str],
+                            mirrored: bool) -> Callable[[tf.Operation], str]:
   """Returns a function that picks the device of each new variable op.
 
   `mirrored`: whether MIRRORED copies the variables this time (in
