@@ -10,7 +10,8 @@ its update built once, on tower 0's device. Once the graph is complete,
   from the original (so checkpoints hold the original only, under its own
   name, and a restore or warm start reaches every copy when the session's
   local variables are initialised); the original's initialiser, which
-  `Variable.load` runs with the value fed, sets the copies too;
+  `Variable.load` runs with the value fed, sets the copies too, last when
+  both initialisers run in one step;
 - each tower's reads of such a variable read its own device's copy;
 - the update (every op from the summed gradients to the writes: the code
   between compute and apply, the optimizer's own ops) is copied onto every
@@ -32,6 +33,11 @@ from replicate import _context
 from replicate import _graph
 from replicate import _tf
 
+# Ops that run a function body.
+_FUNCTION_CALLS = frozenset([
+    "If", "StatelessIf", "Case", "StatelessCase", "While", "StatelessWhile",
+    "PartitionedCall", "StatefulPartitionedCall"
+])
 # Ops that take a variable's handle and only read it.
 _READS = frozenset([
     "ReadVariableOp", "ResourceGather", "ResourceGatherNd", "VariableShape",
@@ -51,13 +57,20 @@ def _variable_handle_op(tensor: tf.Tensor) -> Optional[tf.Operation]:
 
 def _written(op: tf.Operation) -> List[tf.Operation]:
   """The variables `op` may write: those whose handle it takes, unless it
-  only reads them."""
+  only reads them (a read op, or a function call's input TensorFlow marks
+  read-only)."""
   if op.type in _READS:
     return []
-  return [
-      source for source in (_variable_handle_op(t) for t in op.inputs)
-      if source is not None
-  ]
+  try:
+    read_only = set(op.get_attr("_read_only_resource_inputs"))
+  except ValueError:
+    read_only = set()
+  written = []
+  for position, tensor in enumerate(op.inputs):
+    source = _variable_handle_op(tensor)
+    if source is not None and position not in read_only:
+      written.append(source)
+  return written
 
 
 class _Plan:
@@ -113,7 +126,7 @@ class _Plan:
                 for t in op.inputs
                 if t.op in region and t.ref() not in self.sums
             ] + [c for c in op.control_inputs if c in from_gradients]))
-    self.ops = sorted(updating, key=_tf.op_id)
+    self.ops = _in_order(updating)
     self._check(graph, initializers)
 
   def _descendants(self, starts: Iterable[tf.Operation],
@@ -149,7 +162,35 @@ class _Plan:
         self.refusal = (f"the update's op {op.name} is inside a v1 tf.cond or "
                         "tf.while_loop")
         return
+      if op.type in _FUNCTION_CALLS or _tf.function_bodies(op):
+        # Its body's ops were placed on tower 0's device when it was built.
+        self.refusal = (f"the update's op {op.name} ({op.type}) runs a "
+                        "function body (a tf.cond around the update, as a "
+                        "dynamic loss scale builds)")
+        return
     del graph
+
+
+def _in_order(ops: Set[tf.Operation]) -> List[tf.Operation]:
+  """`ops` with each after its inputs and control inputs among them (a
+  control input can be added after an op is built)."""
+  ordered: List[tf.Operation] = []
+  placed: Set[tf.Operation] = set()
+  for start in sorted(ops, key=_tf.op_id):
+    pending = [(start, False)]
+    while pending:
+      op, ready = pending.pop()
+      if op in placed:
+        continue
+      if ready:
+        placed.add(op)
+        ordered.append(op)
+        continue
+      pending.append((op, True))
+      pending.extend((dep, False)
+                     for dep in _graph.input_and_control_ops(op)
+                     if dep in ops and dep not in placed)
+  return ordered
 
 
 def _spec(device: Optional[str]) -> Tuple[Any, ...]:
@@ -221,35 +262,37 @@ def mirror(replication: _context.Replication) -> None:
 
 
 def _copy_variable(original: tf.Variable, index: int, device: str) -> tf.Tensor:
-  """A local copy of `original` on `device`, initialised from it."""
+  """A local copy of `original` on `device`, initialised from it.
+
+  Its own initialiser (run with the local variables, after a restore)
+  takes the original's value, or its initial value while it has none. The
+  original's initialiser (run with the global variables, or by
+  `Variable.load` with the value fed) sets the copy to the same initial
+  value, after the copy's own initialiser when both run in one step.
+  """
   name = original.op.name
+  initializer = original.initializer
+  assigns = initializer is not None and initializer.type == "AssignVariableOp"
+  initial = initializer.inputs[1] if assigns else original.initial_value
+  dtype = original.dtype.base_dtype
   with tf.device(device):
-    # The original's value, or its initial value while it has none (both
-    # initialisers run in one step): the same draw of a random initialiser.
-    initial = original.initial_value
-    dtype = original.dtype.base_dtype
     value = tf.cond(
         tf.raw_ops.VarIsInitializedOp(resource=original.handle),
         lambda: tf.raw_ops.ReadVariableOp(
             resource=original.handle, dtype=dtype),
         lambda: tf.identity(initial))
-  with tf.device(device):
     copy = tf.compat.v1.Variable(
         value,
         trainable=False,
         collections=[tf.compat.v1.GraphKeys.LOCAL_VARIABLES],
         name=f"tower_{index}/{name}",
-        dtype=original.dtype.base_dtype,
+        dtype=dtype,
         shape=original.shape,
         use_resource=True)
-  initializer = original.initializer
-  if initializer is not None and initializer.type == "AssignVariableOp":
-    # What sets the original by its initialiser (Variable.load feeds its
-    # value) sets every copy too.
-    with tf.device(device):
-      also = tf.raw_ops.AssignVariableOp(
-          resource=copy.handle, value=initializer.inputs[1])
-    _tf.add_control_input(initializer, also)
+    if assigns:
+      with tf.control_dependencies([copy.initializer]):
+        also = tf.raw_ops.AssignVariableOp(resource=copy.handle, value=initial)
+      _tf.add_control_input(initializer, also)
   return copy.handle
 
 
@@ -258,12 +301,17 @@ def _read_own_copies(replication: _context.Replication,
   """Each tower's reads of a mirrored variable read its device's copy.
 
   The ops of tower i's model_fn call (not the variables' creation, which
-  the first tower built runs for all) that take the variable's handle.
+  the first tower built runs for all) that take the variable's handle; ops
+  a tower colocated with a variable (an embedding lookup's gather) and
+  their gradients (named after them) go with its device's copy; and ops
+  colocated with any op moved (a gather's gradient) follow it.
   """
   tower_of = {
-      op: index for index, ops in enumerate(replication.tower_ops) if index
+      op: index
+      for index, ops in enumerate(replication.tower_ops) if index
       for op in ops
   }
+  moved: Dict[bytes, str] = {}
   for variable, handles in copies.items():
     for reader in list(variable.outputs[0].consumers()):
       index = tower_of.get(reader, 0)
@@ -273,18 +321,23 @@ def _read_own_copies(replication: _context.Replication,
         if value is variable.outputs[0]:
           _tf.update_input(reader, position, handles[index])
       _tf.set_device(reader, replication.placed[index])
-  # Ops a tower colocated with a variable (an embedding lookup's gather),
-  # and their gradients (named after them), go with its device's copy.
+      moved[f"loc:@{reader.name}".encode()] = replication.placed[index]
   renamed = [{
-      f"loc:@{variable.name}".encode():
-          f"loc:@{handles[index].op.name}".encode()
-      for variable, handles in copies.items()
-  }
-             for index in range(replication.num_towers)]
+      f"loc:@{variable.name}".encode(): f"loc:@{handles[index].op.name}"
+      .encode() for variable, handles in copies.items()
+  } for index in range(replication.num_towers)]
   for op in replication.graph.get_operations():
     index = _named_tower(replication, op.name)
     if index and _tf.replace_colocation(op, renamed[index]):
       _tf.set_device(op, replication.placed[index])
+      moved[f"loc:@{op.name}".encode()] = replication.placed[index]
+  for op in replication.graph.get_operations():
+    if "_class" not in op.node_def.attr:
+      continue
+    for group in op.get_attr("_class"):
+      if group in moved:
+        _tf.set_device(op, moved[group])
+        break
 
 
 def _named_tower(replication: _context.Replication, name: str) -> int:
