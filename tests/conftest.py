@@ -74,6 +74,31 @@ tf.config.set_logical_device_configuration(
 pytest_plugins = ["pytester"]
 
 
+def pytest_addoption(parser):
+  parser.addoption(
+      "--replicate-placement",
+      default=None,
+      choices=["shared", "round_robin", "mirrored"],
+      help="the placement replicate_model_fn takes by default for several "
+      "towers of any device type (variable_placement=None), to run the "
+      "whole suite under it (BUILD.md)")
+
+
+def pytest_configure(config):
+  placement = config.getoption("--replicate-placement", default=None)
+  if placement:
+    from replicate._prepare import devices  # pylint: disable=g-import-not-at-top
+    forced = devices.VariablePlacement(placement)
+    devices.default_placement = lambda towers: (
+        forced if len(towers) > 1 else devices.VariablePlacement.SHARED)
+    os.environ["REPLICATE_FORCED_PLACEMENT"] = placement
+
+
+def forced_placement():
+  """The placement --replicate-placement forces, or None."""
+  return os.environ.get("REPLICATE_FORCED_PLACEMENT")
+
+
 def pytest_report_header(config):
   """Which replicate is tested: the checkout's, or an installed wheel's."""
   del config

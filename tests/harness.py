@@ -79,7 +79,7 @@ def batches(data, batch_size, static=True):
 def wrap(model_fn,
          tower_devices,
          reduction=Reduction.SUM_BY_NONZERO_WEIGHTS,
-         placement=replicate.VariablePlacement.SHARED):
+         placement=None):
   """The model_fn itself (tower_devices None) or replicated over them."""
   if tower_devices is None:
     return model_fn
@@ -111,7 +111,7 @@ def train(model_fn,
           steps,
           tower_devices=None,
           reduction=Reduction.SUM_BY_NONZERO_WEIGHTS,
-          placement=replicate.VariablePlacement.SHARED,
+          placement=None,
           kind=VIRTUAL_CPUS,
           params=None,
           static=True):

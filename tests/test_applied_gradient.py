@@ -14,11 +14,21 @@ import inspect
 
 from absl.testing import parameterized
 import numpy as np
+import pytest
 import tensorflow as tf
 
 import replicate
+from tests import conftest
 from tests import harness
 from tests import test_state
+
+# The independent tf.gradients of spec.loss is taken after the model_fn;
+# under MIRRORED each tower then reads its own copy, which that gradient of
+# the original does not see (docs/behaviour.md).
+pytestmark = pytest.mark.skipif(
+    conftest.forced_placement() == "mirrored",
+    reason="tf.gradients taken after the model_fn see tower 0's reads only "
+    "under MIRRORED")
 
 LEARNING_RATE = 0.5  # test_state's TowerOptimizer: gradient descent, 0.5
 EPSILON = 1e-3  # Keras and v1 batch norm's default

@@ -308,3 +308,25 @@ def test_device_bytes_counts_what_each_placement_moves():
   # when it lives on the other one: about P in each direction in all.
   assert 0.99 * 2 * parameters <= spread["between_towers_MB"] <= (2.01 *
                                                                   parameters)
+
+
+@pytest.mark.parametrize("workload", ["mlp", "cnn_bn", "embedding"])
+def test_mirrored_moves_the_ring_minimum_and_the_host_only_inputs(
+    workload, monkeypatch):
+  # Three towers: each sends and receives 2(N-1)/N of the parameters' bytes
+  # (a ring all-reduce; sparse rows for the embedding), nothing is summed or
+  # updated on the host, and every device holds a copy. Batch norm meets
+  # as between GPUs (moments, not the concatenated batch), as the
+  # benchmark runs it.
+  import device_bytes  # pylint: disable=g-import-not-at-top
+
+  from replicate._batch_norm import whole_batch  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(whole_batch, "_CONCATENATE_ON_HOST", False)
+  row = device_bytes.measure(workload, "mirrored", 3, 33)
+  inputs = 33 * (784 + 1) * 4 / 1e6
+  assert row["host_towers_MB"] < inputs * 1.01
+  assert row["sent_x_min"] <= 1.1 and row["received_x_min"] <= 1.1
+  if workload != "embedding":
+    assert row["sent_x_min"] >= 0.99 and row["received_x_min"] >= 0.99
+  assert row["busiest_over_mean"] <= 1.1
+  assert row["held_heaviest_over_mean"] <= 1.001

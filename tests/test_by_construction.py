@@ -713,7 +713,9 @@ def test_every_read_of_a_variable_runs_before_its_update(towers):
   updates = [
       op for op in graph.get_operations() if op.type.startswith("ResourceApply")
   ]
-  assert len(updates) == 4
+  # MIRRORED (--replicate-placement) applies the update on every device.
+  mirrored = bool(graph.get_collection(tf.compat.v1.GraphKeys.LOCAL_VARIABLES))
+  assert len(updates) == 4 * (towers if mirrored else 1)
   reads = [op for op in ancestors(spec.loss.op) if op.type == "ReadVariableOp"]
   assert len(reads) == 4 * towers
   for update in updates:

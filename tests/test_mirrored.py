@@ -5,12 +5,14 @@ import functools
 import os
 import shutil
 import tempfile
+import unittest
 
 from absl.testing import parameterized
 import numpy as np
 import tensorflow as tf
 
 import replicate
+from tests import conftest
 from tests import harness
 from tests import models
 
@@ -157,6 +159,42 @@ def _clipped_before_use_model_fn(features, labels, mode, params):
   return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
 
 
+def _keras_batch_norm_model_fn(features, labels, mode, params):
+  """A Keras model with batch normalization (its moving statistics in
+  `model.updates`), called in training as ResNet50 is in a model_fn."""
+  inputs = tf.keras.Input((models.NUM_FEATURES,))
+  hidden = tf.keras.layers.Dense(8)(inputs)
+  hidden = tf.keras.layers.BatchNormalization()(hidden)
+  outputs = tf.keras.layers.Dense(models.NUM_CLASSES)(
+      tf.keras.layers.ReLU()(hidden))
+  model = tf.keras.Model(inputs, outputs)
+  built = {id(update) for update in model.updates}
+  logits = model(features["x"], training=mode == tf.estimator.ModeKeys.TRAIN)
+  updates = [u for u in model.updates if id(u) not in built]
+  loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
+  with tf.control_dependencies(updates):
+    train_op = tf.compat.v1.train.MomentumOptimizer(0.1, 0.9).minimize(
+        loss, global_step=tf.compat.v1.train.get_global_step())
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+def _loss_scaled_model_fn(features, labels, mode, params):
+  """A dynamic loss scale: its update sits in a tf.cond (finite or not)."""
+  logits = tf.compat.v1.layers.dense(
+      features["x"], models.NUM_CLASSES, name="logits")
+  loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
+  optimizer = tf.keras.mixed_precision.LossScaleOptimizer(
+      tf.keras.optimizers.legacy.Adagrad(0.3), initial_scale=1024.0)
+  optimizer = replicate.TowerOptimizer(optimizer)
+  train_op = optimizer.minimize(
+      lambda: tf.compat.v1.losses.sparse_softmax_cross_entropy(
+          labels,
+          tf.compat.v1.layers.dense(
+              features["x"], models.NUM_CLASSES, name="logits", reuse=True)),
+      tf.compat.v1.trainable_variables)
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
 class EquivalenceTest(parameterized.TestCase):
 
   @parameterized.parameters(
@@ -186,7 +224,8 @@ class EquivalenceTest(parameterized.TestCase):
   @parameterized.product(
       model_fn=(_embedding_model_fn, _bn_model_fn, _own_gradients_model_fn,
                 _two_optimizers_model_fn, _keras_optimizer_model_fn,
-                _hand_clipped_model_fn, _clipped_before_use_model_fn),
+                _hand_clipped_model_fn, _clipped_before_use_model_fn,
+                _keras_batch_norm_model_fn),
       num_towers=(2, 4))
   def test_model_fns_match_one_device(self, model_fn, num_towers):
     expected_losses, expected = harness.train(model_fn, models.data(), BATCH,
@@ -327,6 +366,38 @@ class CopiesTest(parameterized.TestCase):
         session.run(spec.train_op)
         check(graph, session)
 
+  def test_an_update_inside_a_function_body_is_not_mirrored(self):
+    with self.assertLogs("absl", "WARNING") as logs:
+      expected_losses, expected = harness.train(_loss_scaled_model_fn,
+                                                models.data(), BATCH, STEPS)
+      losses, values = harness.train(
+          _loss_scaled_model_fn,
+          models.data(),
+          BATCH,
+          STEPS,
+          tower_devices=harness.devices(harness.VIRTUAL_CPUS, 2),
+          placement=MIRRORED)
+    self.assertTrue(
+        any("runs a function body" in line for line in logs.output),
+        logs.output)
+    np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
+    harness.assert_close_nests(values, expected, rtol=1e-4, atol=1e-5)
+
+  def test_keras_batch_norm_layers_are_mirrored(self):
+    # Their tf.cond reads the variables (read-only function inputs).
+    with tf.Graph().as_default() as graph:
+      tf.compat.v1.train.create_global_step()
+      features, labels = models.data(BATCH)
+      harness.wrap(
+          _keras_batch_norm_model_fn,
+          harness.devices(harness.VIRTUAL_CPUS, 2),
+          placement=MIRRORED)({
+              "x": tf.constant(features["x"])
+          }, tf.constant(labels), tf.estimator.ModeKeys.TRAIN, {})
+    names = sorted(_copies(graph))
+    self.assertLen(names, 12)  # 6 trained variables and their Momentum slots
+    self.assertTrue(any("batch_normalization/gamma" in n for n in names))
+
   def test_a_variable_written_outside_the_update_is_not_mirrored(self):
     with self.assertLogs("absl", "WARNING") as logs:
       with tf.Graph().as_default() as graph:
@@ -346,6 +417,8 @@ class CopiesTest(parameterized.TestCase):
 
 class DefaultTest(parameterized.TestCase):
 
+  @unittest.skipIf(conftest.forced_placement(),
+                   "--replicate-placement changes the default")
   def test_gpu_towers_are_mirrored_by_default_cpu_towers_shared(self):
     for devices, mirrored in ((["/gpu:0",
                                 "/gpu:1"], True), (["/cpu:1",

@@ -307,8 +307,7 @@ def _read_own_copies(replication: _context.Replication,
   colocated with any op moved (a gather's gradient) follow it.
   """
   tower_of = {
-      op: index
-      for index, ops in enumerate(replication.tower_ops) if index
+      op: index for index, ops in enumerate(replication.tower_ops) if index
       for op in ops
   }
   moved: Dict[bytes, str] = {}
@@ -323,9 +322,11 @@ def _read_own_copies(replication: _context.Replication,
       _tf.set_device(reader, replication.placed[index])
       moved[f"loc:@{reader.name}".encode()] = replication.placed[index]
   renamed = [{
-      f"loc:@{variable.name}".encode(): f"loc:@{handles[index].op.name}"
-      .encode() for variable, handles in copies.items()
-  } for index in range(replication.num_towers)]
+      f"loc:@{variable.name}".encode():
+          f"loc:@{handles[index].op.name}".encode()
+      for variable, handles in copies.items()
+  }
+             for index in range(replication.num_towers)]
   for op in replication.graph.get_operations():
     index = _named_tower(replication, op.name)
     if index and _tf.replace_colocation(op, renamed[index]):
