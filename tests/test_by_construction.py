@@ -352,8 +352,8 @@ def test_a_fixed_width_sparse_feature_keeps_its_width(towers):
 
 def _keras_minimize_model_fn(features, labels, mode, params):
   """Keras' documented minimize(loss_fn, var_list_fn), no-argument callables
-  (the loss built again inside the optimizer's tape)."""
-  del params
+  (the loss built again inside the optimizer's tape). params: 'ordered',
+  the update after the reported loss."""
   hidden = tf.keras.layers.Dense(4, activation="relu", name="hidden")
   dense = tf.keras.layers.Dense(2, name="logits")
 
@@ -366,14 +366,18 @@ def _keras_minimize_model_fn(features, labels, mode, params):
   loss = loss_fn()
   optimizer = tf.keras.optimizers.legacy.Adam(0.05)
   optimizer.iterations = tf.compat.v1.train.get_global_step()
-  train_op = optimizer.minimize(
-      loss_fn, lambda: hidden.trainable_weights + dense.trainable_weights)
+  # On one device nothing orders the reported loss's reads before the
+  # update either: a loaded machine could report the next step's loss.
+  with tf.control_dependencies([loss] if (params or {}).get("ordered") else []):
+    train_op = optimizer.minimize(
+        loss_fn, lambda: hidden.trainable_weights + dense.trainable_weights)
   return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
 
 
 @pytest.mark.parametrize("towers", TOWERS)
 def test_keras_minimize_of_callables(towers):
-  _assert_trains_as_one_device(_keras_minimize_model_fn, _data(), 8, 5, towers)
+  _assert_trains_as_one_device(
+      _keras_minimize_model_fn, _data(), 8, 5, towers, params={"ordered": True})
 
 
 def test_an_unwrapped_baseline_trains_after_replicated_ones(tmp_path):

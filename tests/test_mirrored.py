@@ -122,8 +122,10 @@ def _keras_optimizer_model_fn(features, labels, mode, params):
   inner.iterations = tf.compat.v1.train.get_global_step()
   optimizer = replicate.TowerOptimizer(
       inner, gradient_transform=lambda pairs: [(g * 0.5, v) for g, v in pairs])
-  train_op = optimizer.minimize(
-      loss_fn, lambda: hidden.trainable_weights + dense.trainable_weights)
+  # The reported loss before the update, on one device too.
+  with tf.control_dependencies([loss]):
+    train_op = optimizer.minimize(
+        loss_fn, lambda: hidden.trainable_weights + dense.trainable_weights)
   return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
 
 
