@@ -75,7 +75,7 @@ def _batch_norm_model_fn(features, labels, mode):
   return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
 
 
-def _train_in_cluster(tower_devices, model_fn=_model_fn):
+def _train_in_cluster(tower_devices, model_fn=_model_fn, placement=None):
   """Trains STEPS steps through a worker server; losses and variables."""
   cluster = tf.train.ClusterSpec(_cluster("worker"))
   tf.distribute.Server(cluster, "ps", 0, config=_server_config())
@@ -86,8 +86,9 @@ def _train_in_cluster(tower_devices, model_fn=_model_fn):
     with tf.compat.v1.device(setter):
       tf.compat.v1.train.create_global_step()
       features, labels = harness.batches(models.data(), BATCH)
-      spec = harness.wrap(model_fn, tower_devices)(features, labels,
-                                                   harness.TRAIN)
+      spec = harness.wrap(
+          model_fn, tower_devices, placement=placement)(features, labels,
+                                                        harness.TRAIN)
     with tf.compat.v1.Session(worker.target) as session:
       losses, values = harness.run_training(session, spec, STEPS)
   return losses, values, graph
@@ -97,6 +98,20 @@ def _devices_of(graph, op_type):
   return {
       op.name: op.device for op in graph.get_operations() if op.type == op_type
   }
+
+
+def test_mirrored_on_a_cluster_keeps_the_variables_on_the_ps():
+  expected_losses, expected_values, _ = _train_in_cluster(None)
+  losses, values, graph = _train_in_cluster(
+      harness.devices(harness.VIRTUAL_CPUS, 3), placement="mirrored")
+  np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
+  harness.assert_close_nests(values, expected_values)
+  variables = _devices_of(graph, "VarHandleOp")
+  assert all(d.startswith("/job:ps/task:0") for d in variables.values())
+  assert not [
+      v for v in graph.get_collection(tf.compat.v1.GraphKeys.LOCAL_VARIABLES)
+      if v.op.name.startswith("tower_")
+  ]
 
 
 def test_towers_on_a_worker_with_variables_on_a_parameter_server():

@@ -288,6 +288,20 @@ class CopiesTest(parameterized.TestCase):
     _build_and_run(model_fn, num_towers, 3, check)
     self.assertLen(checked, 3)
 
+  def test_two_runs_give_the_same_bits(self):
+    runs = [
+        harness.train(
+            _bn_model_fn,
+            models.data(),
+            BATCH,
+            STEPS,
+            tower_devices=harness.devices(harness.VIRTUAL_CPUS, 4),
+            placement=MIRRORED) for _ in range(2)
+    ]
+    np.testing.assert_array_equal(runs[0][0], runs[1][0])
+    for name, value in runs[0][1].items():
+      np.testing.assert_array_equal(runs[1][1][name], value, name)
+
   def test_each_device_holds_a_copy_and_reads_its_own(self):
     num_towers = 3
     # The host (CPU:0) apart from the towers, as with GPUs.
@@ -449,6 +463,21 @@ class DefaultTest(parameterized.TestCase):
     harness.assert_close_nests(values, expected, rtol=1e-4, atol=1e-5)
 
 
+class _CopiesAtStart(tf.estimator.SessionRunHook):
+  """Reads every copy once the session exists, before the first step."""
+
+  def begin(self):
+    self._reads = {
+        name: [copy.read_value() for copy in own]
+        for name, own in _copies().items()
+    }
+    self.values = None
+
+  def after_create_session(self, session, coord):
+    del coord
+    self.values = session.run(self._reads)
+
+
 class CheckpointTest(parameterized.TestCase):
 
   def setUp(self):
@@ -518,6 +547,43 @@ class CheckpointTest(parameterized.TestCase):
       for value in values[1:]:
         np.testing.assert_allclose(
             value, values[0], rtol=1e-4, atol=1e-5, err_msg=name)
+
+  @parameterized.parameters("warm_start_from", "init_from_checkpoint")
+  def test_warm_started_values_reach_every_copy_before_the_first_step(
+      self, how):
+    source = self._estimator("source", None, None)
+    source.train(self._input_fn, steps=2)
+    checkpoint = source.latest_checkpoint()
+    model_fn = models.classifier_model_fn
+    if how == "init_from_checkpoint":
+
+      def model_fn(features, labels, mode, params):  # pylint: disable=function-redefined
+        spec = models.classifier_model_fn(features, labels, mode, params)
+        tf.compat.v1.train.init_from_checkpoint(checkpoint, {
+            "hidden/": "hidden/",
+            "logits/": "logits/"
+        })
+        return spec
+
+    estimator = tf.estimator.Estimator(
+        replicate.replicate_model_fn(
+            model_fn,
+            devices=harness.devices(harness.VIRTUAL_CPUS, 3),
+            variable_placement=MIRRORED),
+        model_dir=os.path.join(self._directory, how),
+        params={"optimizer": "adam"},
+        config=tf.estimator.RunConfig(
+            session_config=harness.session_config(harness.VIRTUAL_CPUS)),
+        warm_start_from=source.model_dir if how == "warm_start_from" else None)
+    hook = _CopiesAtStart()
+    estimator.train(self._input_fn, steps=1, hooks=[hook])
+    warmed = [name for name in hook.values if "/Adam" not in name]
+    self.assertLen(warmed, 4)
+    for name in warmed:
+      for value in hook.values[name]:
+        np.testing.assert_array_equal(value,
+                                      tf.train.load_variable(checkpoint, name),
+                                      name)
 
   def test_restored_values_reach_every_copy_before_the_first_step(self):
     source = self._estimator("source", None, None)
