@@ -78,7 +78,6 @@ class _Plan:
 
   def __init__(self, replication: _context.Replication) -> None:
     self.replication = replication
-    graph = replication.graph
     gradients = replication.mirrored_gradients
     # Seen gradient tensor -> its sums on every tower's device.
     self.sums: Dict[Any, List[tf.Tensor]] = {}
@@ -127,7 +126,7 @@ class _Plan:
                 if t.op in region and t.ref() not in self.sums
             ] + [c for c in op.control_inputs if c in from_gradients]))
     self.ops = _in_order(updating)
-    self._check(graph, initializers)
+    self._check(initializers)
 
   def _descendants(self, starts: Iterable[tf.Operation],
                    seeds: List[tf.Tensor]) -> Set[tf.Operation]:
@@ -142,7 +141,8 @@ class _Plan:
             t.ref() in self.sums for t in op.outputs)
     }
 
-  def _check(self, graph: tf.Graph, initializers: Set[tf.Operation]) -> None:
+  def _check(self, initializers: Set[tf.Operation]) -> None:
+    """Sets `refusal` where copies could not give one device's result."""
     members = set(self.ops)
     device = _spec(self.replication.placed[0])
     for variable in sorted(self.variables, key=lambda v: v.name):
@@ -168,7 +168,6 @@ class _Plan:
                         "function body (a tf.cond around the update, as a "
                         "dynamic loss scale builds)")
         return
-    del graph
 
 
 def _in_order(ops: Set[tf.Operation]) -> List[tf.Operation]:
@@ -234,7 +233,6 @@ def mirror(replication: _context.Replication) -> None:
         "reads them from there; results unchanged): %s", replication.placed[0],
         plan.refusal or "no variable is updated")
     return
-  graph = replication.graph
   by_handle = _variables_by_handle()
   copies: Dict[tf.Operation, List[tf.Tensor]] = {}
   with _context.outside(replication), replication.library():
@@ -258,7 +256,6 @@ def mirror(replication: _context.Replication) -> None:
       "replicate: MIRRORED: %d variables copied on %d devices, their update "
       "(%d ops) applied on each", len(copies), replication.num_towers,
       len(plan.ops))
-  del graph
 
 
 def _copy_variable(original: tf.Variable, index: int, device: str) -> tf.Tensor:
