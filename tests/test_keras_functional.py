@@ -25,6 +25,7 @@ import tensorflow as tf
 
 import replicate
 from tests import harness
+from tests import models
 
 TRAIN, EVAL, PREDICT = harness.TRAIN, harness.EVAL, harness.PREDICT
 STEPS = 3
@@ -377,3 +378,35 @@ def test_a_write_in_a_tf_cond_a_hook_fetches_is_one_devices(towers):
   expected = _counts_fetched_by_the_hook(None)
   assert expected == [21.0 * (step + 1) for step in range(STEPS)]  # 7 x 3
   assert _counts_fetched_by_the_hook(_towers(towers)) == expected
+
+
+def _op_layer_model_fn(features, labels, mode, params):
+  """A functional model with TensorFlow ops on its Keras tensors: Keras
+  wraps each in a layer named after the op (`tf_op_layer_Relu`), which in
+  tower i's name scope is `tf_op_layer_tower_i/Relu`."""
+  del params  # unused
+  inputs = tf.keras.Input((5,))
+  hidden = tf.nn.relu(tf.keras.layers.Dense(8, name="hidden")(inputs))
+  outputs = tf.keras.layers.Dense(3, name="logits")(tf.math.square(hidden))
+  model = tf.keras.Model(inputs, outputs)
+  loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(
+      labels, model(features["x"]))
+  train_op = tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(
+      loss, global_step=tf.compat.v1.train.get_global_step())
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+@pytest.mark.parametrize("towers", [2, 4])
+def test_tensorflow_ops_on_keras_tensors_train_as_one_device(towers):
+  # These were refused as towers building different models.
+  expected_losses, expected = harness.train(_op_layer_model_fn, models.data(),
+                                            8, 3)
+  losses, actual = harness.train(
+      _op_layer_model_fn,
+      models.data(),
+      8,
+      3,
+      tower_devices=harness.devices(harness.VIRTUAL_CPUS, towers))
+  np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
+  assert sorted(actual) == sorted(expected)
+  harness.assert_close_nests(actual, expected)

@@ -147,9 +147,11 @@ class Rewiring:
       for op in ops:
         if op.name.startswith(prefix):
           # Keras layers built in a Keras model carry the scope they were
-          # declared in too (dnn/tower_1/hiddenlayer_0/...).
-          relative = "/".join(
-              part for part in op.name[len(prefix):].split("/") if part != own)
+          # declared in too (dnn/tower_1/hiddenlayer_0/...), and a TensorFlow
+          # op on Keras tensors becomes a layer named after the op
+          # (tf_op_layer_tower_1/Relu).
+          relative = "/".join(part for part in op.name[len(prefix):].replace(
+              f"tf_op_layer_{own}/", "tf_op_layer_").split("/") if part != own)
           index_.add(op, relative)
       self._indexes[index] = index_
       flat = tf.nest.flatten(replication.inputs[index], expand_composites=True)
