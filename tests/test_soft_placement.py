@@ -161,8 +161,7 @@ def test_lookups_place_without_soft_placement_with_one_devices_values(
 # were placed on tower 0's device when it was built, and only soft
 # placement moves them to the copy its tower reads.
 @pytest.mark.parametrize("lookup", LOOKUPS)
-def test_mirrored_places_without_soft_placement_with_one_devices_values(
-    lookup):
+def test_mirrored_places_without_soft_placement_with_one_devices_values(lookup):
   # 10 rows on 3 towers: shards of 4, 3 and 3.
   expected = _run(lookup, None, None, 10)
   actual = _run(lookup, 3, "mirrored", 10)
