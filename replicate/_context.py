@@ -98,8 +98,6 @@ class Replication:
   mirrored_gradients: List[Any] = dataclasses.field(default_factory=list)
   # True while a meeting's gradients are being summed between the towers.
   summing: bool = False
-  # How deep `library()` calls are nested.
-  library_depth: int = 0
 
   @property
   def meeting_device(self) -> Optional[str]:
@@ -121,17 +119,11 @@ class Replication:
 
   @contextlib.contextmanager
   def library(self) -> Iterator[None]:
-    """Ops built inside are the library's, not the model's (a nested call
-    is part of the outer one's range)."""
-    if self.library_depth:
-      yield
-      return
+    """Ops built inside are the library's, not the model's."""
     start = self.graph.version
-    self.library_depth += 1
     try:
       yield
     finally:
-      self.library_depth -= 1
       end = self.graph.version
       if end > start:
         if self.library_ranges and self.library_ranges[-1][1] == start:

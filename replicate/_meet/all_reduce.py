@@ -138,7 +138,8 @@ class _GradientSums:
     if not self._pending:
       return
     replication = self._replication
-    with _context.outside(replication, "all_reduce"), replication.library():
+    # Inside the meeting, whose ops are the library's already.
+    with _context.outside(replication, "all_reduce"):
       dense = [
           p for p in self._pending if not isinstance(p.seen, tf.IndexedSlices)
       ]
