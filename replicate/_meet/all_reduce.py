@@ -21,13 +21,14 @@ concatenating every tower's rows in the order one device would.
 
 import contextlib
 import dataclasses
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 from absl import logging
 import tensorflow as tf
 
 from replicate import _context
 from replicate import _tf
+from replicate._prepare import devices as _devices
 
 # A pack is closed once it holds this many bytes.
 PACK_BYTES = 4 << 20
@@ -60,11 +61,6 @@ class _Pending:
   seen: Any
 
 
-def _spec(device: Optional[str]) -> Tuple[Any, Any, Any, Any, Any]:
-  spec = tf.DeviceSpec.from_string(device or "")
-  return spec.job, spec.replica, spec.task, spec.device_type, spec.device_index
-
-
 class _GradientSums:
   """Collects the terms of mirrored variables' gradients, then sums them."""
 
@@ -72,19 +68,20 @@ class _GradientSums:
     self._replication = replication
     self._pending: List[_Pending] = []
     self._towers = {
-        _spec(device)[3:]: index
+        _devices.device_key(device)[3:]: index
         for index, device in enumerate(replication.devices)
     }
 
   def _tower(self, term: Any) -> int:
     tensor = term.values if isinstance(term, tf.IndexedSlices) else term
-    return self._towers.get(_spec(tensor.op.device)[3:], 0)
+    return self._towers.get(_devices.device_key(tensor.op.device)[3:], 0)
 
   def _eligible(self, op: tf.Operation) -> bool:
     replication = self._replication
     if op.type != "VarHandleOp" or op.graph is not replication.graph:
       return False
-    if _spec(op.device) != _spec(replication.placed[0]):
+    if _devices.device_key(op.device) != _devices.device_key(
+        replication.placed[0]):
       return False
     shape = tf.TensorShape(op.get_attr("shape"))
     return shape.is_fully_defined()

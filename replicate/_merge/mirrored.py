@@ -24,7 +24,7 @@ the variables stay on tower 0's device, read from there, as exact as
 before and slower, and the log says why.
 """
 
-from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Set
 
 from absl import logging
 import tensorflow as tf
@@ -32,6 +32,7 @@ import tensorflow as tf
 from replicate import _context
 from replicate import _graph
 from replicate import _tf
+from replicate._prepare import devices as _devices
 
 # Ops that run a function body.
 _FUNCTION_CALLS = frozenset([
@@ -76,7 +77,8 @@ def _written(op: tf.Operation) -> List[tf.Operation]:
 class _Plan:
   """What `mirror` copies: the variables and the update's ops."""
 
-  def __init__(self, replication: _context.Replication) -> None:
+  def __init__(self, replication: _context.Replication,
+               variables: Dict[tf.Operation, tf.Variable]) -> None:
     self.replication = replication
     gradients = replication.mirrored_gradients
     # Seen gradient tensor -> its sums on every tower's device.
@@ -96,7 +98,9 @@ class _Plan:
             for own in g.per_tower
             for t in _components(own)
         ], _graph.input_and_control_ops))
-    initializers = _initializer_ops()
+    initializers = {
+        v.initializer for v in variables.values() if v.initializer is not None
+    }
     self.excluded = self.before | initializers
     self.variables: Set[tf.Operation] = set()
     self.ops: List[tf.Operation] = []
@@ -126,7 +130,7 @@ class _Plan:
                 if t.op in region and t.ref() not in self.sums
             ] + [c for c in op.control_inputs if c in from_gradients]))
     self.ops = _in_order(updating)
-    self._check(initializers)
+    self._check(initializers, variables)
 
   def _descendants(self, starts: Iterable[tf.Operation],
                    seeds: List[tf.Tensor]) -> Set[tf.Operation]:
@@ -141,12 +145,16 @@ class _Plan:
             t.ref() in self.sums for t in op.outputs)
     }
 
-  def _check(self, initializers: Set[tf.Operation]) -> None:
+  def _check(self, initializers: Set[tf.Operation],
+             variables: Dict[tf.Operation, tf.Variable]) -> None:
     """Sets `refusal` where copies could not give one device's result."""
     members = set(self.ops)
-    device = _spec(self.replication.placed[0])
+    device = _devices.device_key(self.replication.placed[0])
     for variable in sorted(self.variables, key=lambda v: v.name):
-      if _spec(variable.device) != device:
+      if variable not in variables:
+        self.refusal = f"variable {variable.name} is in no collection"
+        return
+      if _devices.device_key(variable.device) != device:
         self.refusal = (f"variable {variable.name} is on {variable.device}, "
                         "not on tower 0's device")
         return
@@ -192,23 +200,8 @@ def _in_order(ops: Set[tf.Operation]) -> List[tf.Operation]:
   return ordered
 
 
-def _spec(device: Optional[str]) -> Tuple[Any, ...]:
-  spec = tf.DeviceSpec.from_string(device or "")
-  return spec.job, spec.replica, spec.task, spec.device_type, spec.device_index
-
-
-def _initializer_ops() -> Set[tf.Operation]:
-  """Every variable's initialiser op, and the ops only it runs."""
-  ops = set()
-  for variable in (*tf.compat.v1.global_variables(),
-                   *tf.compat.v1.local_variables()):
-    initializer = getattr(variable, "initializer", None)
-    if initializer is not None:
-      ops.add(initializer)
-  return ops
-
-
 def _variables_by_handle() -> Dict[tf.Operation, tf.Variable]:
+  """The graph's resource variables (global and local) by handle op."""
   found = {}
   for variable in (*tf.compat.v1.global_variables(),
                    *tf.compat.v1.local_variables()):
@@ -226,25 +219,19 @@ def mirror(replication: _context.Replication) -> None:
   """
   if not replication.mirrored_gradients:
     return
-  plan = _Plan(replication)
+  by_handle = _variables_by_handle()
+  plan = _Plan(replication, by_handle)
   if plan.refusal is not None or not plan.variables:
     logging.warning(
         "replicate: MIRRORED keeps the variables on %s only (each tower "
         "reads them from there; results unchanged): %s", replication.placed[0],
         plan.refusal or "no variable is updated")
     return
-  by_handle = _variables_by_handle()
   copies: Dict[tf.Operation, List[tf.Tensor]] = {}
   with _context.outside(replication), replication.library():
     for variable in sorted(plan.variables, key=lambda v: v.name):
-      original = by_handle.get(variable)
-      if original is None:
-        logging.warning(
-            "replicate: MIRRORED keeps the variables on %s only: variable "
-            "%s is in no collection", replication.placed[0], variable.name)
-        return
       copies[variable] = [variable.outputs[0]] + [
-          _copy_variable(original, index, device)
+          _copy_variable(by_handle[variable], index, device)
           for index, device in enumerate(replication.placed)
           if index
       ]

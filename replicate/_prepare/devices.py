@@ -7,6 +7,7 @@ device function each tower builds under.
 
 import enum
 from typing import (
+    Any,
     Callable,
     Dict,
     Iterable,
@@ -477,9 +478,15 @@ def _captured(tensor: tf.Tensor) -> Optional[tf.Tensor]:
   return None
 
 
-def _task(device: str) -> Tuple[Optional[str], Optional[int], Optional[int]]:
+def device_key(device: Optional[str]) -> Tuple[Any, ...]:
+  """(job, replica, task, device type, index) of a device name, for
+  comparing names written differently ('/gpu:1', '/device:GPU:1')."""
   spec = tf.DeviceSpec.from_string(device or "")
-  return spec.job, spec.replica, spec.task
+  return spec.job, spec.replica, spec.task, spec.device_type, spec.device_index
+
+
+def _task(device: str) -> Tuple[Any, ...]:
+  return device_key(device)[:3]
 
 
 def other_task(device: str, other: str) -> bool:
