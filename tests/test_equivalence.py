@@ -68,6 +68,10 @@ class TrainingEquivalenceTest(parameterized.TestCase):
       ("v1", "adam", 4, replicate.VariablePlacement.SHARED),
       ("v1", "momentum", 3, replicate.VariablePlacement.ROUND_ROBIN),
       ("keras", "adam", 2, "round_robin"),
+      ("v1", "adagrad", 2, replicate.VariablePlacement.MIRRORED),
+      ("v1", "adam", 4, replicate.VariablePlacement.MIRRORED),
+      ("keras", "momentum", 3, "mirrored"),
+      ("keras", "adam", 2, "mirrored"),
   )
   def test_layers_optimizers_and_placements_match_one_device(
       self, layers, optimizer, num_towers, placement):

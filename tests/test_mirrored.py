@@ -40,6 +40,18 @@ def _copies(graph=None):
   return found
 
 
+def _train_graph(model_fn, devices, placement=MIRRORED, params=None):
+  """The replicated TRAIN graph of `model_fn` on one batch of constants."""
+  with tf.Graph().as_default() as graph:
+    tf.compat.v1.train.create_global_step()
+    features, labels = models.data(BATCH)
+    harness.wrap(
+        model_fn, devices, placement=placement)({
+            "x": tf.constant(features["x"])
+        }, tf.constant(labels), tf.estimator.ModeKeys.TRAIN, params or {})
+  return graph
+
+
 def _embedding_model_fn(features, labels, mode, params):
   """An embedding lookup (sparse gradients) feeding a dense layer."""
   ids = tf.math.floormod(tf.cast(tf.abs(features["x"]) * 100.0, tf.int64), 40)
@@ -188,40 +200,18 @@ def _loss_scaled_model_fn(features, labels, mode, params):
   optimizer = tf.keras.mixed_precision.LossScaleOptimizer(
       tf.keras.optimizers.legacy.Adagrad(0.3), initial_scale=1024.0)
   optimizer = replicate.TowerOptimizer(optimizer)
-  train_op = optimizer.minimize(
-      lambda: tf.compat.v1.losses.sparse_softmax_cross_entropy(
-          labels,
-          tf.compat.v1.layers.dense(
-              features["x"], models.NUM_CLASSES, name="logits", reuse=True)),
-      tf.compat.v1.trainable_variables)
+  # The reported loss before the update, on one device too.
+  with tf.control_dependencies([loss]):
+    train_op = optimizer.minimize(
+        lambda: tf.compat.v1.losses.sparse_softmax_cross_entropy(
+            labels,
+            tf.compat.v1.layers.dense(
+                features["x"], models.NUM_CLASSES, name="logits", reuse=True)),
+        tf.compat.v1.trainable_variables)
   return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
 
 
 class EquivalenceTest(parameterized.TestCase):
-
-  @parameterized.parameters(
-      ("v1", "adagrad", 2),
-      ("v1", "adam", 4),
-      ("keras", "momentum", 3),
-      ("keras", "adam", 2),
-  )
-  def test_training_matches_one_device(self, layers, optimizer, num_towers):
-    # 8 examples on 3 towers: shards of 3, 3 and 2.
-    expected_losses, expected = _one_device(layers, optimizer)
-    losses, values = harness.train(
-        models.classifier_model_fn,
-        models.data(),
-        BATCH,
-        STEPS,
-        tower_devices=harness.devices(harness.VIRTUAL_CPUS, num_towers),
-        placement=MIRRORED,
-        params={
-            "layers": layers,
-            "optimizer": optimizer
-        })
-    np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
-    self.assertEqual(sorted(values), sorted(expected))
-    harness.assert_close_nests(values, expected, rtol=1e-4, atol=1e-5)
 
   @parameterized.product(
       model_fn=(_embedding_model_fn, _bn_model_fn, _own_gradients_model_fn,
@@ -306,16 +296,8 @@ class CopiesTest(parameterized.TestCase):
     num_towers = 3
     # The host (CPU:0) apart from the towers, as with GPUs.
     devices = harness.devices(harness.VIRTUAL_CPUS, num_towers + 1)[1:]
-    with tf.Graph().as_default() as graph:
-      tf.compat.v1.train.create_global_step()
-      features, labels = models.data(BATCH)
-      spec = harness.wrap(
-          models.classifier_model_fn, devices, placement=MIRRORED)({
-              "x": tf.constant(features["x"])
-          }, tf.constant(labels), tf.estimator.ModeKeys.TRAIN, {
-              "optimizer": "momentum"
-          })
-      del spec
+    graph = _train_graph(
+        models.classifier_model_fn, devices, params={"optimizer": "momentum"})
     copies = _copies(graph)
     # Every trained variable and its Momentum slot, on every other device.
     self.assertEqual(
@@ -401,30 +383,16 @@ class CopiesTest(parameterized.TestCase):
 
   def test_keras_batch_norm_layers_are_mirrored(self):
     # Their tf.cond reads the variables (read-only function inputs).
-    with tf.Graph().as_default() as graph:
-      tf.compat.v1.train.create_global_step()
-      features, labels = models.data(BATCH)
-      harness.wrap(
-          _keras_batch_norm_model_fn,
-          harness.devices(harness.VIRTUAL_CPUS, 2),
-          placement=MIRRORED)({
-              "x": tf.constant(features["x"])
-          }, tf.constant(labels), tf.estimator.ModeKeys.TRAIN, {})
+    graph = _train_graph(_keras_batch_norm_model_fn,
+                         harness.devices(harness.VIRTUAL_CPUS, 2))
     names = sorted(_copies(graph))
     self.assertLen(names, 12)  # 6 trained variables and their Momentum slots
     self.assertTrue(any("batch_normalization/gamma" in n for n in names))
 
   def test_a_variable_written_outside_the_update_is_not_mirrored(self):
     with self.assertLogs("absl", "WARNING") as logs:
-      with tf.Graph().as_default() as graph:
-        tf.compat.v1.train.create_global_step()
-        features, labels = models.data(BATCH)
-        harness.wrap(
-            _clipped_before_use_model_fn,
-            harness.devices(harness.VIRTUAL_CPUS, 2),
-            placement=MIRRORED)({
-                "x": tf.constant(features["x"])
-            }, tf.constant(labels), tf.estimator.ModeKeys.TRAIN, {})
+      graph = _train_graph(_clipped_before_use_model_fn,
+                           harness.devices(harness.VIRTUAL_CPUS, 2))
     self.assertEqual(_copies(graph), {})
     self.assertTrue(
         any("also written by" in line and "kernel" in line
@@ -439,13 +407,7 @@ class DefaultTest(parameterized.TestCase):
     for devices, mirrored in ((["/gpu:0",
                                 "/gpu:1"], True), (["/cpu:1",
                                                     "/cpu:2"], False)):
-      with tf.Graph().as_default() as graph:
-        tf.compat.v1.train.create_global_step()
-        features, labels = models.data(BATCH)
-        replicate.replicate_model_fn(
-            models.classifier_model_fn, devices=devices)({
-                "x": tf.constant(features["x"])
-            }, tf.constant(labels), tf.estimator.ModeKeys.TRAIN, {})
+      graph = _train_graph(models.classifier_model_fn, devices, placement=None)
       self.assertEqual(bool(_copies(graph)), mirrored, devices)
 
   def test_gpu_names_on_cpu_train_as_one_device(self):
