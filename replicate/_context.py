@@ -61,10 +61,8 @@ class Replication:
   placed: List[str] = dataclasses.field(default_factory=list)
   # Whether batch normalization in training uses the whole batch's statistics.
   sync_batch_norm: bool = True
-  # Per-tower collections as they were before the towers (each tower sees
-  # these and its own additions).
-  collections_before: Dict[str,
-                           List[Any]] = dataclasses.field(default_factory=dict)
+  # What each tower's call sees of the graph (`_towers.views.GraphViews`).
+  views: Any = None
   # Per tower: the (features, labels) shard of the batch it was given.
   inputs: List[Any] = dataclasses.field(default_factory=list)
   # Per tower: the ops its model_fn call built (set once the towers are).
@@ -256,10 +254,6 @@ def current_tower() -> Optional[Tower]:
   return replication.tower if replication is not None else None
 
 
-_PER_TOWER_COLLECTIONS = (tf.compat.v1.GraphKeys.UPDATE_OPS,
-                          tf.compat.v1.GraphKeys.LOSSES)
-
-
 @contextlib.contextmanager
 def replication_scope(replication: Replication) -> Iterator[Replication]:
   """Makes `replication` current on this thread; records the root scopes."""
@@ -269,10 +263,6 @@ def replication_scope(replication: Replication) -> Iterator[Replication]:
         "wrap a model_fn once, not a model_fn that is already replicated.")
   replication.root_name_scope = replication.graph.get_name_scope()
   replication.root_variable_scope = tf.compat.v1.get_variable_scope()
-  replication.collections_before = {
-      key: replication.graph.get_collection(key)
-      for key in _PER_TOWER_COLLECTIONS
-  }
   with _current(replication):
     yield replication
 

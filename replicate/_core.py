@@ -49,6 +49,7 @@ from replicate._prepare import source
 from replicate._prepare import split as _split
 from replicate._towers import build
 from replicate._towers import lookups
+from replicate._towers import views
 
 _ModeKeys = tf.estimator.ModeKeys
 _PLACEHOLDER_OPS = frozenset(["Placeholder"])
@@ -298,6 +299,7 @@ def _run_towers(model_fn: Callable[..., Any], features: Any, labels: Any,
   logging.info("replicate: %d towers on %s, variables %s, merging on %s",
                len(devices), devices, placement.value, hub)
   first_op = len(graph.get_operations())
+  names_before = dict(_tf.names_in_use(graph))
   with tf.device(hub), tf.name_scope("split_inputs"):
     shards = _split.split_batch(features, labels, len(devices))
   # The hub and the towers as the caller's device scope (a cluster's
@@ -321,6 +323,7 @@ def _run_towers(model_fn: Callable[..., Any], features: Any, labels: Any,
       mirrored=mirrored)
   replication.meetings = meetings.Meetings(replication)
   replication.rewiring = rewiring.Rewiring(replication)
+  replication.views = views.GraphViews(graph, names_before)
   if placement is _devices.VariablePlacement.MIRRORED and cluster.on_cluster(
       hub):
     # The cluster's device function puts the variables on its ps.

@@ -16,6 +16,7 @@ attribute (tests/test_layout.py checks).
 """
 
 import contextlib
+import re
 import sys
 import threading
 from typing import (
@@ -238,6 +239,58 @@ class NameCounters:
     counts.update(self._scopes)
 
 
+# ------------------------------------------ graph state a model_fn reads
+# A model_fn call reads its graph's collections (`Graph._collections`), the
+# variable store `get_variable` looks in (the `_VariableStore` kept in the
+# graph's collection `__variable_store`, its `_vars` and `_partitioned_vars`)
+# and the names in use (`Graph._names_in_use`, lowercased name -> count).
+# `_towers.views` gives each tower's call one device's view of them.
+
+
+def collections(graph: tf.Graph) -> Dict[Any, List[Any]]:
+  """`graph`'s collections, key -> list (Graph._collections, the dict)."""
+  return graph._collections
+
+
+def set_collections(graph: tf.Graph, value: Dict[Any, List[Any]]) -> None:
+  """Makes `value` `graph`'s collections (Graph._collections)."""
+  graph._collections = value
+
+
+def names_in_use(graph: tf.Graph) -> Dict[str, int]:
+  """`graph`'s names in use, lowercased (Graph._names_in_use, the dict)."""
+  return graph._names_in_use
+
+
+def variable_store(graph: tf.Graph) -> Any:
+  """The store `get_variable` keeps `graph`'s variables in, made if absent
+  (variable_scope._get_default_variable_store)."""
+  with graph.as_default():
+    return _variable_scope._get_default_variable_store()
+
+
+def store_contents(store: Any) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+  """A variable store's variables and partitioned variables by name
+  (_VariableStore._vars and _partitioned_vars, the dicts)."""
+  return store._vars, store._partitioned_vars
+
+
+def set_store_contents(store: Any, contents: Tuple[Dict[str, Any],
+                                                   Dict[str, Any]]) -> None:
+  """Makes `contents` (as `store_contents` returns) the store's."""
+  store._vars, store._partitioned_vars = contents
+
+
+def share_variable(variable: Any, shared: Any) -> None:
+  """Makes every op using `variable` (but its own initialization) use
+  `shared` instead: its handle's, or a reference variable's ref tensor's,
+  consumers read `shared`'s."""
+  own = variable.op.name + "/"
+  keep = [op for op in variable.op.outputs[0].consumers()
+          if op.name.startswith(own)]
+  rewire(variable.op.outputs[0], shared.op.outputs[0], keep)
+
+
 # --------------------------------------------------------- shape functions
 
 
@@ -277,9 +330,12 @@ def install_unfolded_shapes() -> List[Any]:
 
 
 class _TowerRoots(threading.local):
-  """The name scope a tower built before tower 0 puts absolute scopes in."""
+  """The name scope a tower built before tower 0 puts absolute scopes in,
+  and the name segment (`tower_i`) its names carry that one device's
+  names do not."""
   graph: Optional[tf.Graph] = None
   root: Optional[str] = None
+  segment: Optional[str] = None
   bypass = 0
 
 
@@ -299,8 +355,40 @@ def _rooted_name_scope(self: tf.Graph, name: Optional[str]) -> Any:
   return _GRAPH_NAME_SCOPE(self, name)
 
 
+def without_segment(name: str, segment: str) -> str:
+  """`name` without its path components equal to `segment` (`tower_1`)."""
+  return "/".join(part for part in name.split("/") if part != segment)
+
+
+_GRAPH_GET_COLLECTION = tf.Graph.get_collection
+
+
+def _towerless_get_collection(self: tf.Graph,
+                              name: Any,
+                              scope: Optional[str] = None) -> List[Any]:
+  """Graph.get_collection, a scope matched as one device's names match it.
+
+  In a tower built before tower 0, ops are named `tower_i/...` and the
+  variables it shares are not; a scope is matched against names without
+  the tower's segment, and the scope itself (from the tower's variable or
+  name scope) is taken without it too, so that both match as on one device.
+  """
+  segment = _roots.segment
+  if scope is None or self is not _roots.graph or not segment:
+    return _GRAPH_GET_COLLECTION(self, name, scope)
+  regex = re.compile(without_segment(scope, segment))
+  found = []
+  for item in _GRAPH_GET_COLLECTION(self, name):
+    item_name = getattr(item, "name", None)
+    if isinstance(item_name, str) and regex.match(
+        without_segment(item_name, segment)):
+      found.append(item)
+  return found
+
+
 def install_tower_roots() -> List[Any]:
-  """Graph.name_scope sends absolute scopes of a tower into the tower's.
+  """Graph.name_scope sends absolute scopes of a tower into the tower's, and
+  Graph.get_collection matches scopes without the tower's name segment.
 
   Model code resets the name scope (`tf.name_scope('')`, an absolute
   `'training/'`: the canned heads do, for Keras' names); in a tower built
@@ -308,19 +396,23 @@ def install_tower_roots() -> List[Any]:
   model's names) needs, so there they go under the tower's scope. Returns
   what to restore.
   """
-  tf.Graph.name_scope = _rooted_name_scope
-  return [(tf.Graph, "name_scope", _GRAPH_NAME_SCOPE)]
+  return [
+      patch(tf.Graph, "name_scope", _rooted_name_scope),
+      patch(tf.Graph, "get_collection", _towerless_get_collection)
+  ]
 
 
 @contextlib.contextmanager
-def tower_root(graph: tf.Graph, root: Optional[str]) -> Iterator[None]:
-  """Inside, `graph`'s absolute name scopes go under `root` (see above)."""
-  before = (_roots.graph, _roots.root)
-  _roots.graph, _roots.root = graph, root
+def tower_root(graph: tf.Graph, root: Optional[str],
+               segment: Optional[str]) -> Iterator[None]:
+  """Inside, `graph`'s absolute name scopes go under `root`, and scoped
+  collection reads ignore the name segment `segment` (see above)."""
+  before = (_roots.graph, _roots.root, _roots.segment)
+  _roots.graph, _roots.root, _roots.segment = graph, root, segment
   try:
     yield
   finally:
-    _roots.graph, _roots.root = before
+    _roots.graph, _roots.root, _roots.segment = before
 
 
 @contextlib.contextmanager

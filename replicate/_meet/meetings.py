@@ -125,6 +125,7 @@ class Meetings:
         if entry.holder is not None:
           self._brought[entry.holder.op] = brought
       return standins
+    replication.views.share_imported()
     others = self._others_at(position, kind, signature)
     calls.append(_Call(kind, signature, value, None, None))
     replication.rewiring.advance()

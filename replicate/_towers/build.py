@@ -9,15 +9,16 @@ towers stand-ins and is built once when tower 0, the last to arrive, makes
 it, so that tower 0's code gets the real result (a gradient's structure
 included) as on one device.
 
-Each tower builds under its own name scope (none for tower 0: the
-unwrapped names, `tower_i/` for the others), its own device function, and
-a variable creator giving every tower the variables the first tower built
-created (under the unwrapped names), however they are created
-(get_variable, tf.compat.v1.layers, Keras layers, which ignore
-variable-scope reuse). Each tower starts from the graph's name counters
-and per-tower collections (UPDATE_OPS, LOSSES) as they stood before the
-towers, so it names its layers and sees its updates as the unwrapped
-model_fn would; TensorBoard shows tower 0's summaries.
+Each tower builds under its own name and variable scope (none for tower
+0: the unwrapped names, `tower_i/` for the others), its own device
+function, and a variable creator giving every tower the variables the
+first tower built created (under the unwrapped names), however they are
+created (get_variable, tf.compat.v1.layers, Keras layers, which ignore
+variable-scope reuse). Each tower starts from the graph's name counters as
+they stood before the towers and sees one device's collections, variable
+store and names (`_towers.views`), so it names its layers, finds its
+losses, updates and variables as the unwrapped model_fn would; TensorBoard
+shows tower 0's summaries.
 """
 
 import contextlib
@@ -32,11 +33,6 @@ from replicate._context import Replication
 from replicate._context import Tower
 from replicate._towers import sharing
 
-_GraphKeys = tf.compat.v1.GraphKeys
-# Collections each tower keeps its own view of: what was there before the
-# towers, and what the tower added.
-_PER_TOWER = (_GraphKeys.UPDATE_OPS, _GraphKeys.LOSSES)
-
 
 def order(num_towers: int) -> List[int]:
   """The order the towers are built in: 1, ..., N-1, then 0."""
@@ -47,25 +43,27 @@ def order(num_towers: int) -> List[int]:
 def _tower_scope(
     replication: Replication, index: int,
     device_function: Callable[[tf.Operation], str]) -> Iterator[None]:
-  """Builds tower `index`: its name scope, reuse, devices and variables."""
+  """Builds tower `index`: its scopes, devices and variables."""
   graph = replication.graph
   with contextlib.ExitStack() as stack:
-    if index != replication.creator:
+    if index > 0:
+      segment = f"tower_{index}"
+      scope = stack.enter_context(graph.name_scope(segment))
+      stack.enter_context(_tf.tower_root(graph, scope.rstrip("/"), segment))
+      # The variable scope agrees with the name scope, as on one device;
+      # `get_variable` names reach the variable store without the segment.
       stack.enter_context(
           tf.compat.v1.variable_scope(
-              replication.root_variable_scope,
-              custom_getter=sharing.sharing_getter(replication, index)))
-    if index > 0:
-      scope = stack.enter_context(graph.name_scope(f"tower_{index}"))
-      stack.enter_context(_tf.tower_root(graph, scope.rstrip("/")))
+              segment,
+              auxiliary_name_scope=False,
+              custom_getter=sharing.towerless_getter(segment)))
     else:
       stack.enter_context(
           _context.absolute_name_scope(graph, replication.root_name_scope))
     stack.enter_context(tf.compat.v1.device(device_function))
     stack.enter_context(
         tf.compat.v1.variable_creator_scope(
-            sharing.variable_creator(replication, index,
-                                     replication.tower_prefix(index))))
+            sharing.variable_creator(replication, index)))
     logging.info("replicate: building tower %d of %d on %s", index,
                  replication.num_towers, replication.devices[index])
     yield
@@ -76,8 +74,10 @@ def build_towers(
     device_functions: Sequence[Callable[[tf.Operation], str]]) -> List[Any]:
   """Calls `build(i)` once per tower, one after another; tower 0 last.
 
-  Records each tower's range of ops in `replication.ranges`, and its ops
-  in `replication.tower_ops` (tower order) once every tower is built.
+  Each call sees one device's graph (`replication.views`); afterwards the
+  graph holds one device's collections. Records each tower's range of ops
+  in `replication.ranges`, and its ops in `replication.tower_ops` (tower
+  order) once every tower is built.
   """
   graph = replication.graph
   counters = _tf.NameCounters()
@@ -86,24 +86,24 @@ def build_towers(
   replication.creator = towers[0]
   replication.created = [{} for _ in range(num_towers)]
   results = [None] * num_towers
-  before = {key: list(graph.get_collection(key)) for key in _PER_TOWER}
-  for index in towers:
-    counters.restore()
-    for key in _PER_TOWER:
-      graph.get_collection_ref(key)[:] = before[key]
-    summaries_before = {
-        id(s) for s in graph.get_collection(_GraphKeys.SUMMARIES)
-    }
-    replication.tower = Tower(index, num_towers, replication.devices[index])
-    replication.ranges[index] = [graph.version, None]
-    with _tower_scope(replication, index, device_functions[index]):
-      results[index] = build(index)
-    replication.ranges[index][1] = graph.version
-    if index != 0:
-      # TensorBoard shows tower 0's summaries, under the unwrapped names.
-      summaries = graph.get_collection_ref(_GraphKeys.SUMMARIES)
-      summaries[:] = [s for s in summaries if id(s) in summaries_before]
-  replication.tower = None
+  views = replication.views
+  try:
+    for index in towers:
+      counters.restore()
+      views.enter(replication.tower_prefix(index), replication.tower_prefix(0))
+      replication.tower = Tower(index, num_towers, replication.devices[index])
+      replication.ranges[index] = [graph.version, None]
+      try:
+        with _tower_scope(replication, index, device_functions[index]):
+          results[index] = build(index)
+        if index == 0:
+          views.share_imported()
+      finally:
+        views.leave(index)
+      replication.ranges[index][1] = graph.version
+  finally:
+    replication.tower = None
+    views.merge()
   replication.tower_ops = [replication.model_ops(i) for i in range(num_towers)]
   for ops in replication.tower_ops:
     replication.tower_op_names.update(op.name for op in ops)

@@ -7,8 +7,7 @@ variable-scope reuse), matched by the name asked for and how often.
 """
 
 import collections
-import re
-from typing import Any, Callable, Counter, Dict, Optional, Set, Union
+from typing import Any, Callable, Counter, Dict, Optional, Set, Tuple, Union
 
 from absl import logging
 import tensorflow as tf
@@ -25,18 +24,6 @@ def _is_model_state(kwargs: Dict[str, Any]) -> bool:
   if collections_ is None:
     return True
   return tf.compat.v1.GraphKeys.GLOBAL_VARIABLES in collections_
-
-
-def _without_root(name: str, root: str) -> str:
-  """`name` with the tower's root scope removed wherever it occurs.
-
-  Keras layers built inside a Keras model also carry the scope they were
-  declared in (`tower_1/dnn/tower_1/hiddenlayer_0/kernel`), not only the
-  one they are called in.
-  """
-  if not root:
-    return name
-  return re.sub(r"(^|/)" + re.escape(root), r"\1", name)
 
 
 def _cache_device(replication: Replication) -> Optional[str]:
@@ -134,44 +121,69 @@ def _shape_of(kwargs: Dict[str, Any]) -> Optional[tf.TensorShape]:
     return None
 
 
-def variable_creator(replication: Replication, index: int,
-                     name_root: str) -> Callable[..., tf.Variable]:
+def _name_parts(graph: tf.Graph, name: str,
+                segment: Optional[str]) -> Tuple[str, str]:
+  """The name one device gives a variable asked for as `name` now, and the
+  name it was asked for, both without the tower's name segment.
+
+  The first is made unique as TensorFlow makes it (`unique_name`, among the
+  tower's names, which are one device's with the segment added: see
+  `_towers.views`); a name ending in '/' is absolute, taken as it is.
+  """
+  if name.endswith("/"):
+    return name, name
+  scope = graph.get_name_scope()
+  asked = f"{scope}/{name}" if scope else name
+  unique = graph.unique_name(name)
+  if not segment:
+    return unique, asked
+  return (_tf.without_segment(unique, segment),
+          _tf.without_segment(asked, segment))
+
+
+def variable_creator(replication: Replication,
+                     index: int) -> Callable[..., tf.Variable]:
   """Returns a creator sharing the first built tower's variables.
 
   The first tower built (`replication.creator`) creates each variable under
-  the name the unwrapped model_fn gives it: its own `tower_i/` name scope
+  the name the unwrapped model_fn gives it: its own `tower_i` name segment
   is left out. Every other tower gets those variables back, matched by the
   name asked for (relative to the tower's scope) and how many times that
   name was asked for before, so TensorFlow's own uniquifying of names
-  cannot pair the wrong ones. Local (metric) variables are shared too, like
-  those `get_local_variable` gets back by variable-scope reuse, so that the
-  towers' writes reach one variable (`_merge.state`). A checkpointed variable
-  the first tower did not create, or asked for with another shape, is an error;
-  a local one is the tower's.
+  cannot pair the wrong ones; it sees them join its collections and take
+  their names as its own creation would (`_towers.views`). Local (metric)
+  variables are shared too, like those `get_local_variable` gets back by
+  variable-scope reuse, so that the towers' writes reach one variable
+  (`_merge.state`). A checkpointed variable the first tower did not create,
+  or asked for with another shape, is an error; a local one is the tower's.
   """
   counts: Counter[str] = collections.Counter()
   created = replication.created[index]
   creating = index == replication.creator
+  segment = f"tower_{index}" if index else None
+  views = replication.views
   # Trained variables of a parameter server are read once per step.
   cache = _cache_device(replication) if creating else None
-  root = replication.root_name_scope
 
   def creator(next_creator: Callable[..., tf.Variable],
               **kwargs: Any) -> tf.Variable:
     if replication.unshared:
       return next_creator(**kwargs)
     graph = tf.compat.v1.get_default_graph()
-    scope = graph.get_name_scope()
     name = kwargs.get("name") or "Variable"
-    full = f"{scope}/{name}" if scope else name
-    relative = _without_root(full, name_root)
-    counts[relative] += 1
-    key = (relative, counts[relative])
     if not creating:
-      original = replication.created[replication.creator].get(key)
+      relative = _asked(graph, name)
+      if segment:
+        relative = _tf.without_segment(relative, segment)
+      counts[relative] += 1
+      original = replication.created[replication.creator].get(
+          (relative, counts[relative]))
       if original is not None:
         _check_shape(replication, index, relative, original, kwargs)
         _obtained(replication, index).add(id(original))
+        if index and not name.endswith("/"):
+          graph.unique_name(name)  # taken in this tower as on one device
+        views.obtained(original)
         return original
       if _is_model_state(kwargs):
         raise ValueError(
@@ -180,19 +192,37 @@ def variable_creator(replication: Replication, index: int,
             f"created {len(replication.created[replication.creator])} "
             "variables); every tower must build the same model, so make the "
             "model_fn create the same variables in every call.")
-    unwrapped = _without_root(scope +
-                              "/", name_root).rstrip("/") if (scope) else ""
-    unwrapped = "/".join(part for part in (root, unwrapped) if part)
+      return next_creator(**kwargs)
+    unique, relative = _name_parts(graph, name, segment)
+    counts[relative] += 1
+    # An absolute name ('a/b/') is taken as it is, at the top level.
+    scope, _, kwargs["name"] = ("", "", unique) if unique.endswith("/") else (
+        unique.rpartition("/"))
+    lengths = views.lengths()
     with replication.library(), _tf.top_level_name_scopes():
-      with _context.absolute_name_scope(graph, unwrapped):
+      with _context.absolute_name_scope(graph, scope):
         variable = next_creator(**kwargs)
       if cache is not None:
         read_once_per_step(variable, cache, replication)
-    created[key] = variable
+    views.record_created(variable, lengths)
+    if variable.op.name != unique.rstrip("/"):
+      logging.warning(
+          "replicate: variable %r is named %r, not %r as on one device (the "
+          "name was taken)", relative, variable.op.name, unique.rstrip("/"))
+    created[(relative, counts[relative])] = variable
     _obtained(replication, index).add(id(variable))
     return variable
 
   return creator
+
+
+def _asked(graph: tf.Graph, name: str) -> str:
+  """The name a variable is asked for in tower 0 (whose names are one
+  device's)."""
+  if name.endswith("/"):
+    return name
+  scope = graph.get_name_scope()
+  return f"{scope}/{name}" if scope else name
 
 
 def _obtained(replication: Replication, index: int) -> Set[int]:
@@ -212,41 +242,18 @@ def _check_shape(replication: Replication, index: int, relative: str,
         "(e.g. not draw a layer's width in each model_fn call).")
 
 
-def sharing_getter(replication: Replication, index: int) -> Callable[..., Any]:
-  """A custom getter for `tf.compat.v1.get_variable` in a later tower.
+def towerless_getter(segment: str) -> Callable[..., Any]:
+  """A custom getter giving `get_variable` names without `segment`.
 
-  It gets the first tower's variables back (variable-scope reuse, for the
-  tower's own calls only: a meeting's optimizer creates its slots). The
-  variable store checks a variable it reuses itself, before any creator:
-  its errors are given the towers' terms here.
+  A tower's variable scope carries its name segment (`tower_1/dense`), as
+  its name scope does; the variable store is keyed by one device's names
+  (what `tf.compat.v1.train.init_from_checkpoint` and reuse look up), so
+  the segment is left out of the name the store sees, wherever it occurs
+  (a slot or moving average named after a tower's op carries it inside).
   """
 
   def getter(  # pylint: disable=redefined-outer-name
-      getter: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    if replication.unshared:
-      return getter(*args, **kwargs)
-    name = kwargs.get("name", args[0] if args else None)
-    if kwargs.get("reuse") is not tf.compat.v1.AUTO_REUSE:
-      kwargs["reuse"] = True
-    try:
-      variable = getter(*args, **kwargs)
-      for part in (list(variable) if isinstance(
-          variable, _tf.PartitionedVariable) else [variable]):
-        _obtained(replication, index).add(id(part))
-      return variable
-    except ValueError as error:
-      if "does not exist" in str(error):
-        raise ValueError(
-            f"Tower {index} creates variable {name!r} that tower "
-            f"{replication.creator}, the first built, did not create; every "
-            "tower must build the same model, so make the model_fn create "
-            "the same variables in every call.") from None
-      if "share variable" not in str(error):
-        raise
-      raise ValueError(
-          f"Tower {index}'s model_fn call asks for variable {name!r} "
-          f"differently from tower {replication.creator}, the first built "
-          f"({error}); every tower must build the same model: the same "
-          "variables with the same shapes in every model_fn call.") from None
+      getter: Callable[..., Any], name: str, *args: Any, **kwargs: Any) -> Any:
+    return getter(_tf.without_segment(name, segment), *args, **kwargs)
 
   return getter
