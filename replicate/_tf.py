@@ -336,6 +336,8 @@ class _TowerRoots(threading.local):
   graph: Optional[tf.Graph] = None
   root: Optional[str] = None
   segment: Optional[str] = None
+  # Called before the tower's call reads a collection.
+  before_read: Optional[Callable[[], None]] = None
   bypass = 0
 
 
@@ -356,8 +358,11 @@ def _rooted_name_scope(self: tf.Graph, name: Optional[str]) -> Any:
 
 
 def without_segment(name: str, segment: str) -> str:
-  """`name` without its path components equal to `segment` (`tower_1`)."""
-  return "/".join(part for part in name.split("/") if part != segment)
+  """`name` without its path components equal to `segment` (`tower_1`), nor
+  empty ones (a variable scope '' inside a tower's adds one); a trailing
+  '/' (an absolute name scope) is kept."""
+  parts = [part for part in name.split("/") if part and part != segment]
+  return "/".join(parts) + ("/" if parts and name.endswith("/") else "")
 
 
 _GRAPH_GET_COLLECTION = tf.Graph.get_collection
@@ -373,8 +378,12 @@ def _towerless_get_collection(self: tf.Graph,
   the tower's segment, and the scope itself (from the tower's variable or
   name scope) is taken without it too, so that both match as on one device.
   """
+  if self is not _roots.graph:
+    return _GRAPH_GET_COLLECTION(self, name, scope)
+  if _roots.before_read is not None:
+    _roots.before_read()
   segment = _roots.segment
-  if scope is None or self is not _roots.graph or not segment:
+  if scope is None or not segment:
     return _GRAPH_GET_COLLECTION(self, name, scope)
   regex = re.compile(without_segment(scope, segment))
   found = []
@@ -398,21 +407,35 @@ def install_tower_roots() -> List[Any]:
   """
   return [
       patch(tf.Graph, "name_scope", _rooted_name_scope),
-      patch(tf.Graph, "get_collection", _towerless_get_collection)
+      patch(tf.Graph, "get_collection", _towerless_get_collection),
+      patch(tf.Graph, "get_collection_ref", _read_collection_ref),
   ]
 
 
+_GRAPH_GET_COLLECTION_REF = tf.Graph.get_collection_ref
+
+
+def _read_collection_ref(self: tf.Graph, name: Any) -> List[Any]:
+  """Graph.get_collection_ref, after the tower's `before_read`."""
+  if self is _roots.graph and _roots.before_read is not None:
+    _roots.before_read()
+  return _GRAPH_GET_COLLECTION_REF(self, name)
+
+
 @contextlib.contextmanager
-def tower_root(graph: tf.Graph, root: Optional[str],
-               segment: Optional[str]) -> Iterator[None]:
-  """Inside, `graph`'s absolute name scopes go under `root`, and scoped
-  collection reads ignore the name segment `segment` (see above)."""
-  before = (_roots.graph, _roots.root, _roots.segment)
-  _roots.graph, _roots.root, _roots.segment = graph, root, segment
+def tower_root(graph: tf.Graph, root: Optional[str], segment: Optional[str],
+               before_read: Callable[[], None]) -> Iterator[None]:
+  """Inside, `graph`'s absolute name scopes go under `root`, scoped
+  collection reads ignore the name segment `segment`, and `before_read()`
+  runs before a collection is read (see above)."""
+  before = (_roots.graph, _roots.root, _roots.segment, _roots.before_read)
+  (_roots.graph, _roots.root, _roots.segment,
+   _roots.before_read) = graph, root, segment, before_read
   try:
     yield
   finally:
-    _roots.graph, _roots.root, _roots.segment = before
+    (_roots.graph, _roots.root, _roots.segment,
+     _roots.before_read) = before
 
 
 @contextlib.contextmanager

@@ -269,7 +269,7 @@ def _copy_variable(original: tf.Variable, index: int, device: str) -> tf.Tensor:
         value,
         trainable=False,
         collections=[tf.compat.v1.GraphKeys.LOCAL_VARIABLES],
-        name=f"tower_{index}/{name}",
+        name=_copy_name(original.graph, f"tower_{index}/{name}"),
         dtype=dtype,
         shape=original.shape,
         use_resource=True)
@@ -278,6 +278,16 @@ def _copy_variable(original: tf.Variable, index: int, device: str) -> tf.Tensor:
         also = tf.raw_ops.AssignVariableOp(resource=copy.handle, value=initial)
       _tf.add_control_input(initializer, also)
   return copy.handle
+
+
+def _copy_name(graph: tf.Graph, name: str) -> str:
+  """`name` exactly where no op has it (the tower reserved it for its own
+  name of the variable, `_towers.views`), else made unique."""
+  try:
+    graph.get_operation_by_name(name)
+  except KeyError:
+    return name + "/"
+  return name
 
 
 def _read_own_copies(replication: _context.Replication,

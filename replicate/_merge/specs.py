@@ -255,4 +255,29 @@ def merge_specs(mode: str, specs: List[Any],
       fields[name] = hooks.wrap_hooks(getattr(specs[0], name), swaps)
   if tpu:
     return _tpu.merged_spec(specs[0], fields)
+  scaffold = _with_unseen_initialized(specs[0].scaffold, replication)
+  if scaffold is not None:
+    fields["scaffold"] = scaffold
   return specs[0]._replace(**fields)
+
+
+def _with_unseen_initialized(
+    scaffold: Optional[tf.compat.v1.train.Scaffold],
+    replication: _context.Replication
+) -> Optional[tf.compat.v1.train.Scaffold]:
+  """A scaffold whose own `local_init_op` (built in tower 0's call, AdaNet's)
+  also initializes the variables tower 0 did not see; None if unchanged.
+
+  The Estimator's default local initialization is made once the graph is
+  complete and covers them already.
+  """
+  if scaffold is None or scaffold.local_init_op is None:
+    return None
+  unseen = replication.views.unseen_variables()
+  if not unseen:
+    return None
+  with _context.outside(replication, "replicate_init"):
+    local_init = tf.group(scaffold.local_init_op,
+                          *[variable.initializer for variable in unseen])
+  return tf.compat.v1.train.Scaffold(
+      local_init_op=local_init, copy_from_scaffold=scaffold)

@@ -49,7 +49,9 @@ def _tower_scope(
     if index > 0:
       segment = f"tower_{index}"
       scope = stack.enter_context(graph.name_scope(segment))
-      stack.enter_context(_tf.tower_root(graph, scope.rstrip("/"), segment))
+      stack.enter_context(
+          _tf.tower_root(graph, scope.rstrip("/"), segment,
+                         replication.views.read))
       # The variable scope agrees with the name scope, as on one device;
       # `get_variable` names reach the variable store without the segment.
       stack.enter_context(
@@ -60,6 +62,8 @@ def _tower_scope(
     else:
       stack.enter_context(
           _context.absolute_name_scope(graph, replication.root_name_scope))
+      stack.enter_context(
+          _tf.tower_root(graph, None, None, replication.views.read))
     stack.enter_context(tf.compat.v1.device(device_function))
     stack.enter_context(
         tf.compat.v1.variable_creator_scope(
@@ -90,7 +94,9 @@ def build_towers(
   try:
     for index in towers:
       counters.restore()
-      views.enter(replication.tower_prefix(index), replication.tower_prefix(0))
+      views.enter(
+          replication.tower_prefix(index), replication.tower_prefix(0),
+          index == replication.creator)
       replication.tower = Tower(index, num_towers, replication.devices[index])
       replication.ranges[index] = [graph.version, None]
       try:

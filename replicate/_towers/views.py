@@ -83,14 +83,24 @@ class GraphViews:
     self._views: Dict[int, Tuple[_Collections, _Store]] = {}
     # id(variable) -> the collection keys its creation put it in.
     self._memberships: Dict[int, List[Any]] = {}
+    self._created: List[Any] = []
+    # In a tower that creates no variable: the created variables it has not
+    # got back yet, by the op its reads take (handle or ref), and how far
+    # its ops were looked through for such reads.
+    self._unread: Dict[tf.Operation, Any] = {}
+    self._looked = 0
     self._merged = False
 
-  def enter(self, prefix: str, home: str) -> None:
+  def enter(self, prefix: str, home: str, creating: bool) -> None:
     """A tower whose names start with `prefix` starts its call; tower 0's
-    (one device's) start with `home`."""
+    (one device's) start with `home`; `creating`: the first tower built."""
     _tf.set_collections(self._graph,
                         _copy_collections(self._collections_before))
     _tf.set_store_contents(self._store, _copy_store(self._store_before))
+    self._unread = {} if creating else {
+        variable.op: variable for variable in self._created
+    }
+    self._looked = self._graph.version
     prefix, home = prefix.lower(), home.lower()
     if prefix == home:
       return
@@ -121,10 +131,27 @@ class GraphViews:
           value is variable for value in values[lengths.get(key, 0):]):
         keys.append(key)
     self._memberships[id(variable)] = keys
+    self._created.append(variable)
+
+  def read(self) -> None:
+    """Before the call reads a collection: a shared variable the tower's ops
+    read but never created (a Keras layer object called in every tower is
+    built in the first) is the tower's own from its first read, as on one
+    device, where that call built it."""
+    if not self._unread or self._graph.version == self._looked:
+      return
+    ops = self._graph.get_operations()[self._looked:]
+    self._looked = self._graph.version
+    for op in ops:
+      for tensor in op.inputs:
+        variable = self._unread.get(tensor.op)
+        if variable is not None:
+          self.obtained(variable)
 
   def obtained(self, variable: Any) -> None:
     """A tower got a shared `variable` back: it joins the collections its
     creation put it in, in this tower's view, as if created here."""
+    self._unread.pop(variable.op, None)
     collections = _tf.collections(self._graph)
     for key in self._memberships.get(id(variable), ()):
       values = collections.setdefault(key, [])
@@ -171,6 +198,19 @@ class GraphViews:
             id(value) not in self._memberships and id(value) not in before):
           found[_tf.without_segment(value.op.name, segment)] = value
     return found
+
+  def unseen_variables(self) -> List[Any]:
+    """Variables of the graph tower 0's call did not see: other towers' own,
+    and what the library created after the towers (a model_fn's own
+    `Scaffold(local_init_op=...)` built in tower 0 does not initialize
+    them)."""
+    seen = self._views.get(0, ({}, None))[0]
+    known = {id(value) for key in _VARIABLE_KEYS for value in seen.get(key, ())}
+    collections = _tf.collections(self._graph)
+    return [
+        value for key in _VARIABLE_KEYS for value in collections.get(key, ())
+        if isinstance(value, tf.Variable) and id(value) not in known
+    ]
 
   def merge(self) -> None:
     """After the towers: the graph's collections and store as one device's.
