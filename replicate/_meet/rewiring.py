@@ -249,7 +249,9 @@ class Rewiring:
     known = self._tensors[index]
     for t0, t in zip(op0.inputs, op.inputs):
       mapped = known.get(t0.ref())
-      if mapped is not None and mapped is not t:
+      # Reading tower 0's own tensor (a variable shared after it was built,
+      # `_towers.views`) agrees too.
+      if mapped is not None and mapped is not t and t is not t0:
         return False
     return True
 

@@ -113,8 +113,8 @@ class _Write(NamedTuple):
   variable: tf.Variable
 
 
-def combine_state_writes(
-    replication: Replication, specs: Sequence[Any] = ()) -> None:
+def combine_state_writes(replication: Replication,
+                         specs: Sequence[Any]) -> None:
   """Makes the towers' writes to each model variable one write per step.
 
   Raises:
@@ -130,7 +130,7 @@ def combine_state_writes(
   ]
   sinks = _Sinks()
   order = _Order(replication.graph, replication.tower_ops, writes)
-  _order_reads_before_updates(replication, order)
+  _order_reads_before_updates(replication, order, specs)
   for key in sorted({k for tower in writes for k in tower}):
     group = [tower.get(key) for tower in writes]
     _combine(replication, group, sinks, order)
@@ -138,8 +138,8 @@ def combine_state_writes(
   _check_writes_in_functions(replication, variables, skip, specs)
 
 
-def _order_reads_before_updates(replication: Replication,
-                                order: "_Order") -> None:
+def _order_reads_before_updates(replication: Replication, order: "_Order",
+                                specs: Sequence[Any]) -> None:
   """Every tower's reads of a variable run before the optimizer updates it.
 
   A model_fn may read a variable for a value the step fetches apart from
@@ -164,11 +164,16 @@ def _order_reads_before_updates(replication: Replication,
     return
   after = order.after_all(updates)
   in_towers = {op for ops in replication.tower_ops for op in ops}
+  # Reads the step runs anyway: not an imported graph's unfed ops (a TF1 Hub
+  # module's own graph beside its applied copy).
+  run = step_ops.run_by_the_step(replication.graph, specs[:1],
+                                 [s.predictions for s in specs[1:]])
   for update in updates:
     reads = [
         op for op in order.readers(_source(update.inputs[0]))
-        if op in in_towers and op not in after and not op.type.startswith(
-            _TRAINING_OP_PREFIXES) and not _tf.op_in_v1_control_flow(op)
+        if op in in_towers and op not in after and op.name in run and
+        not op.type.startswith(_TRAINING_OP_PREFIXES) and
+        not _tf.op_in_v1_control_flow(op)
     ]
     known = set(update.control_inputs)
     for read in reads:

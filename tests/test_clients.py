@@ -1,0 +1,373 @@
+"""Real libraries' model_fns, as shipped, replicated as one device.
+
+Each library builds its Estimator model_fn from graph state a call reads:
+DeepCTR's weight penalties in REGULARIZATION_LOSSES, TF-GAN's scoped
+`get_regularization_loss('Discriminator')`, a TF1 Hub module's variable and
+name scopes, AdaNet's moving averages of tensors and its variables picked
+by a marker, the CIFAR-10 tutorial's 'losses' collection and moving
+averages. Wrapped with the README's one line, each trains, evaluates and
+predicts on 2 and 4 towers (uneven batches of 9 rows) as on one device
+from the same checkpoint (`replicate.testing.assert_replicates`).
+
+The libraries are installed without their dependencies (`tests/clients.txt`,
+README): their own pins predate TensorFlow 2.13. A test is skipped where its
+library is not installed.
+"""
+
+import collections
+import inspect
+import sys
+import types
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import replicate
+import replicate.testing
+
+BATCH = 9
+TOWERS = (2, 4)
+ROWS = 45
+
+
+def _dataset(features, labels=None):
+
+  def input_fn():
+    data = features if labels is None else (features, labels)
+    return tf.data.Dataset.from_tensor_slices(data).repeat().batch(BATCH)
+
+  return input_fn
+
+
+# ------------------------------------------------------------------ DeepCTR
+
+
+def _ctr_data():
+  rng = np.random.RandomState(0)
+  features = {
+      "c1": rng.randint(0, 5, ROWS).astype(np.int64),
+      "c2": rng.randint(0, 7, ROWS).astype(np.int64),
+      "d1": rng.randn(ROWS).astype(np.float32),
+  }
+  return features, rng.randint(0, 2, ROWS).astype(np.float32)
+
+
+def _ctr_columns():
+  fc = tf.feature_column
+  ids = [
+      fc.categorical_column_with_identity("c1", 5),
+      fc.categorical_column_with_identity("c2", 7)
+  ]
+  dense = fc.numeric_column("d1")
+  linear = [fc.indicator_column(c) for c in ids] + [dense]
+  dnn = [fc.embedding_column(c, 4) for c in ids] + [dense]
+  return linear, dnn
+
+
+@pytest.mark.parametrize("name", ["DeepFMEstimator", "DCNEstimator",
+                                  "WDLEstimator"])
+def test_deepctr_with_weight_penalties_replicates(name):
+  estimator_module = pytest.importorskip("deepctr.estimator")
+  linear, dnn = _ctr_columns()
+  penalties = dict(l2_reg_linear=0.1, l2_reg_embedding=0.1, l2_reg_dnn=0.1)
+  if name == "DCNEstimator":
+    penalties["l2_reg_cross"] = 0.1
+  estimator = getattr(estimator_module, name)(
+      linear, dnn, dnn_hidden_units=(8,), **penalties)
+  summary = replicate.testing.assert_replicates(
+      estimator.model_fn, _dataset(*_ctr_data()), towers=TOWERS)
+  assert summary.variables > 10
+  assert "AUC" in summary.metrics
+
+
+# ------------------------------------------------------------------ TF-GAN
+
+
+def _tfgan():
+  # TF-GAN 2.1.0 calls inspect.getargspec, which Python 3.11 removed; the
+  # unreplicated GANEstimator fails without this too.
+  if not hasattr(inspect, "getargspec"):
+    spec = collections.namedtuple("ArgSpec", "args varargs keywords defaults")
+
+    def getargspec(fn):
+      full = inspect.getfullargspec(fn)
+      return spec(full.args, full.varargs, full.varkw, full.defaults)
+
+    inspect.getargspec = getargspec
+  return pytest.importorskip("tensorflow_gan")
+
+
+def _generator(noise):
+  return tf.compat.v1.layers.dense(noise, 4, name="g1")
+
+
+def _discriminator(data, unused_conditioning):
+  regularizer = tf.keras.regularizers.l2(0.5)
+  hidden = tf.compat.v1.layers.dense(
+      data, 5, tf.nn.tanh, name="d1", kernel_regularizer=regularizer)
+  return tf.compat.v1.layers.dense(hidden, 1, name="d2")
+
+
+def test_tfgan_with_a_scoped_regularizer_replicates():
+  tfgan = _tfgan()
+  rng = np.random.RandomState(1)
+  noise = rng.randn(ROWS, 3).astype(np.float32)
+  real = rng.randn(ROWS, 4).astype(np.float32)
+  estimator = tfgan.estimator.GANEstimator(
+      generator_fn=_generator,
+      discriminator_fn=_discriminator,
+      generator_loss_fn=tfgan.losses.wasserstein_generator_loss,
+      discriminator_loss_fn=tfgan.losses.wasserstein_discriminator_loss,
+      generator_optimizer=tf.compat.v1.train.GradientDescentOptimizer(0.1),
+      discriminator_optimizer=tf.compat.v1.train.GradientDescentOptimizer(
+          0.1))
+  summary = replicate.testing.assert_replicates(
+      estimator.model_fn,
+      _dataset(noise, real),
+      towers=TOWERS,
+      params=estimator.params,
+      predict_input_fn=_dataset(noise),
+      rtol=1e-5)
+  assert "discriminator_loss" in summary.metrics
+
+
+# ------------------------------------------------------------------ TF Hub
+
+
+def _hub_spec(hub):
+
+  def module_fn():
+    sentences = tf.compat.v1.placeholder(tf.string, [None])
+    buckets = tf.strings.to_hash_bucket_fast(sentences, 16)
+    table = tf.compat.v1.get_variable("embeddings", [16, 3])
+    hub.add_signature(inputs=sentences, outputs=tf.gather(table, buckets))
+
+  return hub.create_module_spec(module_fn)
+
+
+def test_hub_module_in_a_model_fn_replicates():
+  hub = pytest.importorskip("tensorflow_hub")
+  spec = _hub_spec(hub)
+
+  def model_fn(features, labels, mode):
+    module = hub.Module(spec, trainable=True)
+    hidden = module(features["text"])
+    logits = tf.compat.v1.layers.dense(hidden, 3, name="logits")
+    if mode == tf.estimator.ModeKeys.PREDICT:
+      return tf.estimator.EstimatorSpec(mode, predictions={"logits": logits})
+    loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
+    train_op = tf.compat.v1.train.GradientDescentOptimizer(0.5).minimize(
+        loss, tf.compat.v1.train.get_global_step())
+    return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+  summary = replicate.testing.assert_replicates(model_fn, _dataset(*_texts()),
+                                                towers=TOWERS)
+  assert summary.variables == 4  # the module's table, the logits, the step
+
+
+def _texts():
+  rng = np.random.RandomState(2)
+  words = np.array(["a", "b c", "d e f", "g", "h i", "j k l m"])
+  return ({
+      "text": words[rng.randint(0, len(words), ROWS)]
+  }, rng.randint(0, 3, ROWS).astype(np.int64))
+
+
+def test_hub_text_embedding_column_in_a_canned_estimator_replicates():
+  hub = pytest.importorskip("tensorflow_hub")
+  column = hub.text_embedding_column("text", _hub_spec(hub), trainable=True)
+  canned = tf.compat.v1.estimator.DNNClassifier(
+      hidden_units=[4],
+      feature_columns=[column],
+      n_classes=3,
+      optimizer=tf.compat.v1.train.AdagradOptimizer(0.1))
+  summary = replicate.testing.assert_replicates(canned.model_fn,
+                                                _dataset(*_texts()),
+                                                towers=TOWERS)
+  assert "accuracy" in summary.metrics
+
+
+# ------------------------------------------------------------------ AdaNet
+
+
+def _adanet():
+  # AdaNet 0.9.0 imports tensorflow.python.training.tracking.graph_view,
+  # which TensorFlow 2.11 moved; the unreplicated Estimator needs this too.
+  if "tensorflow.python.training.tracking" not in sys.modules:
+    from tensorflow.python.checkpoint import graph_view  # pylint: disable=g-import-not-at-top,g-direct-tensorflow-import
+    tracking = types.ModuleType("tensorflow.python.training.tracking")
+    tracking.graph_view = graph_view
+    sys.modules["tensorflow.python.training.tracking"] = tracking
+    sys.modules["tensorflow.python.training.tracking.graph_view"] = graph_view
+  return pytest.importorskip("adanet")
+
+
+def _adanet_estimators(adanet, devices, model_dir):
+  """AdaNet's Estimator, and the same replicated (the route docs name)."""
+
+  class Builder(adanet.subnetwork.Builder):
+
+    def __init__(self, size):
+      self._size = size
+
+    def build_subnetwork(self, features, logits_dimension, training,
+                         iteration_step, summary, previous_ensemble=None):
+      seeded = tf.compat.v1.glorot_uniform_initializer
+      hidden = tf.compat.v1.layers.dense(
+          features["x"],
+          self._size,
+          tf.nn.tanh,
+          kernel_initializer=seeded(seed=self._size))
+      logits = tf.compat.v1.layers.dense(
+          hidden, logits_dimension, kernel_initializer=seeded(seed=9))
+      return adanet.Subnetwork(
+          last_layer=hidden,
+          logits=logits,
+          complexity=tf.constant(float(self._size)),
+          persisted_tensors={})
+
+    def build_subnetwork_train_op(self, subnetwork, loss, var_list, labels,
+                                  iteration_step, summary, previous_ensemble):
+      return tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(
+          loss, var_list=var_list)
+
+    @property
+    def name(self):
+      return f"dnn_{self._size}"
+
+  class Generator(adanet.subnetwork.Generator):
+
+    def generate_candidates(self, previous_ensemble, iteration_number,
+                            previous_ensemble_reports, all_reports):
+      return [Builder(3), Builder(4)]
+
+  class Replicated(adanet.Estimator):
+
+    def _create_model_fn(self, *args, **kwargs):
+      return replicate.replicate_model_fn(
+          super()._create_model_fn(*args, **kwargs), devices=devices)
+
+  def build(estimator_class, directory):
+    return estimator_class(
+        head=tf.estimator.MultiClassHead(3),
+        subnetwork_generator=Generator(),
+        max_iteration_steps=3,
+        config=replicate.testing.run_config(
+            4, model_dir=str(directory), tf_random_seed=0))
+
+  return (build(adanet.Estimator, model_dir / "one"),
+          build(Replicated, model_dir / "towers"))
+
+
+@pytest.mark.parametrize("num_towers", TOWERS)
+def test_adanet_estimator_trains_replicated_through_its_model_fn(
+    num_towers, tmp_path):
+  adanet = _adanet()
+  rng = np.random.RandomState(3)
+  data = _dataset({"x": rng.randn(ROWS, 5).astype(np.float32)},
+                  rng.randint(0, 3, ROWS).astype(np.int64))
+  results = []
+  devices = [f"/device:CPU:{i}" for i in range(num_towers)]
+  for estimator in _adanet_estimators(adanet, devices, tmp_path):
+    # Two AdaNet iterations: training, choosing the best ensemble, growing.
+    estimator.train(data, max_steps=6)
+    values = {
+        name: estimator.get_variable_value(name)
+        for name in estimator.get_variable_names()
+    }
+    results.append((estimator.evaluate(data, steps=3), values))
+  (metrics, values), (towers_metrics, towers_values) = results
+  assert sorted(towers_values) == sorted(values)
+  for name, value in values.items():
+    np.testing.assert_allclose(towers_values[name], value, 1e-5, 1e-6, name)
+  for name in ("loss", "accuracy", "iteration"):
+    np.testing.assert_allclose(towers_metrics[name], metrics[name], 1e-5,
+                               1e-6, name)
+
+
+# ------------------------------------------------- the CIFAR-10 tutorial
+
+
+def _weight_decayed(name, shape, stddev, decay):
+  variable = tf.compat.v1.get_variable(
+      name,
+      shape,
+      initializer=tf.compat.v1.truncated_normal_initializer(stddev=stddev))
+  if decay is not None:
+    tf.compat.v1.add_to_collection(
+        "losses", tf.multiply(tf.nn.l2_loss(variable), decay,
+                              name="weight_loss"))
+  return variable
+
+
+def _cifar_inference(images):
+  with tf.compat.v1.variable_scope("conv1") as scope:
+    kernel = _weight_decayed("weights", [3, 3, 2, 4], 5e-2, 0.01)
+    biases = tf.compat.v1.get_variable("biases", [4],
+                                       initializer=tf.constant_initializer())
+    conv = tf.nn.conv2d(images, kernel, [1, 1, 1, 1], padding="SAME")
+    conv1 = tf.nn.relu(tf.nn.bias_add(conv, biases), name=scope.name)
+  pool1 = tf.nn.max_pool2d(conv1, 2, 2, padding="SAME", name="pool1")
+  with tf.compat.v1.variable_scope("local3") as scope:
+    reshape = tf.reshape(pool1, [tf.shape(images)[0], -1])
+    weights = _weight_decayed("weights", [36, 8], 0.04, 0.004)
+    biases = tf.compat.v1.get_variable(
+        "biases", [8], initializer=tf.constant_initializer(0.1))
+    local3 = tf.nn.relu(tf.matmul(reshape, weights) + biases, name=scope.name)
+  with tf.compat.v1.variable_scope("softmax_linear") as scope:
+    weights = _weight_decayed("weights", [8, 3], 1 / 8.0, None)
+    biases = tf.compat.v1.get_variable("biases", [3],
+                                       initializer=tf.constant_initializer())
+    return tf.add(tf.matmul(local3, weights), biases, name=scope.name)
+
+
+def _cifar_model_fn(features, labels, mode):
+  """tensorflow/models' tutorials/image/cifar10/cifar10.py, as a model_fn."""
+  logits = _cifar_inference(features)
+  if mode == tf.estimator.ModeKeys.PREDICT:
+    return tf.estimator.EstimatorSpec(mode, predictions={"logits": logits})
+  cross_entropy = tf.reduce_mean(
+      tf.nn.sparse_softmax_cross_entropy_with_logits(
+          labels=labels, logits=logits),
+      name="cross_entropy")
+  tf.compat.v1.add_to_collection("losses", cross_entropy)
+  total_loss = tf.add_n(tf.compat.v1.get_collection("losses"),
+                        name="total_loss")
+  averages = tf.compat.v1.train.ExponentialMovingAverage(0.9, name="avg")
+  losses = tf.compat.v1.get_collection("losses")
+  averages_op = averages.apply(losses + [total_loss])
+  for loss in losses + [total_loss]:
+    tf.compat.v1.summary.scalar(loss.op.name + " (raw)", loss)
+    tf.compat.v1.summary.scalar(loss.op.name, averages.average(loss))
+  step = tf.compat.v1.train.get_global_step()
+  optimizer = tf.compat.v1.train.GradientDescentOptimizer(0.1)
+  with tf.control_dependencies([averages_op]):
+    gradients = optimizer.compute_gradients(total_loss)
+  apply_op = optimizer.apply_gradients(gradients, global_step=step)
+  variable_averages = tf.compat.v1.train.ExponentialMovingAverage(0.9999, step)
+  with tf.control_dependencies([apply_op]):
+    train_op = variable_averages.apply(tf.compat.v1.trainable_variables())
+  return tf.estimator.EstimatorSpec(
+      mode,
+      loss=total_loss,
+      train_op=train_op,
+      eval_metric_ops={
+          "accuracy": tf.compat.v1.metrics.accuracy(labels,
+                                                    tf.argmax(logits, 1))
+      })
+
+
+@pytest.mark.parametrize("placement", ["shared", "mirrored"])
+def test_cifar10_tutorial_model_replicates(placement):
+  rng = np.random.RandomState(4)
+  images = rng.randn(ROWS, 6, 6, 2).astype(np.float32)
+  labels = rng.randint(0, 3, ROWS).astype(np.int64)
+  summary = replicate.testing.assert_replicates(
+      _cifar_model_fn,
+      _dataset(images, labels),
+      towers=TOWERS,
+      variable_placement=placement)
+  # Five weights and biases, their moving averages, the losses' averages
+  # (two weight decays, the cross entropy, the total) and the step.
+  assert summary.variables == 6 + 6 + 4 + 1
