@@ -346,11 +346,19 @@ _GRAPH_NAME_SCOPE = tf.Graph.name_scope
 
 
 def _rooted_name_scope(self: tf.Graph, name: Optional[str]) -> Any:
-  """Graph.name_scope, with the top level of the graph a tower's scope."""
+  """Graph.name_scope, with the top level of the graph a tower's scope.
+
+  The tower's own segment as a name re-enters the current scope: that is
+  what entering the tower's variable scope object again opens (one
+  device's top-level variable scope opens none).
+  """
   root = _roots.root
   if self is _roots.graph and root and not _roots.bypass:
     if not name:
       name = root + "/"
+    elif name == _roots.segment:
+      current = self.get_name_scope()
+      name = current + "/" if current else None
     elif name.endswith("/") and not (name == root + "/" or
                                      name.startswith(root + "/")):
       name = root + "/" + name

@@ -166,8 +166,7 @@ def _order_reads_before_updates(replication: Replication, order: "_Order",
   in_towers = {op for ops in replication.tower_ops for op in ops}
   # Reads the step runs anyway: not an imported graph's unfed ops (a TF1 Hub
   # module's own graph beside its applied copy).
-  run = step_ops.run_by_the_step(replication.graph, specs[:1],
-                                 [s.predictions for s in specs[1:]])
+  run = _run_by_the_step(replication, specs)
   for update in updates:
     reads = [
         op for op in order.readers(_source(update.inputs[0]))
@@ -181,6 +180,16 @@ def _order_reads_before_updates(replication: Replication, order: "_Order",
         _tf.add_control_input(update, read)
   logging.vlog(1, "replicate: %d optimizer updates wait for their reads",
                len(updates))
+
+
+def _run_by_the_step(replication: Replication,
+                     specs: Sequence[Any]) -> Set[str]:
+  """Names of the ops the step runs: tower 0's spec's, its values' whole
+  batch's (every tower's partials), the other towers' predictions."""
+  return step_ops.run_by_the_step(
+      replication.graph, specs[:1],
+      [s.predictions for s in specs[1:]] +
+      list(replication.rewiring.replacements().values()))
 
 
 def _state_variables(replication: Replication) -> Dict[str, tf.Variable]:
@@ -242,19 +251,13 @@ def _check_writes_in_functions(replication: Replication,
         kinds = [rewiring.kind(t) for t in op.inputs]
         if all(row_kinds.shares_value(k) for k in kinds):
           continue
-      else:
-        if run is None:
-          run = step_ops.run_by_the_step(replication.graph, specs[:1],
-                                         [s.predictions for s in specs[1:]])
-        if op.name not in run:
-          continue
       if run is None:
-        run = step_ops.run_by_the_step(replication.graph, specs[:1],
-                                       [s.predictions for s in specs[1:]])
+        run = _run_by_the_step(replication, specs)
       if op.name not in run:
-        logging.info(
-            "replicate: %s %s writes %s inside a function no step "
-            "runs; left alone", op.type, op.name, variable.op.name)
+        if index == 0:
+          logging.info(
+              "replicate: %s %s writes %s inside a function no step "
+              "runs; left alone", op.type, op.name, variable.op.name)
         continue
       raise ValueError(
           f"{op.type} op {op.name!r} writes variable {variable.op.name!r} "

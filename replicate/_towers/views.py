@@ -151,6 +151,7 @@ class GraphViews:
   def obtained(self, variable: Any) -> None:
     """A tower got a shared `variable` back: it joins the collections its
     creation put it in, in this tower's view, as if created here."""
+    self.read()  # what the tower read before comes first
     self._unread.pop(variable.op, None)
     collections = _tf.collections(self._graph)
     for key in self._memberships.get(id(variable), ()):
