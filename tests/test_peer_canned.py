@@ -67,6 +67,10 @@ _LINEAR_BASES = {
     "BaseLinearRegressorEvaluationTest": ("Regressor",),
     "BaseLinearRegressorPredictTest": ("Regressor",),
 }
+_LINEAR_INTEGRATION = {
+    "BaseLinearClassifierIntegrationTest": ("Classifier",),
+    "BaseLinearRegressorIntegrationTest": ("Regressor",),
+}
 _WARM_START = ("Classifier", "Regressor")
 # Model: (which bases, the canned class family, argument renames that make a
 # DNNLinearCombined estimator with one part look like a DNN or linear one).
@@ -75,6 +79,7 @@ _MODELS = {
                         BaseDNNWarmStartingTest=_WARM_START), "DNN", {}),
     "Linear": ("Linear",
                dict(_LINEAR_BASES,
+                    **_LINEAR_INTEGRATION,
                     BaseLinearWarmStartingTest=_WARM_START), "Linear", {}),
     "DNNOnlyCombined": ("DNN", _DNN_BASES, "DNNLinearCombined", {
         "hidden_units": "dnn_hidden_units",
@@ -83,7 +88,9 @@ _MODELS = {
         "activation_fn": "dnn_activation_fn",
         "dropout": "dnn_dropout",
     }),
-    "LinearOnlyCombined": ("Linear", _LINEAR_BASES, "DNNLinearCombined", {
+    "LinearOnlyCombined": ("Linear",
+                           dict(_LINEAR_BASES,
+                                **_LINEAR_INTEGRATION), "DNNLinearCombined", {
         "feature_columns": "linear_feature_columns",
         "optimizer": "linear_optimizer",
         "sparse_combiner": "linear_sparse_combiner",
@@ -101,6 +108,10 @@ _DEFAULT_SAMPLE = {
     ("Linear", "BaseLinearRegressorEvaluationTest",
      "test_evaluation_for_simple_data"),
     ("DNNOnlyCombined", "BaseDNNRegressorPredictTest", "test_one_dim"),
+    # Features and labels parsed from tf.train.Example records: unknown ranks.
+    *((model, base, "test_input_fn_from_parse_example")
+      for model in ("Linear", "LinearOnlyCombined")
+      for base in _LINEAR_INTEGRATION),
 }
 _FULL_ENV = "REPLICATE_PEER_SUITE"
 

@@ -36,7 +36,7 @@ def _tensor_list_from_tensor(
   kind = kinds[0]
   if isinstance(kind, row_kinds.Rows):
     if kind.axis == 0:
-      return [row_kinds.Local(op.name, "makes a list of the rows")]
+      return [row_kinds.Listed(row_kinds.ROWS_LISTED)]
     return [row_kinds.Listed(kind.axis - 1)]
   return [kind if row_kinds.is_local(kind) else row_kinds.WHOLE]
 
@@ -44,6 +44,13 @@ def _tensor_list_from_tensor(
 def _tensor_list_set(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
                      ctx: row_kinds.Context) -> Sequence[row_kinds.Kind]:
   listed, item = kinds[0], kinds[2]
+  if _lists_rows(listed):
+    # A list of the rows: an element computed from its row (or from no
+    # rows) keeps it one.
+    if row_kinds.is_one_row(item) or item is row_kinds.WHOLE:
+      return [listed]
+    return [item if row_kinds.is_local(item) else row_kinds.Local(
+        op.name, "puts rows into a list of the rows")]
   if isinstance(item, row_kinds.Rows):
     if isinstance(listed, row_kinds.Listed) and listed.axis != item.axis:
       return [
@@ -55,9 +62,16 @@ def _tensor_list_set(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
   return [listed]
 
 
+def _lists_rows(kind: row_kinds.Kind) -> bool:
+  return isinstance(kind,
+                    row_kinds.Listed) and kind.axis == row_kinds.ROWS_LISTED
+
+
 def _tensor_list_get(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
                      ctx: row_kinds.Context) -> Sequence[row_kinds.Kind]:
   listed = kinds[0]
+  if _lists_rows(listed):
+    return [row_kinds.one_row(op)]
   if isinstance(listed, row_kinds.Listed):
     return [row_kinds.Rows(listed.axis)]
   return [listed if row_kinds.is_local(listed) else row_kinds.WHOLE]
@@ -74,12 +88,17 @@ def _tensor_list_stack(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
 def _tensor_list_other(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
                        ctx: row_kinds.Context) -> Sequence[row_kinds.Kind]:
   listed = kinds[0] if kinds else row_kinds.WHOLE
+  if op.type == "TensorListReserve" and isinstance(kinds[1], row_kinds.Size):
+    # As long as the rows: a list of them (`tf.map_fn`'s results).
+    listed = row_kinds.Listed(row_kinds.ROWS_LISTED)
   outputs: List[row_kinds.Kind] = []
   for tensor in op.outputs:
     if tensor.dtype == tf.variant:
       outputs.append(
           listed if isinstance(listed, (row_kinds.Listed,
                                         row_kinds.Local)) else row_kinds.WHOLE)
+    elif op.type == "TensorListLength" and _lists_rows(listed):
+      outputs.append(row_kinds.Size(True))
     else:
       outputs.append(row_kinds.WHOLE)
   return outputs
@@ -89,6 +108,11 @@ def _tensor_array_write(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
                         ctx: row_kinds.Context) -> Sequence[row_kinds.Kind]:
   # TensorArrayWriteV3(handle, index, value, flow_in) -> flow_out
   item, flow = kinds[2], kinds[3]
+  if _lists_rows(flow):
+    if row_kinds.is_one_row(item) or item is row_kinds.WHOLE:
+      return [flow]
+    return [item if row_kinds.is_local(item) else row_kinds.Local(
+        op.name, "puts rows into a list of the rows")]
   if isinstance(item, row_kinds.Rows):
     return [row_kinds.Listed(item.axis)]
   if row_kinds.is_local(item):
@@ -102,7 +126,7 @@ def _tensor_array_scatter(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
   value, flow = kinds[2], kinds[3]
   if isinstance(value, row_kinds.Rows):
     if value.axis == 0:
-      return [row_kinds.Local(op.name, "scatters the rows into a list")]
+      return [row_kinds.Listed(row_kinds.ROWS_LISTED)]
     return [row_kinds.Listed(value.axis - 1)]
   return [value if row_kinds.is_local(value) else flow]
 
@@ -110,6 +134,8 @@ def _tensor_array_scatter(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
 def _tensor_array_read(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
                        ctx: row_kinds.Context) -> Sequence[row_kinds.Kind]:
   flow = kinds[-1]
+  if _lists_rows(flow):
+    return [row_kinds.one_row(op)]
   if isinstance(flow, row_kinds.Listed):
     return [row_kinds.Rows(flow.axis)]
   return [flow if row_kinds.is_local(flow) else row_kinds.WHOLE]
@@ -205,30 +231,60 @@ for op_type in ("TensorListReserve", "TensorListLength",
 
 _unknown_logged: Set[str] = set()
 
+# A graph collection of op type names (strings) the user declares to compute
+# each row of their outputs from the same row of their inputs (custom ops).
+PER_ROW_COLLECTION = "replicate_per_row_op_types"
+
+
+# Ops of ragged tensors: each row's values are computed from the same
+# row's (the towers' row partitions are their own).
+_ROW_PARTITIONED = ("Ragged",)
+
+
+def _declared_per_row(op: tf.Operation) -> bool:
+  return op.type in op.graph.get_collection(PER_ROW_COLLECTION)
+
 
 def unknown(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
             ctx: row_kinds.Context) -> Sequence[row_kinds.Kind]:
-  """An op of unknown row semantics: rows stay rows (logged once a type)."""
+  """An op no rule knows: not assumed to keep rows apart, it runs once on
+  the whole batch (logged once a type), unless declared per-row.
+
+  Its outputs are taken to hold the rows where they keep an unknown
+  extent on the first input's rows axis (as the shards' are), else to be
+  one whole value; a wrong guess fails when the graph runs (a split that
+  does not add up, shapes that do not match), never silently.
+  """
   settled = row_kinds.without_rows(op, kinds)
   if settled is not None:
     return settled
   if all(k is row_kinds.WHOLE or k is row_kinds.SHARD for k in kinds):
     return row_kinds.same_for_outputs(op, row_kinds.SHARD)
   rows = [k for k in kinds if isinstance(k, row_kinds.Rows)]
-  if any(k.axis != 0 for k in rows) or not rows:
+  local = row_kinds.any_local(kinds)
+  if local or not rows:
     return row_kinds.same_for_outputs(
-        op,
-        row_kinds.Local(
-            op.name, f"is a {op.type} op, whose "
-            "effect on rows replicate does not "
-            "know"))
+        op, local or row_kinds.Local(
+            op.name, f"is a {op.type} op, whose effect on rows replicate "
+            "does not know"))
+  axis = rows[0].axis
+  if (_declared_per_row(op) or op.type.startswith(_ROW_PARTITIONED)) and all(
+      k.axis == 0 for k in rows):
+    return [
+        row_kinds.Rows(0) if t.shape.rank != 0 else row_kinds.Local(
+            op.name, f"is a {op.type} op reducing rows to a scalar")
+        for t in op.outputs
+    ]
   if op.type not in _unknown_logged:
     _unknown_logged.add(op.type)
     logging.info(
-        "replicate: %s ops are taken to compute each row from the "
-        "same row", op.type)
-  return [
-      row_kinds.Rows(0) if t.shape.rank != 0 else row_kinds.Local(
-          op.name, f"is a {op.type} op reducing rows to a scalar")
+        "replicate: %s ops have no rows rule: each runs once on the whole "
+        "batch's rows (gathered on one device); if it computes each row "
+        "from the same row, add its type to the graph collection %r", op.type,
+        PER_ROW_COLLECTION)
+  outputs: List[row_kinds.Kind] = [
+      row_kinds.Rows(axis) if t.shape.rank is not None and
+      t.shape.rank > axis and t.shape[axis] is None else row_kinds.WHOLE
       for t in op.outputs
   ]
+  return ctx.whole_batch(op, outputs, f"is a {op.type} op no rule knows")

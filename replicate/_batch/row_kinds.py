@@ -57,6 +57,16 @@ class Size(NamedTuple):
   entries: Optional[FrozenSet[int]] = None
 
 
+class Positions(NamedTuple):
+  """Integer rows holding positions of the tower's rows (`tf.range` of a
+  rows count, and integer values computed from it): as indices into the
+  tower's own rows they are one device's; read as values anywhere else
+  they are made the whole batch's positions (`PositionUse`), which
+  `whole` says they have (counted from 0 by 1 up to a count of rows)."""
+  axis: int
+  whole: bool = True
+
+
 class Local(NamedTuple):
   """A per-tower value that is not one device's: `op` made it, `why`."""
   op: str
@@ -64,8 +74,25 @@ class Local(NamedTuple):
 
 
 class Listed(NamedTuple):
-  """A TensorList (or TensorArray flow) of elements with rows on `axis`."""
+  """A TensorList (or TensorArray flow) of elements with rows on `axis`;
+  `ROWS_LISTED` (axis -1): a list of the rows themselves (`tf.map_fn`)."""
   axis: int
+
+
+ROWS_LISTED = -1
+
+# Why a value in a loop body over a list of the rows is the tower's own:
+# it is one of its rows (fine in the body; stacked, it is rows again).
+ONE_ROW = "is one of the tower's rows, taken in a loop over them"
+
+
+def one_row(op: tf.Operation) -> "Local":
+  """The kind of an element of a list of the rows, taken by `op`."""
+  return Local(op.name, ONE_ROW)
+
+
+def is_one_row(kind: Any) -> bool:
+  return isinstance(kind, Local) and kind.why == ONE_ROW
 
 
 class Like(NamedTuple):
@@ -73,7 +100,7 @@ class Like(NamedTuple):
   tensor: Any
 
 
-Kind = Union[_Whole, _Shard, Rows, Size, Local, Listed]
+Kind = Union[_Whole, _Shard, Rows, Size, Positions, Local, Listed]
 
 # What a tensor the tower did not compute may be declared (`rows.TowerRows`).
 Source = Union[Kind, Like]
@@ -94,6 +121,14 @@ class SizeUse(NamedTuple):
   index: int  # type: ignore[assignment]
 
 
+class PositionUse(NamedTuple):
+  """`op` reads positions of the tower's rows (`op.inputs[index]`) as
+  values: they must be the whole batch's positions."""
+  op: tf.Operation
+  # Shadows tuple.index, as SizeUse's.
+  index: int  # type: ignore[assignment]
+
+
 class Mixing(NamedTuple):
   """`op` mixes rows and cannot be split: it runs once on the whole batch.
 
@@ -109,7 +144,7 @@ class FusedNorm(NamedTuple):
   op: tf.Operation
 
 
-Event = Union[Reduction, SizeUse, Mixing, FusedNorm]
+Event = Union[Reduction, SizeUse, PositionUse, Mixing, FusedNorm]
 
 
 class Context(Protocol):
@@ -117,6 +152,9 @@ class Context(Protocol):
 
   # Whether an op's statistics are asked to stay the tower's.
   per_tower: Callable[[tf.Operation], bool]
+  # Inputs of the op at hand holding positions of the tower's own rows,
+  # used as indices into them (passed to its rule as Rows).
+  own_positions: FrozenSet[int]
 
   def needs_every_tower(self, op: tf.Operation, event: Optional[Event],
                         kind: Kind, why: str) -> Kind:
@@ -124,6 +162,11 @@ class Context(Protocol):
 
   def reduce(self, op: tf.Operation, combine: str, axis: int) -> Kind:
     """A batch reduction: the whole batch's value once rewired."""
+
+  def whole_batch(self, op: tf.Operation, outputs: Sequence[Kind],
+                  why: str) -> List[Kind]:
+    """An op mixing rows, run once on the whole batch: its outputs' kinds
+    (rows handed back to each tower where an output keeps the rows)."""
 
   def function_kinds(self, op: tf.Operation,
                      kinds: Sequence[Kind]) -> Optional[List[Kind]]:
@@ -170,9 +213,9 @@ def join(kinds: Sequence[Kind]) -> Kind:
   kinds = [k for k in kinds if k is not None]
   if not kinds:
     return WHOLE
-  locals_ = [k for k in kinds if is_local(k)]
-  if locals_:
-    return locals_[0]
+  local = any_local(kinds)
+  if local:
+    return local
   distinct = []
   for k in kinds:
     if k not in distinct:
@@ -195,10 +238,16 @@ def first_rows(kinds: Iterable[Kind]) -> Optional[Rows]:
 
 
 def any_local(kinds: Iterable[Kind]) -> Optional[Local]:
+  """A Local among `kinds`: one that is not one row of a loop over the
+  rows first (a value mixing such a row with a tower's own value is the
+  tower's own)."""
+  found = None
   for kind in kinds:
     if is_local(kind):
-      return kind
-  return None
+      if not is_one_row(kind):
+        return kind
+      found = found or kind
+  return found
 
 
 def same_for_outputs(op: tf.Operation, kind: Kind) -> List[Kind]:

@@ -32,6 +32,7 @@ from typing import (
     Any,
     Callable,
     Dict,
+    FrozenSet,
     Iterable,
     List,
     Mapping,
@@ -49,6 +50,7 @@ from replicate._batch import flow_rules
 from replicate._batch import op_types
 from replicate._batch import row_kinds
 from replicate._batch import shape_rules
+from replicate._batch import static
 from replicate._batch import value_rules
 
 # How a run of the transfer functions treats what needs every tower.
@@ -68,6 +70,9 @@ class _Context:
     self.events: List[row_kinds.Event] = []
     # Inside a BODY: the first op needing every tower, if any.
     self.needs_towers: Optional[tf.Operation] = None
+    # The inputs of the op at hand holding positions of the tower's own
+    # rows, which it uses as indices into them.
+    self.own_positions: FrozenSet[int] = frozenset()
 
   @property
   def in_function(self) -> bool:
@@ -96,9 +101,38 @@ class _Context:
     return self.needs_every_tower(op, row_kinds.Reduction(op, combine, axis),
                                   row_kinds.WHOLE, "reduces rows")
 
+  def whole_batch(self, op: tf.Operation, outputs: Sequence[row_kinds.Kind],
+                  why: str) -> List[row_kinds.Kind]:
+    """An op mixing rows, run once on the whole batch (a `Mixing` event):
+    `outputs`' kinds; in a body run per tower, Local."""
+    if self.mode == TOWER:
+      self.events.append(row_kinds.Mixing(op, tuple(outputs)))
+      return list(outputs)
+    if self.mode == WHOLE_BATCH:
+      return list(outputs)
+    if self.needs_towers is None:
+      self.needs_towers = op
+    return [
+        row_kinds.Local(
+            op.name, why + " inside a tf.cond, tf.while_loop or "
+            "tf.function body run per tower")
+    ] * len(op.outputs)
+
   def value_of_size(self, op: tf.Operation, index: int) -> row_kinds.Kind:
     return self.needs_every_tower(op, row_kinds.SizeUse(op, index),
                                   row_kinds.WHOLE, "reads the shard's size")
+
+  def value_of_positions(self, op: tf.Operation, index: int,
+                         kind: row_kinds.Positions) -> row_kinds.Kind:
+    """Positions read as values: the whole batch's (an event), as rows."""
+    if not kind.whole:
+      return row_kinds.Local(
+          op.name, "reads positions of the tower's rows counted in a way "
+          "that has no whole-batch positions (tf.range from 0 by 1 up to a "
+          "count of rows has)")
+    return self.needs_every_tower(op, row_kinds.PositionUse(op, index),
+                                  row_kinds.Rows(kind.axis),
+                                  "reads positions of the tower's rows")
 
   def function_kinds(
       self, op: tf.Operation,
@@ -177,7 +211,8 @@ def _reads_size_as_value(op: tf.Operation, index: int) -> bool:
     return False
   if op.type in _WRITES:
     return True
-  return any(t.dtype.is_floating or t.dtype.is_complex for t in op.outputs)
+  return any(t.dtype.is_floating or t.dtype.is_complex or t.dtype == tf.bool
+             for t in op.outputs)
 
 
 def _size_inputs(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
@@ -235,16 +270,126 @@ def _size_arithmetic(op: tf.Operation,
   return outputs
 
 
+# Ops whose integer input (index) may hold positions indexing the tower's own
+# rows: index -> the input that must then hold the rows (or their count).
+_INDEXES = {
+    "GatherV2": {1: 0},
+    "Gather": {1: 0},
+    "GatherNd": {1: 0},
+    "TensorScatterUpdate": {1: 0},
+    "TensorScatterAdd": {1: 0},
+    "TensorScatterSub": {1: 0},
+    "TensorScatterMax": {1: 0},
+    "TensorScatterMin": {1: 0},
+    "ScatterNd": {0: 2},
+    "UnsortedSegmentSum": {1: 2},
+    "UnsortedSegmentMax": {1: 2},
+    "UnsortedSegmentMin": {1: 2},
+    "UnsortedSegmentProd": {1: 2},
+    "SparseToDense": {0: 1},
+    "SparseTensorDenseMatMul": {0: 2},
+    "OneHot": {},
+}
+
+
+# Ops named Sparse... that take no sparse tensor (their integers are not
+# coordinates of rows).
+_DENSE_SPARSE_NAMED = frozenset(
+    ["SparseSoftmaxCrossEntropyWithLogits", "SparseMatMul"])
+
+
+def _indexes_own_rows(op: tf.Operation, index: int,
+                      kinds: Sequence[row_kinds.Kind]) -> bool:
+  """Whether `op` reads positions (input `index`) as indices into the
+  tower's own rows, where they are one device's."""
+  roles = _INDEXES.get(op.type)
+  if roles is None:
+    # A sparse op: its indices and segment ids are coordinates in the
+    # tower's sparse rows.
+    return op.type.startswith(
+        ("Sparse", "Ragged")) and op.type not in _DENSE_SPARSE_NAMED
+  target = roles.get(index)
+  if target is None:
+    return False
+  kind = kinds[target]
+  if op.type == "GatherV2" and isinstance(kind, row_kinds.Rows):
+    axes = static.static_ints(op.inputs[2])
+    return axes is not None and static.axis_in(
+        axes[0], static.rank_of(op.inputs[0])) == kind.axis
+  return isinstance(kind, (row_kinds.Rows, row_kinds.Size, row_kinds.Positions))
+
+
+def _position_inputs(
+    op: tf.Operation, kinds: Sequence[row_kinds.Kind], ctx: _Context
+) -> Tuple[List[row_kinds.Kind], List[Tuple[int, row_kinds.Positions]]]:
+  """Positions inputs as the rule sees them (rows), and those left the
+  tower's own (integer arithmetic, shapes): made the whole batch's where
+  read as values (floating, boolean or no outputs, a write)."""
+  result, kept = list(kinds), []
+  values = op.type in _WRITES or not op.outputs or any(
+      not t.dtype.is_integer for t in op.outputs)
+  ctx.own_positions = frozenset()
+  for index, kind in enumerate(kinds):
+    if not isinstance(kind, row_kinds.Positions):
+      continue
+    if _indexes_own_rows(op, index, kinds):
+      result[index] = row_kinds.Rows(kind.axis)
+      ctx.own_positions |= {index}
+    elif values:
+      result[index] = ctx.value_of_positions(op, index, kind)
+    else:
+      result[index] = row_kinds.Rows(kind.axis)
+      kept.append((index, kind))
+  return result, kept
+
+
+def _kept_positions(op: tf.Operation, kept: Sequence[Tuple[
+    int, row_kinds.Positions]], outputs: Sequence[row_kinds.Kind],
+                    ctx: _Context, before: int) -> List[row_kinds.Kind]:
+  """Outputs of an op that kept positions the tower's own: its integer rows
+  hold such positions too; if the op needs every tower (its rule reported
+  events since `before`), they are made the whole batch's first."""
+  if len(ctx.events) > before or (ctx.needs_towers is not None and
+                                  ctx.needs_towers is op):
+    events = ctx.events[before:]
+    del ctx.events[before:]
+    converted = [
+        ctx.value_of_positions(op, index, kind) for index, kind in kept
+    ]
+    ctx.events.extend(events)
+    local = row_kinds.any_local(converted)
+    return list(outputs) if local is None else [local] * len(outputs)
+  whole = all(kind.whole for _, kind in kept)
+  return [
+      row_kinds.Positions(k.axis, whole) if isinstance(k, row_kinds.Rows) and
+      t.dtype.is_integer else k for t, k in zip(op.outputs, outputs)
+  ]
+
+
 def transfer(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
              ctx: _Context) -> Sequence[row_kinds.Kind]:
   """The kinds of `op`'s outputs given its inputs' (and the events)."""
   if not op.outputs:
-    _size_inputs(op, kinds, ctx)
+    _position_inputs(op, _size_inputs(op, kinds, ctx), ctx)
     return []
   kinds = _size_inputs(op, kinds, ctx)
-  if op.type in _SIZE_ARITHMETIC and any(
-      isinstance(k, row_kinds.Size) for k in kinds) and not any(
-          isinstance(k, (row_kinds.Rows, row_kinds.Local)) for k in kinds):
+  kinds, kept = _position_inputs(op, kinds, ctx)
+  if kept:
+    before = len(ctx.events)
+    outputs = _transfer_rule(op, kinds, ctx)
+    return _kept_positions(op, kept, outputs, ctx, before)
+  return _transfer_rule(op, kinds, ctx)
+
+
+def _transfer_rule(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
+                   ctx: _Context) -> Sequence[row_kinds.Kind]:
+  """`transfer` once sizes and positions are read (its rule)."""
+  if (op.type in _SIZE_ARITHMETIC or
+      op.type in op_types.ELEMENTWISE and
+      all(t.dtype.is_integer for t in op.outputs)) and any(
+          isinstance(k, row_kinds.Size) for k in kinds) and not any(
+              isinstance(k, (row_kinds.Rows, row_kinds.Local)) for k in kinds):
+    # Integers computed from shard sizes (and whole values) are sizes.
     return _size_arithmetic(op, kinds)
   if all(k is row_kinds.WHOLE for k in kinds) and op.type not in (
       "Range", "Fill") and op.type not in op_types.RANDOM_FROM_SHAPE:
@@ -334,9 +479,15 @@ def function_kinds(
   elif op.type in ("While", "StatelessWhile"):
     condition, body = bodies
     carried = list(kinds)
-    for _ in range(3):
+    for _ in range(4):
       after = body_kinds(body, carried)
-      joined = [row_kinds.join([a, b]) for a, b in zip(carried, after)]
+      # A value carried from row to row of a loop over the rows (a fold,
+      # a scan) accumulates the tower's own rows.
+      joined = [
+          row_kinds.Local(op.name, "accumulates the tower's rows in a loop "
+                          "over them") if row_kinds.is_one_row(k) else k
+          for k in (row_kinds.join([a, b]) for a, b in zip(carried, after))
+      ]
       if joined == carried:
         break
       carried = joined
@@ -348,7 +499,7 @@ def function_kinds(
       outputs = [
           row_kinds.Local(op.name, "loops as long as the tower's rows say")
           if not isinstance(k, (row_kinds.Rows, row_kinds.Listed)) and
-          k is not row_kinds.WHOLE else k for k in carried
+          k is not row_kinds.WHOLE else k for k in outputs
       ]
   else:
     outputs = body_kinds(bodies[0], kinds)
@@ -382,7 +533,8 @@ def sources_of_inputs(shards: Any) -> Dict[Any, row_kinds.Kind]:
     if leaf is None:
       continue
     if isinstance(leaf, tf.SparseTensor):
-      sources[leaf.indices.ref()] = row_kinds.Rows(0)
+      # Coordinates: their first column is positions of the tower's rows.
+      sources[leaf.indices.ref()] = row_kinds.Positions(0, False)
       sources[leaf.values.ref()] = row_kinds.Rows(0)
       sources[leaf.dense_shape.ref()] = row_kinds.Size(False, frozenset([0]))
     elif isinstance(leaf, tf.RaggedTensor):

@@ -424,11 +424,13 @@ def _pad(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
   kind = kinds[0]
   if not isinstance(kind, row_kinds.Rows):
     return [kind]
-  paddings = tf.get_static_value(op.inputs[1])
-  if paddings is not None and list(np.reshape(paddings[kind.axis],
-                                              [-1])) == [0, 0]:
+  if static.row_ints(op.inputs[1], kind.axis) == [0, 0]:
     return [kind]
-  return [row_kinds.Local(op.name, "pads the rows axis")]
+  local = row_kinds.any_local(kinds[1:])
+  if local:
+    return [local]
+  # Rows added before or after the batch's: on the whole batch.
+  return ctx.whole_batch(op, [row_kinds.WHOLE], "pads the rows axis")
 
 
 def _broadcast_to(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
@@ -470,8 +472,17 @@ def _from_shape(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
 
 def _range(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
            ctx: row_kinds.Context) -> Sequence[row_kinds.Kind]:
+  """Positions of the tower's rows (or entries); the whole batch's are
+  known where they count from 0 by 1 up to a count of rows (which the
+  towers' counts add up to)."""
   if any(isinstance(k, row_kinds.Size) for k in kinds):
-    return [row_kinds.Rows(0)]  # positions of the tower's rows (or entries)
+    start, limit, delta = op.inputs
+    whole = (
+        kinds[0] is row_kinds.WHOLE and kinds[2] is row_kinds.WHOLE and
+        isinstance(kinds[1], row_kinds.Size) and
+        static.static_ints(start) == [0] and
+        static.static_ints(delta) == [1] and static.counts_rows(limit))
+    return [row_kinds.Positions(0, whole)]
   local = row_kinds.any_local(kinds)
   return [local or row_kinds.WHOLE]
 
@@ -520,9 +531,12 @@ def _gather(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
         indices, row_kinds.Rows) and indices.axis == 0:
       return [row_kinds.Rows(0)]
   if isinstance(indices, row_kinds.Rows):
-    if isinstance(params, row_kinds.Rows) and params.axis != axis:
-      return [row_kinds.Local(op.name, "gathers rows by rows")]
-    return [row_kinds.Rows((axis or 0) + indices.axis)]
+    output = row_kinds.Rows((axis or 0) + indices.axis)
+    if isinstance(params, row_kinds.Rows) and 1 not in ctx.own_positions:
+      # Rows picked by values of rows (positions in the batch): on the
+      # whole batch, each tower getting its indices' rows.
+      return ctx.whole_batch(op, [output], "gathers rows by rows")
+    return [output]
   if isinstance(params, row_kinds.Rows):
     if params.axis == axis:
       if row_kinds.is_local(indices):
@@ -560,6 +574,8 @@ def _gather_nd(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
                ctx: row_kinds.Context) -> Sequence[row_kinds.Kind]:
   params, indices = kinds
   if isinstance(indices, row_kinds.Rows) and indices.axis == 0:
+    if isinstance(params, row_kinds.Rows) and 1 not in ctx.own_positions:
+      return ctx.whole_batch(op, [row_kinds.Rows(0)], "gathers rows by rows")
     return [row_kinds.Rows(0)]
   if isinstance(params, row_kinds.Rows):
     batch_dims = op.get_attr("batch_dims") if "batch_dims" in [
@@ -567,7 +583,13 @@ def _gather_nd(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
     ] else 0
     if batch_dims and params.axis == 0:
       return [row_kinds.Rows(0)]
-    return [row_kinds.Local(op.name, "gathers rows by position")]
+    if op.inputs[0].dtype.is_integer:
+      return [
+          row_kinds.Local(
+              op.name, "picks integer rows (positions or counts of the "
+              "tower's own values) by position")
+      ]
+    return ctx.whole_batch(op, [row_kinds.WHOLE], "picks rows by position")
   local = row_kinds.any_local(kinds)
   return [local or row_kinds.WHOLE]
 

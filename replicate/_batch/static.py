@@ -9,6 +9,7 @@ from typing import Dict, List, Optional, cast
 import numpy as np
 import tensorflow as tf
 
+from replicate import _context
 from replicate import _graph
 
 # Ops a small integer vector built from constants may go through.
@@ -28,6 +29,13 @@ def _folded_ints(tensor: tf.Tensor, limit: int = 32) -> Optional[List[int]]:
   """
   if not tensor.dtype.is_integer or tensor.shape.rank not in (0, 1):
     return None
+  cache = _context.graph_store(tensor.graph, "folded ints")
+  if tensor.ref() not in cache:
+    cache[tensor.ref()] = _fold(tensor, limit)
+  return cache[tensor.ref()]
+
+
+def _fold(tensor: tf.Tensor, limit: int) -> Optional[List[int]]:
   ops: Dict[str, tf.Operation] = {}
   for op in _graph.walk([tensor.op], _graph.input_ops):
     if op.type not in _FOLDABLE or len(ops) >= limit or op.control_inputs:
@@ -105,9 +113,12 @@ def _some_known(values: Optional[List[int]]) -> Optional[List[Optional[int]]]:
 
 
 def static_ints(tensor: tf.Tensor) -> Optional[List[int]]:
+  """The entries of an int tensor known when built, or None: folded by
+  TensorFlow, else from constants through a few ops (the permutation
+  `tf.nn.softmax(x, axis=0)` builds from ranges and a difference)."""
   value = tf.get_static_value(tensor)
   if value is None:
-    return None
+    return _folded_ints(tensor)
   return [int(v) for v in np.reshape(value, [-1])]
 
 
@@ -121,3 +132,37 @@ def axis_in(axis: int, rank: Optional[int]) -> Optional[int]:
   if axis >= 0:
     return axis
   return None if rank is None else axis % rank
+
+
+_SAME_VALUE = frozenset(["Identity", "Cast", "Snapshot"])
+
+
+def counts_rows(tensor: tf.Tensor) -> bool:
+  """Whether `tensor` is a count the towers' own add up to one device's:
+  a tensor's size, or one entry of its shape (through casts)."""
+  op = tensor.op
+  while op.type in _SAME_VALUE and op.inputs:
+    op = op.inputs[0].op
+  if op.type == "Size":
+    return True
+  if op.type == "StridedSlice":
+    return op.inputs[0].op.type in ("Shape", "ShapeN") and (
+        op.get_attr("shrink_axis_mask") == 1)
+  if op.type == "Unpack":
+    return op.inputs[0].op.type in ("Shape", "ShapeN")
+  return False
+
+
+def row_ints(tensor: tf.Tensor, index: int) -> Optional[List[int]]:
+  """Row `index` of an int matrix known when built, though other rows may
+  not be (`tf.pad`'s paddings `[[0, 0], [0, n - t], [0, 0]]` are stacked
+  rows)."""
+  values = static_ints(tensor)
+  if values is not None and tensor.shape.rank == 2 and (
+      tensor.shape[1] is not None):
+    width = int(tensor.shape[1])
+    return values[index * width:(index + 1) * width]
+  op = tensor.op
+  if op.type == "Pack" and op.get_attr("axis") == 0 and index < len(op.inputs):
+    return static_ints(op.inputs[index])
+  return None

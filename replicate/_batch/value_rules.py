@@ -6,7 +6,7 @@ outputs' kinds, and reports through `ctx` (`_batch.rows`) what needs every
 tower; `RULES` maps op types to rules.
 """
 
-from typing import Dict, List, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import tensorflow as tf
 
@@ -15,31 +15,66 @@ from replicate._batch import row_kinds
 from replicate._batch import static
 
 
-def _elementwise(op: tf.Operation,
-                 kinds: Sequence[row_kinds.Kind]) -> row_kinds.Kind:
-  """The output kind of a broadcasting elementwise op."""
+def _output_axes(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
+                 aligned: Sequence[bool] = ()) -> Any:
+  """The output axes a broadcasting elementwise op's rows land on, or the
+  Local / SHARD / WHOLE kind it has without rows. `aligned[i]`: input i's
+  axes are the output's as they are (not right-aligned)."""
   out_rank = static.rank_of(op.outputs[0]) if op.outputs else None
   axes, shard = set(), False
-  for tensor, kind in zip(op.inputs, kinds):
+  for position, (tensor, kind) in enumerate(zip(op.inputs, kinds)):
     if row_kinds.is_local(kind):
       return kind
     if kind is row_kinds.SHARD:
       shard = True
     if isinstance(kind, row_kinds.Rows):
       in_rank = static.rank_of(tensor)
-      if out_rank is not None and in_rank is not None:
+      if (out_rank is not None and in_rank is not None and
+          not (position < len(aligned) and aligned[position])):
         axes.add(out_rank - in_rank + kind.axis)
       else:
         axes.add(kind.axis)
-  if len(axes) > 1:
-    return row_kinds.Local(op.name,
-                           f"combines rows cut along axes {sorted(axes)}")
   if axes:
-    return row_kinds.Rows(axes.pop())
+    return axes
   return row_kinds.SHARD if shard else row_kinds.WHOLE
 
 
+def _elementwise_rule(op: tf.Operation,
+                      kinds: Sequence[row_kinds.Kind],
+                      ctx: row_kinds.Context,
+                      aligned: Sequence[bool] = ()) -> Sequence[row_kinds.Kind]:
+  """A broadcasting elementwise op: rows where its inputs' rows land; rows
+  of one input meeting rows of another along another axis (a pairwise
+  difference `x[:, None] - x[None, :]`) meet on the whole batch."""
+  axes = _output_axes(op, kinds, aligned)
+  if not isinstance(axes, set):
+    return row_kinds.same_for_outputs(op, axes)
+  if len(axes) == 1:
+    return row_kinds.same_for_outputs(op, row_kinds.Rows(axes.pop()))
+  return ctx.whole_batch(
+      op, row_kinds.same_for_outputs(op, row_kinds.Rows(min(axes))),
+      f"combines rows cut along axes {sorted(axes)}")
+
+
+def _select(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
+            ctx: row_kinds.Context) -> Sequence[row_kinds.Kind]:
+  """v1 Select: a vector condition picks whole rows (its axis 0 is the
+  values' axis 0), any other condition is elementwise."""
+  vector = static.rank_of(op.inputs[0]) == 1
+  return _elementwise_rule(op, kinds, ctx, aligned=[vector])
+
+
 # ------------------------------------------------------- transfer functions
+
+
+def _rows_or_whole(tensor: tf.Tensor, axis: int,
+                   extent: Optional[tf.Tensor]) -> row_kinds.Kind:
+  """Rows on `axis` for an output as long as the rows (`extent` counts
+  them, or None: same shape as the input), else one whole value."""
+  del tensor
+  if extent is None or static.counts_rows(extent):
+    return row_kinds.Rows(axis)
+  return row_kinds.WHOLE
 
 
 def _reduction(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
@@ -78,9 +113,9 @@ def _arg_reduction(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
   axis = static.static_ints(op.inputs[1])
   if axis is None or static.axis_in(axis[0], static.rank_of(
       op.inputs[0])) == kind.axis:
-    return [
-        row_kinds.Local(op.name, "takes the position of an extremum over rows")
-    ]
+    # The position in the whole batch.
+    return ctx.whole_batch(op, [row_kinds.WHOLE],
+                           "takes the position of an extremum over rows")
   return [
       row_kinds.Rows(kind.axis -
                      (1 if axis[0] %
@@ -108,9 +143,13 @@ def _segment_reduction(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
 
 def _sorted_segment(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
                     ctx: row_kinds.Context) -> Sequence[row_kinds.Kind]:
+  """Sorted segments of the batch's rows: as many as the whole batch's
+  largest id says, each summing rows of any tower: on the whole batch."""
   if any(k is not row_kinds.WHOLE for k in kinds[:2]):
     local = row_kinds.any_local(kinds)
-    return [local or row_kinds.Rows(0)]
+    if local:
+      return [local]
+    return ctx.whole_batch(op, [row_kinds.WHOLE], "sums sorted segments of rows")
   return [row_kinds.WHOLE]
 
 
@@ -129,20 +168,26 @@ def _matmul(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
   if a_rows is not None and b_rows is not None:
     if a_contracted and b_contracted:
       return [ctx.reduce(op, "sum", a_rows)]
-    return [
-        row_kinds.Local(
-            op.name, "multiplies rows by rows (e.g. a batch times its "
-            "own transpose)")
-    ]
+    return ctx.whole_batch(op, [_product_rows(a_contracted, b_contracted)],
+                           "multiplies rows by rows")
   if a_rows is not None:
-    return [row_kinds.Rows(0)] if not a_contracted else [
-        row_kinds.Local(op.name, "contracts rows with a tensor without rows")
-    ]
+    return [row_kinds.Rows(0)] if not a_contracted else ctx.whole_batch(
+        op, [row_kinds.WHOLE], "contracts rows with a tensor without rows")
   if b_rows is not None:
-    return [row_kinds.Rows(1)] if not b_contracted else [
-        row_kinds.Local(op.name, "contracts rows with a tensor without rows")
-    ]
+    return [row_kinds.Rows(1)] if not b_contracted else ctx.whole_batch(
+        op, [row_kinds.WHOLE], "contracts rows with a tensor without rows")
   return [row_kinds.SHARD if row_kinds.SHARD in (a, b) else row_kinds.WHOLE]
+
+
+def _product_rows(a_contracted: bool, b_contracted: bool,
+                  first: int = 0) -> row_kinds.Kind:
+  """Where a product of rows by rows keeps rows: the left operand's on the
+  output's first matrix axis, else the right's on its second."""
+  if not a_contracted:
+    return row_kinds.Rows(first)
+  if not b_contracted:
+    return row_kinds.Rows(first + 1)
+  return row_kinds.WHOLE
 
 
 def _batch_matmul(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
@@ -159,13 +204,36 @@ def _batch_matmul(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
     if isinstance(kind, row_kinds.Rows):
       rank = static.rank_of(tensor)
       if rank is None or out_rank is None or kind.axis >= rank - 2:
-        return [row_kinds.Local(op.name, "multiplies along the rows axis")]
+        return ctx.whole_batch(op, [_matrix_rows(op, kinds, out_rank)],
+                               "multiplies along the rows axis")
       axes.add(out_rank - rank + kind.axis)
   if len(axes) != 1:
-    return [
-        row_kinds.Local(op.name, "multiplies rows cut along different axes")
-    ]
+    return ctx.whole_batch(op, [row_kinds.Rows(min(axes))],
+                           "multiplies rows cut along different axes")
   return [row_kinds.Rows(axes.pop())]
+
+
+def _matrix_rows(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
+                 out_rank: Optional[int]) -> row_kinds.Kind:
+  """A batched product's rows on a matrix axis, run on the whole batch."""
+  if out_rank is None:
+    return row_kinds.WHOLE
+  adjoint = [
+      op.get_attr(name) if name in [a.name for a in op.op_def.attr] else False
+      for name in ("adj_x", "adj_y")
+  ]
+  contracted = []
+  for position, (tensor, kind) in enumerate(zip(op.inputs[:2], kinds[:2])):
+    rank = static.rank_of(tensor)
+    if not isinstance(kind, row_kinds.Rows) or rank is None:
+      contracted.append(True)
+      continue
+    # Left: rows (rank-2) kept unless adjoint; right: columns (rank-1).
+    kept = rank - 2 if position == 0 else rank - 1
+    if adjoint[position]:
+      kept = rank - 1 if position == 0 else rank - 2
+    contracted.append(kind.axis != kept)
+  return _product_rows(contracted[0], contracted[1], out_rank - 2)
 
 
 def _einsum(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
@@ -175,29 +243,32 @@ def _einsum(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
     return [local]
   equation = op.get_attr("equation").decode().replace(" ", "")
   if "..." in equation or "->" not in equation:
-    return [
-        row_kinds.first_rows(kinds) and
-        row_kinds.Local(op.name, "einsum with ellipsis over "
-                        "rows") or row_kinds.WHOLE
-    ]
+    if row_kinds.first_rows(kinds) is None:
+      return [row_kinds.SHARD if row_kinds.SHARD in kinds else row_kinds.WHOLE]
+    return ctx.whole_batch(op, [row_kinds.WHOLE], "einsum with ellipsis")
   inputs, output = equation.split("->")
   letters = inputs.split(",")
-  batch = set()
+  batch = []
   for kind, spec in zip(kinds, letters):
     if isinstance(kind, row_kinds.Rows):
       if kind.axis >= len(spec):
-        return [row_kinds.Local(op.name, "einsum over rows")]
-      batch.add(spec[kind.axis])
+        return ctx.whole_batch(op, [row_kinds.WHOLE], "einsum over rows")
+      if spec[kind.axis] not in batch:
+        batch.append(spec[kind.axis])
   if not batch:
     return [row_kinds.SHARD if row_kinds.SHARD in kinds else row_kinds.WHOLE]
+  kept = [letter for letter in batch if letter in output]
+  whole_kind = (
+      row_kinds.Rows(min(output.index(letter) for letter in kept))
+      if kept else row_kinds.WHOLE)
   if len(batch) > 1:
-    return [row_kinds.Local(op.name, "einsum combining rows of different axes")]
-  letter = batch.pop()
+    return ctx.whole_batch(op, [whole_kind],
+                           "einsum combining rows of different axes")
+  letter = batch[0]
   carriers = [k for k, spec in zip(kinds, letters) if letter in spec]
   if not all(isinstance(k, row_kinds.Rows) for k in carriers):
-    return [
-        row_kinds.Local(op.name, "einsum of rows with a tensor without rows")
-    ]
+    return ctx.whole_batch(op, [whole_kind],
+                           "einsum of rows with a tensor without rows")
   if letter in output:
     return [row_kinds.Rows(output.index(letter))]
   rows_inputs = [k for k in kinds if isinstance(k, row_kinds.Rows)]
@@ -209,9 +280,12 @@ def _where(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
   if len(op.inputs) == 1:
     kind = kinds[0]
     if isinstance(kind, row_kinds.Rows):
-      return [row_kinds.Rows(0)]  # coordinates of true entries, in row order
+      # Coordinates of true entries, in row order: along the rows axis,
+      # positions of the tower's rows.
+      return [row_kinds.Positions(0, False) if kind.axis == 0 else row_kinds
+              .Rows(0)]
     return [kind if row_kinds.is_local(kind) else row_kinds.WHOLE]
-  return [_elementwise(op, kinds)]
+  return _elementwise_rule(op, kinds, ctx)
 
 
 def _one_hot(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
@@ -228,24 +302,29 @@ def _one_hot(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
 
 
 def _along_axis_input(axis_index: int, what: str) -> row_kinds.Rule:
-  """Ops working along one axis given as an input (cumsum, reverse, ...)."""
+  """Ops working along one axis given as an input (cumsum, reverse, ...):
+  along the rows, on the whole batch, each tower getting its rows."""
 
   def rule(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
            ctx: row_kinds.Context) -> Sequence[row_kinds.Kind]:
     kind = kinds[0]
     if not isinstance(kind, row_kinds.Rows):
       return row_kinds.same_for_outputs(op, row_kinds.non_row(kind))
+    local = row_kinds.any_local(kinds[1:])
+    if local:
+      return row_kinds.same_for_outputs(op, local)
     axes = static.static_ints(op.inputs[axis_index])
     rank = static.rank_of(op.inputs[0])
     if axes is None or kind.axis in {static.axis_in(a, rank) for a in axes}:
-      return row_kinds.same_for_outputs(op, row_kinds.Local(op.name, what))
+      return ctx.whole_batch(op, row_kinds.same_for_outputs(op, kind), what)
     return row_kinds.same_for_outputs(op, kind)
 
   return rule
 
 
 def _last_axis(what: str) -> row_kinds.Rule:
-  """Ops working along the last axis (softmax, top_k)."""
+  """Ops working along the last axis (softmax): over the rows, on the
+  whole batch, each tower getting its rows."""
 
   def rule(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
            ctx: row_kinds.Context) -> Sequence[row_kinds.Kind]:
@@ -256,10 +335,32 @@ def _last_axis(what: str) -> row_kinds.Rule:
           op, local or (kind if kind is row_kinds.SHARD else row_kinds.WHOLE))
     rank = static.rank_of(op.inputs[0])
     if rank is None or kind.axis == rank - 1:
-      return row_kinds.same_for_outputs(op, row_kinds.Local(op.name, what))
+      return ctx.whole_batch(op, row_kinds.same_for_outputs(op, kind), what)
     return row_kinds.same_for_outputs(op, kind)
 
   return rule
+
+
+def _top_k(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
+           ctx: row_kinds.Context) -> Sequence[row_kinds.Kind]:
+  """top_k along the rows (sorting the batch): on the whole batch; the
+  values and positions are rows where k counts the rows (`tf.sort`), else
+  the whole batch's k values and positions in the batch."""
+  kind = kinds[0]
+  if not isinstance(kind, row_kinds.Rows):
+    local = row_kinds.any_local(kinds)
+    return row_kinds.same_for_outputs(
+        op, local or (kind if kind is row_kinds.SHARD else row_kinds.WHOLE))
+  rank = static.rank_of(op.inputs[0])
+  if rank is not None and kind.axis != rank - 1:
+    return row_kinds.same_for_outputs(op, kind)
+  local = row_kinds.any_local(kinds[1:])
+  if local:
+    return row_kinds.same_for_outputs(op, local)
+  k = op.inputs[1] if op.type == "TopKV2" else None
+  output = row_kinds.WHOLE if k is None else _rows_or_whole(
+      op.outputs[0], kind.axis, k)
+  return ctx.whole_batch(op, [output, output], "sorts the rows")
 
 
 def _per_row(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
@@ -324,31 +425,51 @@ def _py_func(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
 
 def _unique(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
             ctx: row_kinds.Context) -> Sequence[row_kinds.Kind]:
+  """The batch's distinct values (whole), each row's index among them
+  (rows) and their counts (whole), on the whole batch."""
   kind = kinds[0]
   if not isinstance(kind, row_kinds.Rows):
     return row_kinds.same_for_outputs(
         op, kind if row_kinds.is_local(kind) else row_kinds.WHOLE)
-  outputs: List[row_kinds.Kind] = [
-      row_kinds.Local(op.name, "is the set of the tower's values"), kind
-  ]
-  outputs += [row_kinds.Local(op.name, "counts the tower's values")] * (
-      len(op.outputs) - 2)
-  return outputs
+  local = row_kinds.any_local(kinds[1:])
+  if local:
+    return row_kinds.same_for_outputs(op, local)
+  outputs: List[row_kinds.Kind] = [row_kinds.WHOLE, kind]
+  outputs += [row_kinds.WHOLE] * (len(op.outputs) - 2)
+  return ctx.whole_batch(op, outputs, "finds the distinct values of rows")
 
 
 def _dynamic_stitch(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
                     ctx: row_kinds.Context) -> Sequence[row_kinds.Kind]:
+  """Rows placed at positions of the tower's own rows are its rows; at
+  other positions (values of rows), on the whole batch."""
   if all(k is row_kinds.WHOLE for k in kinds):
     return [row_kinds.WHOLE]
-  return [row_kinds.Rows(0)]
+  local = row_kinds.any_local(kinds)
+  if local:
+    return [local]
+  count = len(op.inputs) // 2
+  if all(isinstance(k, row_kinds.Positions) for k in kinds[:count]):
+    return [row_kinds.Rows(0)]
+  return ctx.whole_batch(op, [row_kinds.WHOLE], "places rows at positions")
 
 
 def _dynamic_partition(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
                        ctx: row_kinds.Context) -> Sequence[row_kinds.Kind]:
+  """Each partition of the batch's rows is the towers' partitions in order
+  (the tower's rows of it are its own partition)."""
   if all(k is row_kinds.WHOLE for k in kinds):
     return row_kinds.same_for_outputs(op, row_kinds.WHOLE)
-  return row_kinds.same_for_outputs(
-      op, row_kinds.Local(op.name, "partitions the rows"))
+  local = row_kinds.any_local(kinds)
+  if local:
+    return row_kinds.same_for_outputs(op, local)
+  data, partitions = kinds
+  if (isinstance(data, row_kinds.Rows) and data.axis == 0 and
+      isinstance(partitions, row_kinds.Rows) and partitions.axis == 0):
+    return row_kinds.same_for_outputs(op, row_kinds.Rows(0))
+  return ctx.whole_batch(
+      op, row_kinds.same_for_outputs(op, row_kinds.WHOLE),
+      "partitions rows by values of no rows")
 
 
 def _sparse_fill_empty_rows(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
@@ -392,7 +513,8 @@ def _sparse_segment(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
   if all(k is row_kinds.WHOLE for k in kinds):
     return [row_kinds.WHOLE]
   if ids is row_kinds.WHOLE and isinstance(kinds[0], row_kinds.Rows):
-    return [row_kinds.Local(op.name, "sums rows into fixed segments")]
+    return ctx.whole_batch(op, [row_kinds.WHOLE],
+                           "sums rows into fixed segments")
   return [row_kinds.Rows(0)]
 
 
@@ -477,7 +599,7 @@ def _reverse_sequence(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
   if not isinstance(kind, row_kinds.Rows):
     return [kind if row_kinds.is_local(kind) else row_kinds.WHOLE]
   if op.get_attr("seq_dim") == kind.axis:
-    return [row_kinds.Local(op.name, "reverses the rows")]
+    return ctx.whole_batch(op, [kind], "reverses the rows")
   return [kind]
 
 
@@ -565,10 +687,11 @@ RULES: Dict[str, row_kinds.Rule] = {
     "LogSoftmax":
         _last_axis("normalises over the rows"),
     "TopKV2":
-        _last_axis("sorts the rows"),
+        _top_k,
     "TopK":
-        _last_axis("sorts the "
-                   "rows"),
+        _top_k,
+    "Select":
+        _select,
     "RandomShuffle":
         lambda op, k, c: [
             row_kinds.Local(op.name, "shuffles the rows")
@@ -676,7 +799,7 @@ for op_type in op_types.SEGMENT_REDUCTIONS:
   RULES[op_type] = _segment_reduction
 
 for op_type in op_types.ELEMENTWISE:
-  RULES.setdefault(op_type, lambda op, k, c: [_elementwise(op, k)])
+  RULES.setdefault(op_type, _elementwise_rule)
 
 for op_type in op_types.PER_ROW:
   RULES.setdefault(op_type, _per_row)

@@ -162,11 +162,11 @@ class KerasTowerOptimizer(_tf.TracksWrapped,
         grads_and_vars = _tf.keras_compute_gradients(
             optimizer, loss, var_list=var_list, grad_loss=grad_loss, tape=tape)
       return self.apply_gradients(grads_and_vars, name=name)
-    if callable(loss):
-      loss = loss()
+    loss = routing.recorded_loss(loss, tape)
     if callable(var_list):
       var_list = var_list()
     var_list = tf.nest.flatten(var_list)
+    replication = optimizer_calls.replicated()
     if not self._transforms.active:
       return routing.once(
           "TowerOptimizer.minimize", loss, var_list,
@@ -175,7 +175,7 @@ class KerasTowerOptimizer(_tf.TracksWrapped,
               var_list,
               grad_loss=grad_loss,
               name=name,
-              tape=routing.GraphTape()))
+              tape=routing.GraphTape(replication.recorded)))
     grads = optimizer_calls.whole_batch_gradients(
         loss,
         lambda whole_loss, _: _colocated_gradients(optimizer, whole_loss,

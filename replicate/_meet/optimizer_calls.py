@@ -360,3 +360,64 @@ def _resolved(replication: _context.Replication, grad: Any) -> Any:
 def _components(grad: Any) -> List[tf.Tensor]:
   return [grad.values, grad.indices] if isinstance(
       grad, tf.IndexedSlices) else [grad]
+
+
+def unrecorded(replication: _context.Replication,
+               windows: Sequence[Tuple[int, int]], ys: Sequence[tf.Tensor],
+               xs: Sequence[Any]) -> List[tf.Tensor]:
+  """Where a tape differentiates: the values it did not record, to stop at.
+
+  A tape differentiates what it recorded: values computed before it (a
+  loss term built before Keras' `minimize(loss_fn)` records `loss_fn`, a
+  read of a variable) are constants to it. The towers differentiate with
+  `tf.gradients`, which follows every op: the model's ops of the towers
+  outside every tape's `windows` (graph positions [start, end) it recorded,
+  in each tower) stop it. The library's ops (the whole batch's values) pass
+  what they read on.
+  """
+  if not windows:
+    return []
+  operations = replication.graph.get_operations()
+  recorded = {op for start, end in windows for op in operations[start:end]}
+  recorded.update(op for start, end in replication.library_ranges
+                  for op in operations[start:end])
+  model = set(op for ops in replication.tower_ops for op in ops) or set(
+      op for index in replication.ranges
+      for op in replication.model_ops(index))
+  sources = {x.op for x in xs if isinstance(x, tf.Tensor)}
+  stops = []
+  for op in _graph.walk([y.op for y in ys], _graph.input_ops):
+    if op in model and op not in recorded and op not in sources:
+      stops.extend(
+          t for t in op.outputs if t.dtype.is_floating or t.dtype.is_complex)
+  return stops
+
+
+_ORIGINAL_ENTER = tf.GradientTape.__enter__
+_ORIGINAL_EXIT = tf.GradientTape.__exit__
+
+
+def tape_windows(tape: Any, graph: tf.Graph) -> List[Tuple[int, int]]:
+  """The graph positions of the ops `tape` recorded: [start, end) while it
+  was entered (one still open ends now)."""
+  found = _context.graph_store(graph, "tape windows").get(id(tape), [])
+  return [(start, graph.version if end is None else end)
+          for start, end in found]
+
+
+def entered_tape(self: tf.GradientTape) -> Any:
+  """GradientTape.__enter__, noting where in the graph it starts recording."""
+  graph = tf.compat.v1.get_default_graph()
+  if replicated() is not None:
+    store = _context.graph_store(graph, "tape windows")
+    store.setdefault(id(self), []).append([graph.version, None])
+  return _ORIGINAL_ENTER(self)
+
+
+def exited_tape(self: tf.GradientTape, *args: Any) -> Any:
+  """GradientTape.__exit__, noting where it stops recording."""
+  graph = tf.compat.v1.get_default_graph()
+  windows = _context.graph_store(graph, "tape windows").get(id(self))
+  if windows and windows[-1][1] is None:
+    windows[-1][1] = graph.version
+  return _ORIGINAL_EXIT(self, *args)

@@ -106,6 +106,10 @@ def _whole_batch(replication: _context.Replication,
       union.setdefault(_key(x), x)
     for stop in call["stop_gradients"]:
       stops.setdefault(_key(stop), stop)
+  windows = [w for call in calls for w in call.get("recorded", ())]
+  for stop in optimizer_calls.unrecorded(replication, windows, ys,
+                                         list(union.values())):
+    stops.setdefault(_key(stop), stop)
   xs = [rewiring.resolve(x) for x in union.values()]
   with optimizer_calls.meeting_scope(replication, pure=True):
     grads = _ORIGINAL_V1(
@@ -214,6 +218,7 @@ def _routed_tape(original: Callable[..., Any]) -> Callable[..., Any]:
     call = dict(
         ys=targets,
         xs=tf.nest.flatten(sources),
+        recorded=optimizer_calls.tape_windows(self, replication.graph),
         stop_gradients=[],
         grad_ys=None
         if output_gradients is None else tf.nest.flatten(output_gradients),
@@ -239,7 +244,10 @@ def _routed_tape(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _install() -> _tf.Patched:
-  originals = []
+  originals = [
+      _tf.patch(tf.GradientTape, "__enter__", optimizer_calls.entered_tape),
+      _tf.patch(tf.GradientTape, "__exit__", optimizer_calls.exited_tape),
+  ]
   for module in _api_modules():
     function = module.__dict__.get("gradients")
     if function is _ORIGINAL_V1 or function is _ORIGINAL_V2:

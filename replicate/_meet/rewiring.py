@@ -80,6 +80,9 @@ class Rewiring:
     self._group_counts: Counter[Any] = collections.Counter()
     self._handled: Dict[int, set] = collections.defaultdict(set)
     self._sizes: Dict[Any, tf.Tensor] = {}
+    self._positions: Dict[Any, tf.Tensor] = {}
+    # Other towers' tensors given a replacement: ref -> what readers read.
+    self._substituted: Dict[Any, tf.Tensor] = {}
     self._done0 = 0
     self._started = False
     # Tower 0's tensors given the whole batch's value: ref -> (tensor, the
@@ -94,16 +97,24 @@ class Rewiring:
     return row_kinds.WHOLE if analysis is None else analysis.kind(tensor)
 
   def resolve(self, tensor: Any) -> Any:
-    """The whole batch's value of tower 0's `tensor` where it was given one.
+    """What a tower's readers of `tensor` read where it was given the whole
+    batch's value (or, run on the whole batch, the tower's rows of it).
 
     A batch reduction's output keeps its partial value; its readers read
     the whole batch's. Code holding the tensor itself (the loss a model_fn
-    returns, hands to an optimizer or fetches in a hook) gets that here.
+    returns, hands to an optimizer or fetches in a hook; a tower's
+    predictions) gets that here.
     """
     if not isinstance(tensor, tf.Tensor):
       return tensor
     found = self._replaced.get(tensor.ref())
-    return tensor if found is None else found[1]
+    if found is not None:
+      return found[1]
+    return self._substituted.get(tensor.ref(), tensor)
+
+  def _substitute(self, tensor: tf.Tensor, replacement: tf.Tensor) -> None:
+    """A tower's `tensor` reads as `replacement` (see `substitute`)."""
+    self._substituted[tensor.ref()] = substitute(tensor, replacement)[0]
 
   def replacements(self) -> Dict[str, tf.Tensor]:
     """Tensor name -> its whole batch's value, for every replaced tensor."""
@@ -302,6 +313,8 @@ class Rewiring:
       self._reduction(event)
     elif isinstance(event, row_kinds.SizeUse):
       self._size_use(event)
+    elif isinstance(event, row_kinds.PositionUse):
+      self._position_use(event)
     elif isinstance(event, row_kinds.Mixing):
       self._mixing(event)
     elif isinstance(event, row_kinds.FusedNorm):
@@ -374,7 +387,7 @@ class Rewiring:
       op = self._ops[index].get(op0)
       if op is not None:
         self._handled[index].add(op)
-        substitute(op.outputs[output_index], whole)
+        self._substitute(op.outputs[output_index], whole)
 
   def _size_use(self, event: row_kinds.SizeUse) -> None:
     op0, position = event.op, event.index
@@ -387,6 +400,61 @@ class Rewiring:
       op = self._towers_op(op0, index)
       if op is not None:
         _tf.update_input(op, position, whole)
+
+  def _position_use(self, event: row_kinds.PositionUse) -> None:
+    """Every tower's op reads its rows' positions in the whole batch."""
+    op0, position = event.op, event.index
+    tensor0 = op0.inputs[position]
+    wholes = [
+        self.whole_positions(tensor0, index)
+        for index in range(self._replication.num_towers)
+    ]
+    _tf.update_input(op0, position, wholes[0])
+    self.declare(wholes[0], row_kinds.Rows(self.kind(tensor0).axis))
+    for index in range(1, self._replication.num_towers):
+      self._tensors[index][wholes[0].ref()] = wholes[index]
+      op = self._towers_op(op0, index)
+      if op is not None:
+        _tf.update_input(op, position, wholes[index])
+
+  def whole_positions(self, tensor0: tf.Tensor, index: int) -> tf.Tensor:
+    """Tower `index`'s rows of one device's positions for tower 0's
+    positions tensor `tensor0` (`_batch.rows`: a range of a count of rows,
+    or integer values computed from one): the tower's own plus the rows of
+    the towers before it."""
+    key = (tensor0.ref(), index)
+    if key in self._positions:
+      return self._positions[key]
+    replication = self._replication
+    op0 = tensor0.op
+    own = self.counterpart(tensor0, index)
+    with tf.name_scope(_scope(op0, "whole_batch")), tf.device(
+        replication.placed[index]):
+      if op0.type == "Range":
+        before = [
+            tf.size(self.counterpart(tensor0, other), out_type=tensor0.dtype)
+            for other in range(index)
+        ]
+        whole = own if not before else own + _combine(
+            "sum", before, replication.validity[:index])
+      else:
+        inputs = []
+        for t in op0.inputs:
+          kind = self.kind(t)
+          if isinstance(kind, row_kinds.Positions):
+            inputs.append(self.whole_positions(t, index))
+          elif isinstance(kind, row_kinds.Size):
+            inputs.append(self.whole_size(t))
+          else:
+            inputs.append(self.counterpart(t, index))
+        whole = self._copy(
+            op0,
+            inputs,
+            replication.placed[index],
+            name=op0.name.replace("/", "_") +
+            f"_whole_{index}").outputs[tensor0.value_index]
+    self._positions[key] = whole
+    return whole
 
   def whole_size(self, tensor0: tf.Tensor) -> tf.Tensor:
     """The whole batch's value of tower 0's shard-size tensor `tensor0`."""
@@ -490,12 +558,18 @@ class Rewiring:
     for position, (output, kind) in enumerate(zip(once.outputs, event.kinds)):
       if isinstance(kind, row_kinds.Rows) and place is not None:
         rows = place(output, kind.axis)
-        self._replace(op0.outputs[position], rows[0])
+        original = op0.outputs[position]
+        self._replace(original, rows[0])
+        # What tower 0's readers read now holds its rows; each tower's
+        # counterpart of it is its rows.
+        read = self._replaced[original.ref()][1]
+        self.declare(read, kind)
         for index in range(1, replication.num_towers):
           op = self._towers_op(op0, index)
           if op is not None:
-            substitute(op.outputs[position], rows[index])
-          self._tensors[index][op0.outputs[position].ref()] = rows[index]
+            self._substitute(op.outputs[position], rows[index])
+          self._tensors[index][original.ref()] = rows[index]
+          self._tensors[index][read.ref()] = rows[index]
       else:
         self._rewire_everywhere(op0, position, output)
     logging.info("replicate: %s (%s) runs once on the whole batch", op0.name,
@@ -522,15 +596,15 @@ class Rewiring:
         for position, value in enumerate(statistics, start=1):
           self._replace(op.outputs[position], value)
       else:
-        substitute(op.outputs[0], tower_rows)
+        self._substitute(op.outputs[0], tower_rows)
         for position, value in enumerate(statistics, start=1):
-          substitute(op.outputs[position], value)
+          self._substitute(op.outputs[position], value)
       self._tensors[index][op0.outputs[0].ref()] = tower_rows
     for index, (relu, tower_relu) in whole_batch.relu_once(replication, rows):
       if index == 0:
         self._replace(relu.outputs[0], tower_relu)
       else:
-        substitute(relu.outputs[0], tower_relu)
+        self._substitute(relu.outputs[0], tower_relu)
 
 
 def substitute(tensor: tf.Tensor,

@@ -158,8 +158,12 @@ class GraphTape:
 
   Keras' `minimize` of a tensor loss needs a tape that recorded the loss;
   the whole batch's loss is built after the towers' forward passes, so its
-  gradients come from the graph instead.
+  gradients come from the graph instead, stopping at what the towers' own
+  tapes (or `loss_fn` calls) did not record (`recorded`: graph positions).
   """
+
+  def __init__(self, recorded: Sequence[Tuple[int, int]] = ()) -> None:
+    self._recorded = list(recorded)
 
   def __enter__(self) -> "GraphTape":
     return self
@@ -176,12 +180,31 @@ class GraphTape:
                output_gradients: Any = None,
                **unused: Any) -> List[Any]:
     sources = tf.nest.flatten(sources)
+    replication = _context.replication_on_thread()
+    stops = [] if replication is None else optimizer_calls.unrecorded(
+        replication, self._recorded, tf.nest.flatten(target), sources)
     grads = tf.compat.v1.gradients(
         target,
         sources,
         grad_ys=output_gradients,
-        colocate_gradients_with_ops=True)
+        colocate_gradients_with_ops=True,
+        stop_gradients=stops or None)
     return _one_device_grads(grads, sources)
+
+
+def recorded_loss(loss: Any, tape: Any) -> Any:
+  """Keras' `loss` called (a callable), noting in the replication what it
+  recorded (or what the given `tape` did) for `GraphTape`."""
+  replication = optimizer_calls.replicated()
+  graph = tf.compat.v1.get_default_graph()
+  if callable(loss):
+    start = graph.version
+    loss = loss()
+    if replication is not None:
+      replication.recorded.append((start, graph.version))
+  elif tape is not None and replication is not None:
+    replication.recorded.extend(optimizer_calls.tape_windows(tape, graph))
+  return loss
 
 
 def _one_device_grads(grads: Iterable[Any],
@@ -380,8 +403,7 @@ def _keras_minimize(original: Callable[..., Any], optimizer: Any,
                     args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
   loss = args[0] if args else kwargs.get("loss")
   var_list = argument(args, kwargs, "var_list", 1)
-  if callable(loss):
-    loss = loss()
+  loss = recorded_loss(loss, argument(args, kwargs, "tape", 4))
   if callable(var_list):
     var_list = var_list()
   var_list = tf.nest.flatten(var_list)
@@ -392,9 +414,16 @@ def _keras_minimize(original: Callable[..., Any], optimizer: Any,
   positional = list(args[2:])
   if len(positional) >= 3:  # grad_loss, name, tape
     positional = positional[:2]
+  replication = optimizer_calls.replicated()
+  assert replication is not None  # routed in towers only
   return once(
       _kind(optimizer, "minimize"), loss, var_list, lambda whole: original(
-          optimizer, whole, var_list, *positional, tape=GraphTape(), **rest))
+          optimizer,
+          whole,
+          var_list,
+          *positional,
+          tape=GraphTape(replication.recorded),
+          **rest))
 
 
 _BASE_GET_GRADIENTS = _KERAS.__dict__["get_gradients"]

@@ -427,6 +427,9 @@ def _check_written_alike(group: List[Optional[_Write]]) -> None:
             "value), or declare the variable's aggregation.")
 
 
+_READS_SHAPE = frozenset(["Shape", "ShapeN", "Size", "Rank"])
+
+
 def _skip_identities(tensor: tf.Tensor) -> tf.Tensor:
   while tensor.op.type in ("Identity", "Snapshot") and tensor.op.inputs:
     tensor = tensor.op.inputs[0]
@@ -451,11 +454,16 @@ def _difference(a: tf.Tensor, b: tf.Tensor, budget: List[int]) -> Optional[str]:
   if op_a.type == "Const":
     value_a = tf.make_ndarray(op_a.get_attr("value"))
     value_b = tf.make_ndarray(op_b.get_attr("value"))
-    if value_a.shape != value_b.shape or not np.array_equal(value_a, value_b):
+    if value_a.shape != value_b.shape or not np.array_equal(
+        value_a, value_b, equal_nan=value_a.dtype.kind in "fc"):
       return f"constant {op_a.name} is {value_a}, {op_b.name} is {value_b}"
     return None
   if len(op_a.inputs) != len(op_b.inputs):
     return f"{op_a.name} and {op_b.name} read different numbers of inputs"
+  if op_a.type in _READS_SHAPE:
+    # A size read as a value is the whole batch's by now (`_meet.rewiring`);
+    # what is left reads shapes of values every tower has alike.
+    return None
   for x, y in zip(op_a.inputs, op_b.inputs):
     found = _difference(x, y, budget)
     if found is not None:
