@@ -57,6 +57,12 @@ class Size(NamedTuple):
   entries: Optional[FrozenSet[int]] = None
 
 
+class Coordinates(NamedTuple):
+  """Integer coordinates of entries of the tower's rows ([n, rank]: a
+  sparse tensor's indices, `tf.where`'s): column 0 holds positions of the
+  tower's rows, the others the entries' positions within them."""
+
+
 class Positions(NamedTuple):
   """Integer rows holding positions of the tower's rows (`tf.range` of a
   rows count, and integer values computed from it): as indices into the
@@ -100,7 +106,8 @@ class Like(NamedTuple):
   tensor: Any
 
 
-Kind = Union[_Whole, _Shard, Rows, Size, Positions, Local, Listed]
+Kind = Union[_Whole, _Shard, Rows, Size, Positions, Coordinates, Local,
+             Listed]
 
 # What a tensor the tower did not compute may be declared (`rows.TowerRows`).
 Source = Union[Kind, Like]

@@ -211,8 +211,7 @@ def _reads_size_as_value(op: tf.Operation, index: int) -> bool:
     return False
   if op.type in _WRITES:
     return True
-  return any(t.dtype.is_floating or t.dtype.is_complex or t.dtype == tf.bool
-             for t in op.outputs)
+  return any(t.dtype.is_floating or t.dtype.is_complex for t in op.outputs)
 
 
 def _size_inputs(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
@@ -282,6 +281,11 @@ _INDEXES = {
     "TensorScatterMax": {1: 0},
     "TensorScatterMin": {1: 0},
     "ScatterNd": {0: 2},
+    "SegmentSum": {1: 0},
+    "SegmentMean": {1: 0},
+    "SegmentMax": {1: 0},
+    "SegmentMin": {1: 0},
+    "SegmentProd": {1: 0},
     "UnsortedSegmentSum": {1: 2},
     "UnsortedSegmentMax": {1: 2},
     "UnsortedSegmentMin": {1: 2},
@@ -302,6 +306,9 @@ def _indexes_own_rows(op: tf.Operation, index: int,
                       kinds: Sequence[row_kinds.Kind]) -> bool:
   """Whether `op` reads positions (input `index`) as indices into the
   tower's own rows, where they are one device's."""
+  if op.type in ("DynamicStitch", "ParallelDynamicStitch"):
+    # The indices place the data in the output: the tower's own rows.
+    return index < len(op.inputs) // 2
   roles = _INDEXES.get(op.type)
   if roles is None:
     # A sparse op: its indices and segment ids are coordinates in the
@@ -366,6 +373,49 @@ def _kept_positions(op: tf.Operation, kept: Sequence[Tuple[
   ]
 
 
+_COPIES = frozenset(["Identity", "Snapshot", "StopGradient"])
+
+
+def _coordinates(
+    op: tf.Operation,
+    kinds: Sequence[row_kinds.Kind]) -> Optional[List[row_kinds.Kind]]:
+  """The outputs of an op taking coordinates' columns (`Coordinates`), or
+  None: column 0 alone is positions of the tower's rows, others are rows;
+  a copy or a cast is coordinates still. Any other op sees them as rows."""
+  if op.type == "ConcatV2" and kinds and all(
+      isinstance(k, row_kinds.Coordinates) for k in kinds[:-1]) and (
+          static.static_ints(op.inputs[-1]) == [0]):
+    return [row_kinds.Coordinates()]
+  if not kinds or not isinstance(kinds[0], row_kinds.Coordinates):
+    return None
+  if op.type in _COPIES or op.type == "Cast" and op.outputs[0].dtype.is_integer:
+    return [row_kinds.Coordinates()] * len(op.outputs)
+  if op.type in ("GatherV2", "Gather") and (op.type == "Gather" or (
+      static.static_ints(op.inputs[2]) == [0])):
+    # Some of the entries, all their coordinates.
+    return [row_kinds.Coordinates()]
+  if op.type != "StridedSlice" or op.inputs[0].shape.rank not in (None, 2):
+    return None
+  begin = static.static_ints(op.inputs[1])
+  end = static.static_ints(op.inputs[2])
+  strides = static.static_ints(op.inputs[3])
+  if begin is None or end is None or strides is None or len(begin) != 2 or (
+      op.get_attr("ellipsis_mask") or op.get_attr("new_axis_mask")):
+    return None
+  if (op.get_attr("begin_mask") & 1 or begin[0] == 0) and (
+      op.get_attr("end_mask") & 1) and strides[0] == 1 and not (
+          op.get_attr("shrink_axis_mask") & 1):
+    # Every entry, some columns: column 0 alone, or with others.
+    first = 0 if op.get_attr("begin_mask") & 2 else begin[1]
+    single = op.get_attr("shrink_axis_mask") & 2 or (
+        not op.get_attr("end_mask") & 2 and end[1] == first + 1)
+    if first == 0 and single:
+      return [row_kinds.Positions(0, False)]
+    if first >= 1:
+      return [row_kinds.Rows(0)]
+  return None
+
+
 def transfer(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
              ctx: _Context) -> Sequence[row_kinds.Kind]:
   """The kinds of `op`'s outputs given its inputs' (and the events)."""
@@ -373,12 +423,34 @@ def transfer(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
     _position_inputs(op, _size_inputs(op, kinds, ctx), ctx)
     return []
   kinds = _size_inputs(op, kinds, ctx)
+  coordinates = _coordinates(op, kinds)
+  if coordinates is not None:
+    return coordinates
+  kinds = [
+      row_kinds.Rows(0) if isinstance(k, row_kinds.Coordinates) else k
+      for k in kinds
+  ]
   kinds, kept = _position_inputs(op, kinds, ctx)
   if kept:
     before = len(ctx.events)
     outputs = _transfer_rule(op, kinds, ctx)
     return _kept_positions(op, kept, outputs, ctx, before)
-  return _transfer_rule(op, kinds, ctx)
+  return _sparse_coordinates(op, _transfer_rule(op, kinds, ctx))
+
+
+def _sparse_coordinates(
+    op: tf.Operation,
+    outputs: Sequence[row_kinds.Kind]) -> Sequence[row_kinds.Kind]:
+  """A sparse op's indices outputs of the tower's rows are coordinates."""
+  if not op.type.startswith("Sparse") or op.type in _DENSE_SPARSE_NAMED:
+    return outputs
+  names = [arg.name for arg in op.op_def.output_arg]
+  return [
+      row_kinds.Coordinates() if isinstance(kind, row_kinds.Rows) and
+      kind.axis == 0 and index < len(names) and "indices" in names[index] and
+      tensor.shape.rank == 2 else kind
+      for index, (tensor, kind) in enumerate(zip(op.outputs, outputs))
+  ]
 
 
 def _transfer_rule(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
@@ -533,14 +605,14 @@ def sources_of_inputs(shards: Any) -> Dict[Any, row_kinds.Kind]:
     if leaf is None:
       continue
     if isinstance(leaf, tf.SparseTensor):
-      # Coordinates: their first column is positions of the tower's rows.
-      sources[leaf.indices.ref()] = row_kinds.Positions(0, False)
+      sources[leaf.indices.ref()] = row_kinds.Coordinates()
       sources[leaf.values.ref()] = row_kinds.Rows(0)
       sources[leaf.dense_shape.ref()] = row_kinds.Size(False, frozenset([0]))
     elif isinstance(leaf, tf.RaggedTensor):
       sources[leaf.flat_values.ref()] = row_kinds.Rows(0)
+      # Offsets into the tower's own values.
       for splits in leaf.nested_row_splits:
-        sources[splits.ref()] = row_kinds.Rows(0)
+        sources[splits.ref()] = row_kinds.Positions(0, False)
     elif isinstance(leaf, tf.Tensor):
       sources[leaf.ref()] = row_kinds.Rows(0)
   return sources

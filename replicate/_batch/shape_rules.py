@@ -531,12 +531,12 @@ def _gather(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
         indices, row_kinds.Rows) and indices.axis == 0:
       return [row_kinds.Rows(0)]
   if isinstance(indices, row_kinds.Rows):
-    output = row_kinds.Rows((axis or 0) + indices.axis)
-    if isinstance(params, row_kinds.Rows) and 1 not in ctx.own_positions:
-      # Rows picked by values of rows (positions in the batch): on the
-      # whole batch, each tower getting its indices' rows.
-      return ctx.whole_batch(op, [output], "gathers rows by rows")
-    return [output]
+    # Integer rows indexing rows are positions of the tower's own rows (a
+    # sparse tensor's coordinates, tf.where's); positions in the whole
+    # batch (a sort's) are whole values, picked from on the whole batch.
+    if isinstance(params, row_kinds.Rows) and params.axis != axis:
+      return [row_kinds.Local(op.name, "gathers rows by rows")]
+    return [row_kinds.Rows((axis or 0) + indices.axis)]
   if isinstance(params, row_kinds.Rows):
     if params.axis == axis:
       if row_kinds.is_local(indices):
@@ -574,8 +574,6 @@ def _gather_nd(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
                ctx: row_kinds.Context) -> Sequence[row_kinds.Kind]:
   params, indices = kinds
   if isinstance(indices, row_kinds.Rows) and indices.axis == 0:
-    if isinstance(params, row_kinds.Rows) and 1 not in ctx.own_positions:
-      return ctx.whole_batch(op, [row_kinds.Rows(0)], "gathers rows by rows")
     return [row_kinds.Rows(0)]
   if isinstance(params, row_kinds.Rows):
     batch_dims = op.get_attr("batch_dims") if "batch_dims" in [

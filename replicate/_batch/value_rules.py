@@ -128,7 +128,7 @@ def _segment_reduction(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
   data, ids, count = kinds[0], kinds[1], kinds[2]
   if isinstance(count, row_kinds.Size):
     return [row_kinds.Rows(0)]  # one segment per row
-  local = row_kinds.any_local([data, ids])
+  local = row_kinds.any_local([data, ids, count])
   if local:
     return [local]
   if isinstance(data, row_kinds.Rows) and data.axis == 0 or isinstance(
@@ -143,12 +143,16 @@ def _segment_reduction(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
 
 def _sorted_segment(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
                     ctx: row_kinds.Context) -> Sequence[row_kinds.Kind]:
-  """Sorted segments of the batch's rows: as many as the whole batch's
-  largest id says, each summing rows of any tower: on the whole batch."""
+  """Sorted segments: one per row of the tower where the ids are positions
+  of its rows (a sparse tensor's rows); segments of values (per query, per
+  user) as many as the whole batch's largest id says, each summing rows of
+  any tower: on the whole batch."""
   if any(k is not row_kinds.WHOLE for k in kinds[:2]):
     local = row_kinds.any_local(kinds)
     if local:
       return [local]
+    if 1 in ctx.own_positions:
+      return [row_kinds.Rows(0)]
     return ctx.whole_batch(op, [row_kinds.WHOLE], "sums sorted segments of rows")
   return [row_kinds.WHOLE]
 
@@ -280,10 +284,8 @@ def _where(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
   if len(op.inputs) == 1:
     kind = kinds[0]
     if isinstance(kind, row_kinds.Rows):
-      # Coordinates of true entries, in row order: along the rows axis,
-      # positions of the tower's rows.
-      return [row_kinds.Positions(0, False) if kind.axis == 0 else row_kinds
-              .Rows(0)]
+      # Coordinates of true entries, in row order.
+      return [row_kinds.Coordinates() if kind.axis == 0 else row_kinds.Rows(0)]
     return [kind if row_kinds.is_local(kind) else row_kinds.WHOLE]
   return _elementwise_rule(op, kinds, ctx)
 
@@ -344,8 +346,8 @@ def _last_axis(what: str) -> row_kinds.Rule:
 def _top_k(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
            ctx: row_kinds.Context) -> Sequence[row_kinds.Kind]:
   """top_k along the rows (sorting the batch): on the whole batch; the
-  values and positions are rows where k counts the rows (`tf.sort`), else
-  the whole batch's k values and positions in the batch."""
+  values are rows where k counts the rows (`tf.sort`), else the whole
+  batch's k values; the positions in the batch are whole values."""
   kind = kinds[0]
   if not isinstance(kind, row_kinds.Rows):
     local = row_kinds.any_local(kinds)
@@ -358,9 +360,10 @@ def _top_k(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
   if local:
     return row_kinds.same_for_outputs(op, local)
   k = op.inputs[1] if op.type == "TopKV2" else None
-  output = row_kinds.WHOLE if k is None else _rows_or_whole(
+  values = row_kinds.WHOLE if k is None else _rows_or_whole(
       op.outputs[0], kind.axis, k)
-  return ctx.whole_batch(op, [output, output], "sorts the rows")
+  # The positions are the whole batch's: whole values, never the tower's.
+  return ctx.whole_batch(op, [values, row_kinds.WHOLE], "sorts the rows")
 
 
 def _per_row(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
@@ -425,18 +428,18 @@ def _py_func(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
 
 def _unique(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
             ctx: row_kinds.Context) -> Sequence[row_kinds.Kind]:
-  """The batch's distinct values (whole), each row's index among them
-  (rows) and their counts (whole), on the whole batch."""
   kind = kinds[0]
   if not isinstance(kind, row_kinds.Rows):
     return row_kinds.same_for_outputs(
         op, kind if row_kinds.is_local(kind) else row_kinds.WHOLE)
-  local = row_kinds.any_local(kinds[1:])
-  if local:
-    return row_kinds.same_for_outputs(op, local)
-  outputs: List[row_kinds.Kind] = [row_kinds.WHOLE, kind]
-  outputs += [row_kinds.WHOLE] * (len(op.outputs) - 2)
-  return ctx.whole_batch(op, outputs, "finds the distinct values of rows")
+  # The tower's own distinct values index its rows (an embedding lookup of
+  # unique ids gathers them back by row); as values they are the tower's.
+  outputs: List[row_kinds.Kind] = [
+      row_kinds.Local(op.name, "is the set of the tower's values"), kind
+  ]
+  outputs += [row_kinds.Local(op.name, "counts the tower's values")] * (
+      len(op.outputs) - 2)
+  return outputs
 
 
 def _dynamic_stitch(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
@@ -449,7 +452,7 @@ def _dynamic_stitch(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
   if local:
     return [local]
   count = len(op.inputs) // 2
-  if all(isinstance(k, row_kinds.Positions) for k in kinds[:count]):
+  if all(index in ctx.own_positions for index in range(count)):
     return [row_kinds.Rows(0)]
   return ctx.whole_batch(op, [row_kinds.WHOLE], "places rows at positions")
 
