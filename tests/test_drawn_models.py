@@ -92,7 +92,12 @@ def _leaf():
           st.just("v1_direct"), st.sampled_from(_REDUCTIONS),
           st.sampled_from(_WEIGHTS)), st.just(("sum_over_size",)),
       st.just(("sum",)), st.just(("max",)), st.just(("logsumexp",)),
-      st.just(("variance",)))
+      st.just(("variance",)),
+      # Forms that mix rows: run on the whole batch, or positions in it.
+      st.just(("position_weights",)), st.just(("segment_mean",)),
+      st.just(("top_k_mean",)), st.just(("sorted_trim",)),
+      st.just(("cumsum_mean",)), st.just(("softmax_over_batch",)),
+      st.just(("map_fn",)), st.just(("tensordot",)), st.just(("pairwise",)))
 
 
 def _loss():
@@ -145,11 +150,15 @@ def _data(case: Case):
   mask = (rng.rand(rows) > 0.4).astype(np.float32)
   mask[::case.batch] = 1.0  # every batch has a valid row
   weights = rng.uniform(0.5, 2.0, rows).astype(np.float32)
+  # Sorted group ids within each batch (segment ops need them sorted).
+  group = np.concatenate([
+      np.sort(rng.randint(0, 3, case.batch)) for _ in range(STEPS)
+  ]).astype(np.int64)
   if case.task == "classes":
     labels = rng.randint(0, CLASSES, rows).astype(np.int64)
   else:
     labels = rng.randn(rows, 2).astype(np.float32)
-  return {"x": x, "mask": mask, "weights": weights}, labels
+  return {"x": x, "mask": mask, "weights": weights, "group": group}, labels
 
 
 class _Model:
@@ -256,6 +265,28 @@ def _loss_value(spec, errors, features, labels, outputs, case):
         tf.cast(tf.size(errors), tf.float32))
   if kind == "variance":
     return tf.reduce_mean(tf.square(errors - tf.reduce_mean(errors)))
+  rows = tf.shape(errors)[0]
+  if kind == "position_weights":  # DCG-style discounts by position
+    weights = 1.0 / tf.math.log(2.0 + tf.cast(tf.range(rows), tf.float32))
+    return tf.reduce_sum(weights * errors) / tf.reduce_sum(weights)
+  if kind == "segment_mean":  # a mean per group, then over groups
+    return tf.reduce_mean(tf.math.segment_mean(errors, features["group"]))
+  if kind == "top_k_mean":  # hard-example mining
+    k = tf.cast(tf.math.ceil(tf.cast(rows, tf.float32) / 2.0), tf.int32)
+    return tf.reduce_mean(tf.math.top_k(errors, k).values)
+  if kind == "sorted_trim":
+    return tf.reduce_sum(tf.sort(errors)[:-1]) + tf.reduce_max(errors)
+  if kind == "cumsum_mean":
+    return 0.1 * tf.reduce_mean(tf.math.cumsum(errors, axis=0))
+  if kind == "softmax_over_batch":  # listwise
+    return tf.reduce_sum(tf.nn.softmax(-errors, axis=0) * errors)
+  if kind == "map_fn":
+    return tf.reduce_mean(tf.map_fn(lambda e: tf.square(e) + e, errors))
+  if kind == "tensordot":
+    return tf.tensordot(errors, errors, 1) / tf.cast(tf.size(errors),
+                                                     tf.float32)
+  if kind == "pairwise":
+    return tf.reduce_mean(tf.nn.relu(errors[:, None] - errors[None, :]))
   sub = lambda s: _loss_value(s, errors, features, labels, outputs, case)
   if kind == "scaled":
     return spec[1] * sub(spec[2])

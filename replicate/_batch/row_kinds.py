@@ -43,8 +43,11 @@ SHARD = _Shard()
 
 
 class Rows(NamedTuple):
-  """The tower's rows of one device's tensor, cut along `axis`."""
+  """The tower's rows of one device's tensor, cut along `axis`; `order`:
+  the op that put them in another order than one device's (rows joined
+  along the rows: the towers' pieces interleave), or None."""
   axis: int
+  order: Optional[str] = None
 
 
 class Size(NamedTuple):

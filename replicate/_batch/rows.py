@@ -431,11 +431,45 @@ def transfer(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
       for k in kinds
   ]
   kinds, kept = _position_inputs(op, kinds, ctx)
+  orders = {k.order for k in kinds if isinstance(k, row_kinds.Rows)}
+  if orders != {None} and orders:
+    return _reordered(op, kinds, ctx, orders)
   if kept:
     before = len(ctx.events)
     outputs = _transfer_rule(op, kinds, ctx)
     return _kept_positions(op, kept, outputs, ctx, before)
   return _sparse_coordinates(op, _transfer_rule(op, kinds, ctx))
+
+
+def _reordered(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
+               ctx: _Context, orders: Set[Any]) -> List[row_kinds.Kind]:
+  """An op of rows in another order than one device's (`Rows.order`): as
+  its rule says where that keeps them so (rows computed from rows, a
+  reduction); the tower's own where it meets rows in another order, or
+  needs one device's order (it would run on the whole batch)."""
+  if len(orders) > 1:
+    return [
+        row_kinds.Local(op.name, "meets rows joined along the rows (in "
+                        "another order than one device's) with other rows")
+    ] * len(op.outputs)
+  order = next(iter(orders))
+  before = len(ctx.events)
+  outputs = _transfer_rule(
+      op, [
+          row_kinds.Rows(k.axis) if isinstance(k, row_kinds.Rows) else k
+          for k in kinds
+      ], ctx)
+  if any(isinstance(e, row_kinds.Mixing) for e in ctx.events[before:]):
+    del ctx.events[before:]
+    return [
+        row_kinds.Local(op.name, f"needs the rows in one device's order, "
+                        f"but {order!r} joined them along the rows (the "
+                        "towers' pieces interleave)")
+    ] * len(op.outputs)
+  return [
+      row_kinds.Rows(k.axis, order) if isinstance(k, row_kinds.Rows) else k
+      for k in outputs
+  ]
 
 
 def _sparse_coordinates(

@@ -146,8 +146,11 @@ def _concat(op: tf.Operation,
     return [
         row_kinds.Local(op.name, "concatenates rows with values of no rows")
     ]
-  # Along the rows: the tower's rows in another order (each row computed
-  # from its own): per-row ops and reductions are unaffected.
+  if static.axis_in(axis[0], rank) == row_axis:
+    # Along the rows: the tower's rows of one device's, in another order
+    # (the towers' pieces interleave): per-row ops and reductions are
+    # unaffected; what needs one device's order refuses it (`_batch.rows`).
+    return [row_kinds.Rows(row_axis, order=op.name)]
   return [row_kinds.Rows(row_axis)]
 
 

@@ -116,6 +116,9 @@ def not_whole_batch(tensor: tf.Tensor, kind: Any, what: str) -> str:
              "(sync_batch_norm=False)")
   elif isinstance(kind, row_kinds.Size):
     cause = "it is the tower's shard size"
+  elif isinstance(kind, row_kinds.Rows) and kind.order:
+    cause = (f"it holds rows {kind.order!r} joined along the rows, which "
+             "the towers hold in another order than one device's")
   else:
     cause = f"it holds the tower's rows ({kind})"
   return (f"{what}, {tensor.name}, is computed from each tower's shard of "

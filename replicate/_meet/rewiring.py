@@ -437,6 +437,11 @@ class Rewiring:
         ]
         whole = own if not before else own + _combine(
             "sum", before, replication.validity[:index])
+        valid = replication.is_valid(index)
+        if valid is not True:
+          # A phantom row is a copy of the batch's last row: its position.
+          last = whole - tf.size(own, out_type=tensor0.dtype)
+          whole = last if valid is False else tf.where(valid, whole, last)
       else:
         inputs = []
         for t in op0.inputs:
@@ -750,11 +755,18 @@ def concatenated(replication: _context.Replication,
             isinstance(c, tf.Tensor) for c in sizes) else sizes, out_axis))
     rows = []
     for ok in validity:
-      if ok is False:
-        last = tf.shape(output, out_type=tf.int64)[out_axis] - 1
-        rows.append(tf.gather(output, [last], axis=out_axis))
-      else:
+      if ok is True:
         rows.append(next(pieces))
+        continue
+      last = tf.gather(
+          output, [tf.shape(output, out_type=tf.int64)[out_axis] - 1],
+          axis=out_axis)
+      if ok is False:
+        rows.append(last)
+      else:
+        # A phantom row known when the graph runs: its original's row.
+        piece = next(pieces)
+        rows.append(tf.cond(ok, lambda p=piece: p, lambda l=last: l))
     return rows
 
   return whole, place

@@ -76,7 +76,7 @@ def _merged(tensors: Sequence[Any], path: str, name: str,
   if isinstance(kind, row_kinds.Size):
     with _context.outside(replication):
       return rewiring.whole_size(first)
-  if not isinstance(kind, row_kinds.Rows) or kind.axis != 0:
+  if not isinstance(kind, row_kinds.Rows) or kind.axis != 0 or kind.order:
     raise ValueError(optimizer_calls.not_whole_batch(first, kind, path))
   parts = _rewiring.real_rows(tensors, replication, examples=True)
   if isinstance(first, tf.SparseTensor):
