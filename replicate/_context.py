@@ -77,8 +77,10 @@ class Replication:
   # Per tower: [first, end) of the graph versions its model_fn call built.
   ranges: Dict[int,
                List[Optional[int]]] = dataclasses.field(default_factory=dict)
-  # [first, end) graph versions of ops the library built (not the model's).
+  # [first, end) graph versions of ops the library built (not the model's),
+  # and where the ranges still being built began.
   library_ranges: List[List[int]] = dataclasses.field(default_factory=list)
+  library_open: List[int] = dataclasses.field(default_factory=list)
   # Names of ops whose statistics stay the tower's (sync_batch_norm=False).
   per_tower_ops: Set[str] = dataclasses.field(default_factory=set)
   # The meetings and the whole-batch rewiring of this call (set by _core).
@@ -122,9 +124,11 @@ class Replication:
   def library(self) -> Iterator[None]:
     """Ops built inside are the library's, not the model's."""
     start = self.graph.version
+    self.library_open.append(start)
     try:
       yield
     finally:
+      self.library_open.pop()
       end = self.graph.version
       if end > start:
         if self.library_ranges and self.library_ranges[-1][1] == start:

@@ -92,6 +92,9 @@ def _expand_dims(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
   if axis is None:
     return [row_kinds.Local(op.name, "expands dimensions at a run-time axis")]
   inserted = static.axis_in(axis[0], rank)
+  if inserted is None and axis[0] == -1:
+    # After the last axis, whatever the rank: the rows stay where they are.
+    return [kind]
   if inserted is None:
     return [row_kinds.Local(op.name, "expands dimensions of unknown rank")]
   return [row_kinds.Rows(kind.axis + (1 if inserted <= kind.axis else 0))]

@@ -384,6 +384,8 @@ def unrecorded(replication: _context.Replication,
   recorded = {op for start, end in windows for op in operations[start:end]}
   recorded.update(op for start, end in replication.library_ranges
                   for op in operations[start:end])
+  if replication.library_open:
+    recorded.update(operations[min(replication.library_open):])
   model = set(op for ops in replication.tower_ops for op in ops) or set(
       op for index in replication.ranges
       for op in replication.model_ops(index))
