@@ -192,22 +192,42 @@ def _keras_batch_norm_model_fn(features, labels, mode, params):
   return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
 
 
-def _loss_scaled_model_fn(features, labels, mode, params):
-  """A dynamic loss scale: its update sits in a tf.cond (finite or not)."""
-  logits = tf.compat.v1.layers.dense(
-      features["x"], models.NUM_CLASSES, name="logits")
-  loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
-  optimizer = tf.keras.mixed_precision.LossScaleOptimizer(
-      tf.keras.optimizers.legacy.Adagrad(0.3), initial_scale=1024.0)
-  optimizer = replicate.TowerOptimizer(optimizer)
+def _loss_scaled_model_fn(features, labels, mode, params, spelling="keras"):
+  """A dynamic loss scale: its update sits in a tf.cond (finite or not).
+
+  It starts at an overflow and grows every second finite step. Spellings:
+  Keras' LossScaleOptimizer in TowerOptimizer (with float16 compute and
+  float32 variables too), tf.compat.v1's MixedPrecisionLossScaleOptimizer.
+  """
+  del params
+  dense = tf.keras.layers.Dense(
+      models.NUM_CLASSES,
+      name="logits",
+      dtype="mixed_float16" if spelling == "keras_float16" else None)
+  # Eight times the cross entropy: the first scaled losses overflow.
+  loss_fn = lambda: 8.0 * tf.compat.v1.losses.sparse_softmax_cross_entropy(
+      labels, tf.cast(dense(features["x"]), tf.float32))
+  loss = loss_fn()
+  if spelling == "v1":
+    optimizer = tf.compat.v1.mixed_precision.MixedPrecisionLossScaleOptimizer(
+        tf.compat.v1.train.AdagradOptimizer(0.3),
+        tf.compat.v1.mixed_precision.DynamicLossScale(
+            initial_loss_scale=2.0**127, increment_period=2))
+    with tf.control_dependencies([loss]):
+      train_op = optimizer.minimize(loss, tf.compat.v1.train.get_global_step())
+    return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+  optimizer = replicate.TowerOptimizer(
+      tf.keras.mixed_precision.LossScaleOptimizer(
+          tf.keras.optimizers.legacy.Adagrad(0.3),
+          # Overflowing float32's range at first; in float16, growing far
+          # below its range (whether a float16 partial overflows depends on
+          # how many rows it sums: the towers' fewer than one device's).
+          initial_scale=2.0**(8 if spelling == "keras_float16" else 127),
+          dynamic_growth_steps=2))
+  optimizer.iterations = tf.compat.v1.train.get_global_step()
   # The reported loss before the update, on one device too.
   with tf.control_dependencies([loss]):
-    train_op = optimizer.minimize(
-        lambda: tf.compat.v1.losses.sparse_softmax_cross_entropy(
-            labels,
-            tf.compat.v1.layers.dense(
-                features["x"], models.NUM_CLASSES, name="logits", reuse=True)),
-        tf.compat.v1.trainable_variables)
+    train_op = optimizer.minimize(loss_fn, dense.trainable_weights)
   return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
 
 
@@ -234,11 +254,11 @@ class EquivalenceTest(parameterized.TestCase):
     harness.assert_close_nests(values, expected, rtol=1e-4, atol=1e-5)
 
 
-def _build_and_run(model_fn, num_towers, steps, check):
+def _build_and_run(model_fn, num_towers, steps, check, batch=BATCH):
   """Builds the MIRRORED train graph; after each step `check(session)`."""
   with tf.Graph().as_default() as graph:
     tf.compat.v1.train.create_global_step()
-    features, labels = harness.batches(models.data(), BATCH)
+    features, labels = harness.batches(models.data(), batch)
     spec = harness.wrap(
         model_fn,
         harness.devices(harness.VIRTUAL_CPUS, num_towers),
@@ -364,22 +384,48 @@ class CopiesTest(parameterized.TestCase):
         session.run(spec.train_op)
         check(graph, session)
 
-  def test_an_update_inside_a_function_body_is_not_mirrored(self):
-    with self.assertLogs("absl", "WARNING") as logs:
-      expected_losses, expected = harness.train(_loss_scaled_model_fn,
-                                                models.data(), BATCH, STEPS)
-      losses, values = harness.train(
-          _loss_scaled_model_fn,
-          models.data(),
-          BATCH,
-          STEPS,
-          tower_devices=harness.devices(harness.VIRTUAL_CPUS, 2),
-          placement=MIRRORED)
-    self.assertTrue(
-        any("runs a function body" in line for line in logs.output),
-        logs.output)
-    np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
-    harness.assert_close_nests(values, expected, rtol=1e-4, atol=1e-5)
+  @parameterized.parameters(
+      ("keras", 2), ("keras", 3), ("v1", 2), ("v1", 4), ("keras_float16", 2))
+  def test_a_dynamic_loss_scale_is_mirrored_and_one_devices(
+      self, spelling, num_towers):
+    # The update sits in the scale's tf.cond (a function body): each
+    # device runs its own copy of the body, on its copies. The scale
+    # starts at an overflow (the first steps skip and halve it), then grows
+    # every second finite step.
+    model_fn = functools.partial(_loss_scaled_model_fn, spelling=spelling)
+    expected_losses, expected = harness.train(model_fn, models.data(), BATCH,
+                                              8)
+    scales = []
+
+    def check(graph, session):
+      copies = _copies(graph)
+      primaries = {v.op.name: v for v in tf.compat.v1.global_variables()}
+      self.assertIn("logits/kernel", copies)
+      for name, own in copies.items():
+        value = session.run(primaries[name])
+        for copy in own:
+          np.testing.assert_array_equal(session.run(copy), value, copy.name)
+      scale = [n for n in copies if "loss_scale" in n or n.endswith("/scale")]
+      self.assertNotEmpty(scale, sorted(copies))
+      scales.append(float(session.run(primaries[scale[0]])))
+
+    _build_and_run(model_fn, num_towers, 8, check, batch=BATCH)
+    if spelling != "keras_float16":
+      self.assertLess(min(scales), 2.0**126)  # it shrank, skipping steps
+    self.assertGreater(scales[-1], min(scales))  # and grew
+    losses, values = harness.train(
+        model_fn,
+        models.data(),
+        BATCH,
+        8,
+        tower_devices=harness.devices(harness.VIRTUAL_CPUS, num_towers),
+        placement=MIRRORED)
+    # In float16 a float32 weight one ulp apart can round a logit to the
+    # next float16 (2**-11 relative): agreement to float16's precision.
+    rtol = 2e-3 if spelling == "keras_float16" else 1e-5
+    np.testing.assert_allclose(losses, expected_losses, rtol=rtol)
+    self.assertEqual(sorted(values), sorted(expected))
+    harness.assert_close_nests(values, expected, rtol=100 * rtol, atol=1e-5)
 
   def test_keras_batch_norm_layers_are_mirrored(self):
     # Their tf.cond reads the variables (read-only function inputs).

@@ -24,7 +24,7 @@ the variables stay on tower 0's device, read from there, as exact as
 before and slower, and the log says why.
 """
 
-from typing import Any, Dict, Iterable, List, Optional, Set
+from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
 
 from absl import logging
 import tensorflow as tf
@@ -154,7 +154,8 @@ class _Plan:
       if variable not in variables:
         self.refusal = f"variable {variable.name} is in no collection"
         return
-      if _devices.device_key(variable.device) != device:
+      # Unpinned (the Estimator's global step): placed with its update.
+      if variable.device and _devices.device_key(variable.device) != device:
         self.refusal = (f"variable {variable.name} is on {variable.device}, "
                         "not on tower 0's device")
         return
@@ -169,12 +170,6 @@ class _Plan:
       if _tf.op_in_v1_control_flow(op):
         self.refusal = (f"the update's op {op.name} is inside a v1 tf.cond or "
                         "tf.while_loop")
-        return
-      if op.type in _FUNCTION_CALLS or _tf.function_bodies(op):
-        # Its body's ops were placed on tower 0's device when it was built.
-        self.refusal = (f"the update's op {op.name} ({op.type}) runs a "
-                        "function body (a tf.cond around the update, as a "
-                        "dynamic loss scale builds)")
         return
 
 
@@ -228,6 +223,11 @@ def mirror(replication: _context.Replication) -> None:
         plan.refusal or "no variable is updated")
     return
   copies: Dict[tf.Operation, List[tf.Tensor]] = {}
+  for variable in plan.variables:
+    if not variable.device:
+      # Unpinned (the Estimator's global step): on tower 0's device, with
+      # its update, not where a tower's read of it would draw it.
+      _tf.set_device(variable, replication.placed[0])
   with _context.outside(replication), replication.library():
     for variable in sorted(plan.variables, key=lambda v: v.name):
       copies[variable] = [variable.outputs[0]] + [
@@ -236,8 +236,8 @@ def mirror(replication: _context.Replication) -> None:
           if index
       ]
   _read_own_copies(replication, copies)
-  clones = _copy_update(replication, plan, copies)
-  _wait_for_copies(plan, clones)
+  clones, triggers = _copy_update(replication, plan, copies)
+  _wait_for_copies(plan, clones, triggers)
   _order_own_reads(plan, clones, copies)
   logging.info(
       "replicate: MIRRORED: %d variables copied on %d devices, their update "
@@ -348,15 +348,19 @@ def _named_tower(replication: _context.Replication, name: str) -> int:
 def _copy_update(
     replication: _context.Replication, plan: _Plan,
     copies: Dict[tf.Operation, List[tf.Tensor]]
-) -> Dict[tf.Operation, List[tf.Operation]]:
-  """The update's ops once more on every other tower device."""
+) -> Tuple[Dict[tf.Operation, List[tf.Operation]], Dict[tf.Operation,
+                                                          tf.Operation]]:
+  """The update's ops once more on every other tower device; and for a
+  copied function call, the op running it (reading its outputs)."""
   graph = replication.graph
   clones: Dict[tf.Operation, List[tf.Operation]] = {op: [op] for op in plan.ops}
+  triggers: Dict[tf.Operation, tf.Operation] = {}
   for op in plan.ops:
     _tf.set_device(op, replication.placed[0])
   with _context.outside(replication), replication.library():
     for index in range(1, replication.num_towers):
       device = replication.placed[index]
+      functions: Dict[str, str] = {}
       mapped: Dict[Any, tf.Tensor] = {}
       for variable, handles in copies.items():
         mapped[variable.outputs[0].ref()] = handles[index]
@@ -365,6 +369,19 @@ def _copy_update(
       for op in plan.ops:
         inputs = [mapped.get(t.ref(), t) for t in op.inputs]
         attrs = {k: v for k, v in op.node_def.attr.items() if k != "_class"}
+        # A function body (a dynamic loss scale's tf.cond around the update)
+        # runs on the device its copy was placed on.
+        for key, value in _tf.called_functions(op).items():
+          placed = type(value)()
+          placed.CopyFrom(value)
+          if placed.HasField("func"):
+            placed.func.name = _tf.function_on_device(
+                graph, value.func.name, f"_tower_{index}", device, functions)
+          for function in placed.list.func:
+            function.name = _tf.function_on_device(graph, function.name,
+                                                   f"_tower_{index}", device,
+                                                   functions)
+          attrs[key] = placed
         with tf.device(device):
           clone = graph.create_op(
               op.type,
@@ -373,19 +390,31 @@ def _copy_update(
               attrs=attrs)
         for control in op.control_inputs:
           own = clones.get(control)
-          _tf.add_control_input(clone, own[index] if own else control)
+          copied_control = own[index] if own else control
+          _tf.add_control_input(clone,
+                                triggers.get(copied_control, copied_control))
         for output, copied in zip(op.outputs, clone.outputs):
           mapped[output.ref()] = copied
           copied.set_shape(output.shape)
+        if clone.outputs and _tf.called_functions(op):
+          # A function call runs its body for its outputs: what waits for
+          # the copy waits for them (a control edge alone would not run it).
+          with tf.device(device):
+            triggers[clone] = tf.group(*[
+                tf.identity(t, name=f"{clone.name}_ran_{position}")
+                for position, t in enumerate(clone.outputs)
+            ],
+                                       name=f"{clone.name}_ran")
         clones[op].append(clone)
-  return clones
+  return clones, triggers
 
 
 def _wait_for_copies(plan: _Plan, clones: Dict[tf.Operation,
-                                               List[tf.Operation]]) -> None:
+                                               List[tf.Operation]],
+                     triggers: Dict[tf.Operation, tf.Operation]) -> None:
   """Whatever runs after a step of the update runs after each copy of it."""
   members = set(plan.ops)
-  copied = {c for own in clones.values() for c in own}
+  copied = {c for own in clones.values() for c in own} | set(triggers.values())
   for op in plan.ops:
     for follower in {
         *(c for t in op.outputs for c in t.consumers()),
@@ -394,6 +423,7 @@ def _wait_for_copies(plan: _Plan, clones: Dict[tf.Operation,
       if follower in members or follower in copied:
         continue
       for clone in clones[op][1:]:
+        clone = triggers.get(clone, clone)
         if clone not in follower.control_inputs:
           _tf.add_control_input(follower, clone)
 
