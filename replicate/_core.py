@@ -272,9 +272,10 @@ _TOWER_ROOTS = _tf.Patches("absolute name scopes of towers",
                            _tf.install_tower_roots)
 
 
-def _mirrors(placement: _devices.VariablePlacement, mode: str,
-             hub: str) -> bool:
-  """Whether MIRRORED copies the variables: in training, on one machine.
+def _mirrors(placement: _devices.VariablePlacement, hub: str) -> bool:
+  """Whether MIRRORED copies the variables: on one machine, in every mode
+  (training copies the update too; evaluation and prediction read their
+  own device's copies, filled when the session starts).
 
   On a cluster the variables stay on the parameter servers, read once per
   step by each machine (see docs/several_machines.md).
@@ -286,7 +287,7 @@ def _mirrors(placement: _devices.VariablePlacement, mode: str,
         "replicate: MIRRORED on a cluster: the variables stay where the "
         "cluster's device function puts them (%s's parameter servers)", hub)
     return False
-  return mode == _ModeKeys.TRAIN
+  return True
 
 
 def _run_towers(model_fn: Callable[..., Any], features: Any, labels: Any,
@@ -307,7 +308,7 @@ def _run_towers(model_fn: Callable[..., Any], features: Any, labels: Any,
   # the towers, outside every scope, goes there.
   split = graph.get_operations()[first_op:]
   hub = next((op.device for op in split if op.device), hub)
-  mirrored = _mirrors(placement, mode, hub)
+  mirrored = _mirrors(placement, hub)
   replication = _context.Replication(
       num_towers=len(devices),
       fractions=shards.fractions,

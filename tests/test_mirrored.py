@@ -40,15 +40,22 @@ def _copies(graph=None):
   return found
 
 
-def _train_graph(model_fn, devices, placement=MIRRORED, params=None):
-  """The replicated TRAIN graph of `model_fn` on one batch of constants."""
+def _train_graph(model_fn,
+                 devices,
+                 placement=MIRRORED,
+                 params=None,
+                 mode=tf.estimator.ModeKeys.TRAIN):
+  """The replicated graph of `model_fn` (TRAIN by default) on one batch of
+  constants."""
   with tf.Graph().as_default() as graph:
     tf.compat.v1.train.create_global_step()
     features, labels = models.data(BATCH)
+    labels = None if mode == tf.estimator.ModeKeys.PREDICT else (
+        tf.constant(labels))
     harness.wrap(
         model_fn, devices, placement=placement)({
             "x": tf.constant(features["x"])
-        }, tf.constant(labels), tf.estimator.ModeKeys.TRAIN, params or {})
+        }, labels, mode, params or {})
   return graph
 
 
@@ -348,6 +355,41 @@ class CopiesTest(parameterized.TestCase):
       if op.device == "/device:CPU:0":
         self.assertTrue(
             op.name.startswith(("split_inputs/", "merge_towers/")), op.name)
+
+  @parameterized.parameters(tf.estimator.ModeKeys.EVAL,
+                            tf.estimator.ModeKeys.PREDICT)
+  def test_evaluation_and_prediction_read_each_devices_copy(self, mode):
+    num_towers = 3
+    devices = harness.devices(harness.VIRTUAL_CPUS, num_towers + 1)[1:]
+    graph = _train_graph(
+        models.classifier_model_fn, devices, params={}, mode=mode)
+    copies = _copies(graph)
+    self.assertEqual(
+        sorted(copies),
+        sorted(f"{layer}/{kind}" for layer in ("hidden", "logits")
+               for kind in ("kernel", "bias")))
+    for name, own in copies.items():
+      self.assertEqual(
+          graph.get_operation_by_name(name).device, devices[0], name)
+      self.assertEqual([c.device for c in own], devices[1:])
+    for index in range(1, num_towers):
+      read = graph.get_operation_by_name(f"tower_{index}/hidden/MatMul")
+      kernel = read.inputs[1].op
+      self.assertEqual(kernel.inputs[0].op.name, f"tower_{index}/hidden/kernel")
+      self.assertEqual(kernel.device, devices[index])
+
+  def test_evaluation_and_prediction_from_a_checkpoint_are_one_devices(self):
+    # Trained, evaluated and predicted from one checkpoint: every copy is
+    # filled from the restored original when the session starts.
+    summary = replicate.testing.assert_replicates(
+        models.classifier_model_fn,
+        lambda: tf.data.Dataset.from_tensor_slices(models.data(40)).repeat()
+        .batch(7),
+        towers=(3,),
+        params={},
+        variable_placement=MIRRORED)
+    self.assertIn("accuracy", summary.metrics)
+    self.assertGreater(summary.predictions, 0)
 
   def test_load_after_initialisation_reaches_the_copies(self):
 

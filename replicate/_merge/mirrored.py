@@ -212,9 +212,10 @@ def mirror(replication: _context.Replication) -> None:
   See the module docstring. Call once the towers and their merged state
   writes are built, before anything else reads the graph's ops.
   """
-  if not replication.mirrored_gradients:
-    return
   by_handle = _variables_by_handle()
+  if not replication.mirrored_gradients:
+    _mirror_reads(replication, by_handle)
+    return
   plan = _Plan(replication, by_handle)
   if plan.refusal is not None or not plan.variables:
     logging.warning(
@@ -243,6 +244,44 @@ def mirror(replication: _context.Replication) -> None:
       "replicate: MIRRORED: %d variables copied on %d devices, their update "
       "(%d ops) applied on each", len(copies), replication.num_towers,
       len(plan.ops))
+
+
+def _mirror_reads(replication: _context.Replication,
+                  by_handle: Dict[tf.Operation, tf.Variable]) -> None:
+  """No update (evaluation, prediction, training without gradients): the
+  model's variables the towers read get a copy on every other tower device,
+  which that tower reads; filled from the original (restored from the
+  checkpoint) when the session starts, so no step moves them. A variable
+  the graph writes (besides its initialiser) stays one, read where it is."""
+  local = {id(v) for v in tf.compat.v1.local_variables()}
+  others = {
+      op for index, ops in enumerate(replication.tower_ops) if index
+      for op in ops
+  }
+  read = []
+  for handle, variable in sorted(by_handle.items(), key=lambda i: i[0].name):
+    consumers = handle.outputs[0].consumers()
+    if id(variable) in local or not any(c in others for c in consumers):
+      continue
+    if any(_written(c) and c is not variable.initializer for c in consumers):
+      continue
+    read.append(handle)
+  if not read:
+    return
+  copies: Dict[tf.Operation, List[tf.Tensor]] = {}
+  with _context.outside(replication), replication.library():
+    for handle in read:
+      if not handle.device:
+        _tf.set_device(handle, replication.placed[0])
+      copies[handle] = [handle.outputs[0]] + [
+          _copy_variable(by_handle[handle], index, device)
+          for index, device in enumerate(replication.placed)
+          if index
+      ]
+  _read_own_copies(replication, copies)
+  logging.info(
+      "replicate: MIRRORED: %d variables read from a copy on each of the %d "
+      "devices", len(copies), replication.num_towers)
 
 
 def _copy_variable(original: tf.Variable, index: int, device: str) -> tf.Tensor:

@@ -340,10 +340,10 @@ def variable_device_chooser(placement: VariablePlacement,
                             mirrored: bool) -> Callable[[tf.Operation], str]:
   """Returns a function that picks the device of each new variable op.
 
-  `mirrored`: whether MIRRORED copies the variables this time (in
-  training, on one machine): then every variable starts on tower 0's
-  device, where the update is built; otherwise MIRRORED spreads them as
-  ROUND_ROBIN does (evaluation and prediction read each variable once).
+  `mirrored`: whether MIRRORED copies the variables this time (on one
+  machine): then every variable starts on tower 0's device, where the
+  update is built and the other devices' copies are filled from;
+  otherwise (a cluster) MIRRORED spreads them as ROUND_ROBIN does.
   """
   if placement is VariablePlacement.SHARED:
     device = consolidation_device(devices)
