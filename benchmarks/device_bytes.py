@@ -1,4 +1,4 @@
-r"""Bytes each device sends and receives in one training step, one machine.
+r"""Bytes each device sends and receives in one step, one machine.
 
 Virtual CPU devices stand in for a box with GPUs: `/device:CPU:0` is the
 host (the input pipeline and the consolidation device), the towers are
@@ -33,8 +33,12 @@ Estimator's `train_distribute`: `strategy_default` (its default
 cross-device ops, ReductionToOneDevice for CPU devices) and
 `strategy_hierarchical` (`HierarchicalCopyAllReduce`).
 
+Steps (`--modes`): training, evaluation (the metrics' updates) and
+prediction; `--precisions=float32,mixed` adds training with a dynamic loss
+scale.
+
   PYTHONPATH=. python benchmarks/device_bytes.py --workloads=mlp,cnn_bn \
-      --towers=2,4,8
+      --towers=2,4,8 --modes=train,eval,predict --precisions=float32,mixed
 """
 
 import collections
@@ -64,6 +68,11 @@ flags.DEFINE_list(
     "Variants: plain, shared, round_robin, mirrored, strategy_default, "
     "strategy_hierarchical.")
 flags.DEFINE_integer("batch_size", 256, "Global batch.")
+flags.DEFINE_list("modes", ["train"], "Steps measured: train, eval, predict.")
+flags.DEFINE_list(
+    "precisions", ["float32"],
+    "float32, or mixed: training with a dynamic loss scale (v1 "
+    "MixedPrecisionLossScaleOptimizer, its update in a tf.cond).")
 flags.DEFINE_bool(
     "run_step", True,
     "Run a traced step; without, only the variables' bytes per "
@@ -81,27 +90,52 @@ def _short(device: str) -> str:
   return device.rsplit("device:", 1)[-1]
 
 
-def _build(workload: str, variant: str, num_towers: int,
-           batch_size: int) -> Tuple[tf.Operation, int]:
-  """The variant's train op in the default graph, and P in bytes."""
+def _params(workload: str, precision: str) -> Dict[str, Any]:
+  return {
+      "workload": workload,
+      "learning_rate": 0.01,
+      "momentum": 0.9,
+      "precision": precision
+  }
+
+
+def _step(spec: Any, mode: str) -> Any:
+  """What a step of `mode` runs: the train op, the metrics' updates, or the
+  predictions."""
+  if mode == "train":
+    return spec.train_op
+  if mode == "eval":
+    return [update for _, update in spec.eval_metric_ops.values()]
+  return spec.predictions
+
+
+def _build(workload: str,
+           variant: str,
+           num_towers: int,
+           batch_size: int,
+           mode: str = "train",
+           precision: str = "float32") -> Tuple[Any, int]:
+  """What the variant's step of `mode` runs in the default graph, and P in
+  bytes."""
   tf.compat.v1.train.create_global_step()
   x, y = workloads.synthetic_data(batch_size, seed=0)
   with tf.device(_HOST):
     features = {"x": tf.constant(x)}
-    labels = tf.constant(y)
-  params = {"workload": workload, "learning_rate": 0.01, "momentum": 0.9}
+    labels = None if mode == "predict" else tf.constant(y)
+  params = _params(workload, precision)
+  estimator_mode = {"eval": "eval", "predict": "infer"}.get(mode, mode)
   if variant == "plain":
     with tf.device("/device:CPU:1"):
-      spec = workloads.model_fn(features, labels, "train", params)
+      spec = workloads.model_fn(features, labels, estimator_mode, params)
   else:
     replicated = replicate.replicate_model_fn(
         workloads.model_fn,
         devices=_tower_devices(num_towers),
         variable_placement=variant)
-    spec = replicated(features, labels, "train", params)
+    spec = replicated(features, labels, estimator_mode, params)
   parameters = sum(v.shape.num_elements() * v.dtype.size
                    for v in tf.compat.v1.trainable_variables())
-  return spec.train_op, parameters
+  return _step(spec, mode), parameters
 
 
 def _output_bytes(run_metadata: Any) -> Dict[Tuple[str, int], int]:
@@ -211,10 +245,16 @@ class _Trace(tf.estimator.SessionRunHook):
     self._steps += 1
 
 
-def _strategy_step(workload: str, variant: str, num_towers: int,
-                   batch_size: int) -> Tuple[Any, int, Dict[str, float]]:
-  """A traced step of MirroredStrategy through Estimator.train_distribute:
-  (run metadata, P in bytes, MB held per tower device)."""
+def _strategy_step(
+    workload: str,
+    variant: str,
+    num_towers: int,
+    batch_size: int,
+    mode: str = "train",
+    precision: str = "float32") -> Tuple[Any, int, Dict[str, float]]:
+  """A traced step of MirroredStrategy through Estimator.train_distribute
+  (eval_distribute for `mode` 'eval'): (run metadata, P in bytes, MB held
+  per tower device)."""
   devices = _tower_devices(num_towers)
   cross_device_ops = (
       tf.distribute.HierarchicalCopyAllReduce()
@@ -227,23 +267,28 @@ def _strategy_step(workload: str, variant: str, num_towers: int,
     estimator = tf.estimator.Estimator(
         workloads.model_fn,
         model_dir=model_dir,
-        params={
-            "workload": workload,
-            "learning_rate": 0.01,
-            "momentum": 0.9
-        },
+        params=_params(workload, precision),
         config=tf.estimator.RunConfig(
             train_distribute=strategy,
+            eval_distribute=strategy,
             session_config=tf.compat.v1.ConfigProto(
                 device_count={"CPU": num_towers + 1}),
             save_checkpoints_steps=None,
             save_checkpoints_secs=None,
             save_summary_steps=None,
             log_step_count_steps=None))
-    estimator.train(
-        workloads.input_fn(data, batch_size // num_towers),
-        steps=2,
-        hooks=[trace])
+    if mode == "eval":
+      estimator.train(
+          workloads.input_fn(data, batch_size // num_towers), steps=1)
+      estimator.evaluate(
+          workloads.input_fn(data, batch_size // num_towers),
+          steps=2,
+          hooks=[trace])
+    else:
+      estimator.train(
+          workloads.input_fn(data, batch_size // num_towers),
+          steps=2,
+          hooks=[trace])
   return trace.run_metadata, trace.parameters, trace.held
 
 
@@ -251,15 +296,22 @@ def measure(workload: str,
             variant: str,
             num_towers: int,
             batch_size: int,
-            run_step: bool = True) -> Dict[str, Any]:
+            run_step: bool = True,
+            mode: str = "train",
+            precision: str = "float32") -> Dict[str, Any]:
   """One traced step of one variant: its transfers, summed per device."""
   if variant.startswith("strategy_"):
     run_metadata, parameters, held = _strategy_step(workload, variant,
-                                                    num_towers, batch_size)
-    return _summary(workload, variant, num_towers, parameters, held,
-                    run_metadata)
+                                                    num_towers, batch_size,
+                                                    mode, precision)
+    return dict(
+        _summary(workload, variant, num_towers, parameters, held,
+                 run_metadata),
+        mode=mode,
+        precision=precision)
   with tf.Graph().as_default():
-    train_op, parameters = _build(workload, variant, num_towers, batch_size)
+    train_op, parameters = _build(workload, variant, num_towers, batch_size,
+                                  mode, precision)
     held = _held(num_towers)
     held_mean = sum(held.values()) / num_towers
     stored = {
@@ -287,7 +339,10 @@ def measure(workload: str,
               trace_level=tf.compat.v1.RunOptions.FULL_TRACE,
               output_partition_graphs=True),
           run_metadata=run_metadata)
-  return _summary(workload, variant, num_towers, parameters, held, run_metadata)
+  return dict(
+      _summary(workload, variant, num_towers, parameters, held, run_metadata),
+      mode=mode,
+      precision=precision)
 
 
 def _summary(workload: str, variant: str, num_towers: int, parameters: int,
@@ -368,13 +423,16 @@ def _table(rows: List[Dict[str, Any]]) -> str:
         f"mean {r['held_heaviest_over_mean']:.2f}, MB per device "
         f"{[round(v, 1) for v in r['held_MB'].values()]}" for r in rows)
   lines = [
-      "| workload | variant | N | P MB | host<->towers MB | between towers MB"
-      " | busiest / mean | sent x min | received x min | transfers | held MB "
-      "(heaviest) | held heaviest / mean |",
-      "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+      "| workload | step | variant | N | P MB | host<->towers MB | between "
+      "towers MB | busiest / mean | sent x min | received x min | transfers | "
+      "held MB (heaviest) | held heaviest / mean |",
+      "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
   ]
   for r in rows:
-    lines.append(f"| {r['workload']} | {r['variant']} | {r['towers']} | "
+    step = r.get("mode", "train") + (
+        " mixed" if r.get("precision") == "mixed" else "")
+    lines.append(f"| {r['workload']} | {step} | {r['variant']} | "
+                 f"{r['towers']} | "
                  f"{r['P_MB']:.2f} | {r['host_towers_MB']:.2f} | "
                  f"{r['between_towers_MB']:.2f} | "
                  f"{r['busiest_over_mean']:.2f} | {r['sent_x_min']:.2f} | "
@@ -399,14 +457,19 @@ def main(argv: List[str]) -> None:
   strategies._CONCATENATE_ON_HOST = False  # pylint: disable=protected-access
   rows = []
   for workload in FLAGS.workloads:
-    for n in towers:
-      for variant in FLAGS.variants:
-        if variant == "plain" and n != towers[0]:
+    for mode in FLAGS.modes:
+      for precision in FLAGS.precisions:
+        if precision == "mixed" and mode != "train":
           continue
-        rows.append(
-            measure(workload, variant, 1 if variant == "plain" else n,
-                    FLAGS.batch_size, FLAGS.run_step))
-        print(rows[-1], flush=True)
+        for n in towers:
+          for variant in FLAGS.variants:
+            if variant == "plain" and n != towers[0] or (
+                mode == "predict" and variant.startswith("strategy_")):
+              continue
+            rows.append(
+                measure(workload, variant, 1 if variant == "plain" else n,
+                        FLAGS.batch_size, FLAGS.run_step, mode, precision))
+            print(rows[-1], flush=True)
   print(_table(rows))
 
 

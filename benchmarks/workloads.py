@@ -189,7 +189,10 @@ def model_fn(features: Dict[str, tf.Tensor], labels: tf.Tensor, mode: str,
              params: Dict) -> tf.estimator.EstimatorSpec:
   """Softmax classifier; params: 'workload', 'learning_rate', 'momentum'.
 
-  Optional 'gate_gradients': the optimizer's (default GATE_OP).
+  Optional 'gate_gradients': the optimizer's (default GATE_OP);
+  'precision': 'mixed' trains with a dynamic loss scale
+  (`tf.compat.v1.mixed_precision.MixedPrecisionLossScaleOptimizer`, its
+  update in a tf.cond), float32 variables.
   """
   training = mode == tf.estimator.ModeKeys.TRAIN
   logits = _LOGITS[params["workload"]](features["x"], training)
@@ -197,9 +200,20 @@ def model_fn(features: Dict[str, tf.Tensor], labels: tf.Tensor, mode: str,
     return tf.estimator.EstimatorSpec(mode, predictions={"logits": logits})
   # Default reduction SUM_BY_NONZERO_WEIGHTS, replicate's default too.
   loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
-  optimizer = replicate.TowerOptimizer(
-      tf.compat.v1.train.MomentumOptimizer(params["learning_rate"],
-                                           params["momentum"]))
+  if mode == tf.estimator.ModeKeys.EVAL:
+    return tf.estimator.EstimatorSpec(
+        mode,
+        loss=loss,
+        eval_metric_ops={
+            "accuracy":
+                tf.compat.v1.metrics.accuracy(labels, tf.argmax(logits, 1))
+        })
+  optimizer = tf.compat.v1.train.MomentumOptimizer(params["learning_rate"],
+                                                   params["momentum"])
+  if params.get("precision") == "mixed":
+    optimizer = tf.compat.v1.mixed_precision.MixedPrecisionLossScaleOptimizer(
+        optimizer, "dynamic")
+  optimizer = replicate.TowerOptimizer(optimizer)
   # Batch norm's moving-statistics updates run with each step (none for
   # mlp and cnn: an empty control dependency adds no op).
   update_ops = tf.compat.v1.get_collection(tf.compat.v1.GraphKeys.UPDATE_OPS)

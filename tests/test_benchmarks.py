@@ -330,3 +330,54 @@ def test_mirrored_moves_the_ring_minimum_and_the_host_only_inputs(
     assert row["sent_x_min"] >= 0.99 and row["received_x_min"] >= 0.99
   assert row["busiest_over_mean"] <= 1.1
   assert row["held_heaviest_over_mean"] <= 1.001
+
+
+@pytest.mark.parametrize("workload", ["mlp", "cnn_bn"])
+def test_mirrored_with_a_dynamic_loss_scale_moves_the_ring_minimum(
+    workload, monkeypatch):
+  # The update sits in the loss scale's tf.cond: each device runs its own
+  # copy of it, so the traffic is the plain update's.
+  import device_bytes  # pylint: disable=g-import-not-at-top
+
+  from replicate._batch_norm import whole_batch  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(whole_batch, "_CONCATENATE_ON_HOST", False)
+  row = device_bytes.measure(workload, "mirrored", 3, 33, precision="mixed")
+  inputs = 33 * (784 + 1) * 4 / 1e6
+  assert row["host_towers_MB"] < inputs * 1.01 + 0.001
+  assert 0.99 <= row["sent_x_min"] <= 1.1
+  assert 0.99 <= row["received_x_min"] <= 1.1
+  assert row["busiest_over_mean"] <= 1.1
+
+
+@pytest.mark.parametrize("mode", ["eval", "predict"])
+def test_mirrored_evaluation_and_prediction_move_no_parameters(mode):
+  # Each tower reads its own device's copy: between the devices only the
+  # input shards, the output rows and the metrics' scalars move.
+  import device_bytes  # pylint: disable=g-import-not-at-top
+  row = device_bytes.measure("mlp", "mirrored", 3, 33, mode=mode)
+  shards = 33 * (784 + 1) * 4 / 1e6
+  assert row["between_towers_MB"] <= 0.064 * 3
+  assert row["host_towers_MB"] <= 1.2 * shards + 0.064 * 3
+
+
+def test_gpu_benchmark_runs_and_reports_the_machine_and_scaling(tmp_path):
+  # Two virtual CPUs stand in for GPUs, tiny models, one step: the command
+  # a user with GPUs runs as it is.
+  out = tmp_path / "gpu.json"
+  subprocess.run([
+      sys.executable,
+      os.path.join(_BENCHMARKS, "gpu.py"), "--tiny", "--cpus=2", "--steps=1",
+      "--warmup=0", "--batch_per_device=2", "--models=transformer",
+      "--precisions=mixed", f"--out={out}"
+  ],
+                 check=True,
+                 capture_output=True,
+                 timeout=600)
+  results = json.loads(out.read_text())
+  assert results["machine"]["tensorflow"]
+  variants = {(r["variant"], r["devices"]) for r in results["results"]}
+  assert variants == {("plain", 1), ("mirrored", 2), ("round_robin", 2),
+                      ("strategy", 2)}
+  for row in results["results"]:
+    assert row["examples_per_sec"] > 0
+    assert row["scaling"] > 0

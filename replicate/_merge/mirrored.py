@@ -18,10 +18,13 @@ its update built once, on tower 0's device. Once the graph is complete,
   other device, reading that device's sums and copies. Each copy runs the
   same ops on the same bits as tower 0's: the copies stay bitwise equal.
 
-Where that cannot give one device's result (a variable also written
-outside the update, an update inside a v1 tf.cond) nothing is mirrored:
-the variables stay on tower 0's device, read from there, as exact as
-before and slower, and the log says why.
+An update inside a function body (a dynamic loss scale's tf.cond) is
+copied with its bodies, placed on each device. Where copies cannot give
+one device's result (a variable also written outside the update, an update
+inside a v1 tf.cond) nothing is mirrored: the variables stay on tower 0's
+device, read from there, as exact as before and slower, and the warning
+says why and how to avoid it. In evaluation and prediction (no update) the
+towers read their own device's copies of the model's variables.
 """
 
 from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
@@ -164,12 +167,17 @@ class _Plan:
             reader not in initializers):
           self.refusal = (f"variable {variable.name} is also written by "
                           f"{reader.name} ({reader.type}), outside the "
-                          "optimizer's update")
+                          "optimizer's update (to keep the copies at the "
+                          "bandwidth minimum, constrain it after the update: "
+                          "a layer's kernel_constraint, or a write after the "
+                          "optimizer's op)")
           return
     for op in self.ops:
       if _tf.op_in_v1_control_flow(op):
         self.refusal = (f"the update's op {op.name} is inside a v1 tf.cond or "
-                        "tf.while_loop")
+                        "tf.while_loop, whose frames cannot be copied op by "
+                        "op (build it with control flow v2, TensorFlow 2's "
+                        "default: tf.compat.v1.enable_control_flow_v2())")
         return
 
 
