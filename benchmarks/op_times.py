@@ -4,8 +4,8 @@ Builds a workload's train graph in a session (constant inputs, no input
 pipeline, no hooks: what the towers themselves cost), times steps, then
 traces a few and sums each op type's time over every device. Where the
 summed op time falls but the step does not, work left the towers'
-parallel paths for the hub's serial one (CHANGELOG.md, benchmark history,
-fifth pass).
+parallel paths for the hub's serial one (benchmarks/history.md, fifth
+pass).
 
   .venv/bin/python benchmarks/op_times.py --workload=cnn_bn --towers=2,4
 """
