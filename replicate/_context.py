@@ -72,7 +72,7 @@ class Replication:
   tower_op_names: Set[str] = dataclasses.field(default_factory=set)
   # Ref of a variable's copy shared by the towers (and of a reference
   # variable itself) -> the variable's own read (see
-  # _sharing.read_once_per_step).
+  # `_towers.sharing.read_once_per_step`).
   shared_copies: Dict[Any, Any] = dataclasses.field(default_factory=dict)
   # Per tower: [first, end) of the graph versions its model_fn call built.
   ranges: Dict[int,

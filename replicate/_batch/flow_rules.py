@@ -1,9 +1,9 @@
 """Rows rules of control flow and containers: tf.cond's Switch and Merge,
 function calls, TensorLists and TensorArrays, and ops no rule knows.
 
-Each rule maps an op and its inputs' kinds (see `_batch.kinds`) to its
-outputs' kinds, and reports through `ctx` (`_batch.rows`) what needs every
-tower; `RULES` maps op types to rules.
+Each rule maps an op and its inputs' kinds (see `_batch.row_kinds`) to
+its outputs' kinds, and reports through `ctx` (`_batch.rows`) what needs
+every tower; `RULES` maps op types to rules.
 """
 
 from typing import Dict, List, Sequence, Set

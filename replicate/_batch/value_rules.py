@@ -1,9 +1,9 @@
 """Rows rules of ops that compute values: reductions, products, per-row
 and elementwise ops, sparse ops, summaries.
 
-Each rule maps an op and its inputs' kinds (see `_batch.kinds`) to its
-outputs' kinds, and reports through `ctx` (`_batch.rows`) what needs every
-tower; `RULES` maps op types to rules.
+Each rule maps an op and its inputs' kinds (see `_batch.row_kinds`) to
+its outputs' kinds, and reports through `ctx` (`_batch.rows`) what needs
+every tower; `RULES` maps op types to rules.
 """
 
 from typing import Any, Dict, List, Optional, Sequence

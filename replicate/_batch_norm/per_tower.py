@@ -5,9 +5,10 @@ shard's statistics: fewer waits between devices, not one device's result.
 Every reduction is otherwise the whole batch's (`_meet.rewiring`), so the
 moments batch norm takes (`tf.nn.moments`, `tf.nn.weighted_moments`, which
 Keras' and tf-slim's non-fused layers call) are marked while they are built:
-their reductions stay the tower's (`_batch.rows.SHARD`), and the moving
-statistics written from them are combined by their aggregation (MEAN, see
-`_merge.state`). Fused kernels in training stay the tower's by their type.
+their reductions stay the tower's (`_batch.row_kinds.SHARD`), and the
+moving statistics written from them are combined by their aggregation
+(MEAN, see `_merge.state`). Fused kernels in training stay the tower's by
+their type.
 """
 
 import functools

@@ -200,7 +200,7 @@ class KerasTowerOptimizer(_tf.TracksWrapped,
                                                apply)
 
   def _tracked_optimizer(self) -> Any:
-    """What checkpoints see in this wrapper's place (see `_meet.tracking`)."""
+    """What checkpoints see in this wrapper's place (`_tf.TracksWrapped`)."""
     return self._wrapped_keras
 
   def get_slot(self, var: tf.Variable, slot_name: str) -> tf.Variable:

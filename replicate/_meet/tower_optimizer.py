@@ -308,7 +308,7 @@ class TowerOptimizer(
                                                apply)
 
   def _tracked_optimizer(self) -> Any:
-    """What checkpoints see in this wrapper's place (see `_meet.tracking`)."""
+    """What checkpoints see in this wrapper's place (`_tf.TracksWrapped`)."""
     return self._wrapped.get()
 
   def get_slot(self, *args: Any, **kwargs: Any) -> Optional[tf.Variable]:

@@ -1,8 +1,11 @@
 """Device discovery, validation and placement for towers.
 
-This is the only module that knows about devices: which ones to use, where
-inputs are split and results merged (the consolidation device), and the
-device function each tower builds under.
+Which devices to use, where inputs are split and results merged (the
+consolidation device), and the device function each tower builds under.
+Other modules place ops on the devices chosen here: `_meet.all_reduce`
+(the ring between tower devices), `_merge.mirrored` (a variable's copy on
+every tower device) and `_batch_norm.whole_batch` (the whole batch's
+kernel or moments where the towers meet).
 """
 
 import enum
