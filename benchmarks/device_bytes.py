@@ -305,8 +305,7 @@ def measure(workload: str,
                                                     num_towers, batch_size,
                                                     mode, precision)
     return dict(
-        _summary(workload, variant, num_towers, parameters, held,
-                 run_metadata),
+        _summary(workload, variant, num_towers, parameters, held, run_metadata),
         mode=mode,
         precision=precision)
   with tf.Graph().as_default():
@@ -429,8 +428,8 @@ def _table(rows: List[Dict[str, Any]]) -> str:
       "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
   ]
   for r in rows:
-    step = r.get("mode", "train") + (
-        " mixed" if r.get("precision") == "mixed" else "")
+    step = r.get("mode",
+                 "train") + (" mixed" if r.get("precision") == "mixed" else "")
     lines.append(f"| {r['workload']} | {step} | {r['variant']} | "
                  f"{r['towers']} | "
                  f"{r['P_MB']:.2f} | {r['host_towers_MB']:.2f} | "

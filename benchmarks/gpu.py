@@ -37,8 +37,9 @@ import replicate  # noqa: E402  # isort: skip
 FLAGS = flags.FLAGS
 flags.DEFINE_list("models", ["resnet50", "transformer"], "Models.")
 flags.DEFINE_list("precisions", ["float32", "mixed"], "float32, mixed.")
-flags.DEFINE_list("variants", ["mirrored", "round_robin", "strategy"],
-                  "Besides one GPU unwrapped: mirrored, round_robin, strategy.")
+flags.DEFINE_list(
+    "variants", ["mirrored", "round_robin", "strategy"],
+    "Besides one GPU unwrapped: mirrored, round_robin, strategy.")
 flags.DEFINE_list("towers", [], "Device counts (default 2, 4, ... all).")
 flags.DEFINE_integer("batch_per_device", 32, "Examples per device per step.")
 flags.DEFINE_integer("steps", 30, "Timed steps.")
@@ -86,7 +87,10 @@ def machine() -> Dict[str, Any]:
 def _devices() -> List[str]:
   if FLAGS.cpus:
     return [f"/device:CPU:{i}" for i in range(FLAGS.cpus)]
-  return [f"/device:GPU:{i}" for i in range(len(tf.config.list_physical_devices("GPU")))]
+  return [
+      f"/device:GPU:{i}"
+      for i in range(len(tf.config.list_physical_devices("GPU")))
+  ]
 
 
 def _resnet50(inputs: tf.Tensor) -> tf.Tensor:
@@ -95,7 +99,9 @@ def _resnet50(inputs: tf.Tensor) -> tf.Tensor:
     h = tf.keras.layers.GlobalAveragePooling2D()(h)
     return tf.keras.layers.Dense(_CLASSES, dtype="float32")(h)
   model = tf.keras.applications.ResNet50(
-      weights=None, input_shape=inputs.shape[1:], classes=_CLASSES,
+      weights=None,
+      input_shape=inputs.shape[1:],
+      classes=_CLASSES,
       classifier_activation=None)
   return tf.cast(model(inputs), tf.float32)
 
@@ -107,8 +113,8 @@ def _transformer(tokens: tf.Tensor) -> tf.Tensor:
     attended = tf.keras.layers.MultiHeadAttention(heads, width // heads)(h, h)
     h = tf.keras.layers.LayerNormalization()(h + attended)
     hidden = tf.keras.layers.Dense(4 * width, activation="gelu")(h)
-    h = tf.keras.layers.LayerNormalization()(h + tf.keras.layers.Dense(width)(
-        hidden))
+    h = tf.keras.layers.LayerNormalization()(
+        h + tf.keras.layers.Dense(width)(hidden))
   return tf.keras.layers.Dense(_CLASSES, dtype="float32")(h[:, 0])
 
 
@@ -122,8 +128,8 @@ def _model_fn(features, labels, mode, params):
   """A classifier of the model, its loss scaled in mixed precision."""
   del params
   precision, model = _SETTINGS["precision"], _SETTINGS["model"]
-  tf.keras.mixed_precision.set_global_policy(
-      "mixed_float16" if precision == "mixed" else "float32")
+  tf.keras.mixed_precision.set_global_policy("mixed_float16" if precision ==
+                                             "mixed" else "float32")
   try:
     network = _resnet50 if model == "resnet50" else _transformer
     logits = network(features)
@@ -181,8 +187,12 @@ class _Timer(tf.estimator.SessionRunHook):
 def run(model: str, precision: str, variant: str, devices: List[str]) -> float:
   """Examples per second of one configuration."""
   _SETTINGS.update(model=model, precision=precision)
-  config = {"save_checkpoints_steps": None, "save_checkpoints_secs": None,
-            "save_summary_steps": None, "log_step_count_steps": None}
+  config = {
+      "save_checkpoints_steps": None,
+      "save_checkpoints_secs": None,
+      "save_summary_steps": None,
+      "log_step_count_steps": None
+  }
   session = tf.compat.v1.ConfigProto(allow_soft_placement=True)
   if FLAGS.cpus:
     session.device_count["CPU"] = FLAGS.cpus
@@ -194,8 +204,8 @@ def run(model: str, precision: str, variant: str, devices: List[str]) -> float:
   else:
     model_fn = replicate.replicate_model_fn(
         _model_fn, devices=devices, variable_placement=variant)
-  batch = FLAGS.batch_per_device * (
-      1 if variant == "strategy" else len(devices))
+  batch = FLAGS.batch_per_device * (1
+                                    if variant == "strategy" else len(devices))
   timer = _Timer(FLAGS.warmup)
   with tempfile.TemporaryDirectory() as model_dir:
     estimator = tf.estimator.Estimator(
@@ -240,14 +250,25 @@ def main(argv: List[str]) -> None:
   for model in FLAGS.models:
     for precision in FLAGS.precisions:
       one = run(model, precision, "plain", available[:1])
-      rows.append(dict(model=model, precision=precision, variant="plain",
-                       devices=1, examples_per_sec=one, scaling=1.0))
+      rows.append(
+          dict(
+              model=model,
+              precision=precision,
+              variant="plain",
+              devices=1,
+              examples_per_sec=one,
+              scaling=1.0))
       for count in counts:
         for variant in FLAGS.variants:
           rate = run(model, precision, variant, available[:count])
-          rows.append(dict(model=model, precision=precision, variant=variant,
-                           devices=count, examples_per_sec=rate,
-                           scaling=rate / one))
+          rows.append(
+              dict(
+                  model=model,
+                  precision=precision,
+                  variant=variant,
+                  devices=count,
+                  examples_per_sec=rate,
+                  scaling=rate / one))
           print(rows[-1], flush=True)
   print(_table(rows))
   if FLAGS.out:

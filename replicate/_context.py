@@ -45,7 +45,6 @@ class Replication:
   # bools, or bool tensors where the batch size is dynamic. Empty: every tower.
   valid: List[Any] = dataclasses.field(default_factory=list)
   root_name_scope: str = ""
-  root_variable_scope: Any = None
   tower: Optional[Tower] = None
   # Per tower: variable creation key -> variable.
   created: List[Dict[Any,
@@ -263,13 +262,13 @@ def current_tower() -> Optional[Tower]:
 
 @contextlib.contextmanager
 def replication_scope(replication: Replication) -> Iterator[Replication]:
-  """Makes `replication` current on this thread; records the root scopes."""
+  """Makes `replication` current on this thread; records the root name
+  scope."""
   if current_replication() is not None:
     raise ValueError(
         "replicate_model_fn was called inside another replicated model_fn; "
         "wrap a model_fn once, not a model_fn that is already replicated.")
   replication.root_name_scope = replication.graph.get_name_scope()
-  replication.root_variable_scope = tf.compat.v1.get_variable_scope()
   with _current(replication):
     yield replication
 

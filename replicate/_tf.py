@@ -36,7 +36,6 @@ import tensorflow as tf
 
 # pylint: disable=protected-access,g-direct-tensorflow-import,g-import-not-at-top
 from tensorflow.core.framework import attr_value_pb2 as _attr_value_pb2
-from tensorflow.python.framework import ops as _ops
 from tensorflow.python.ops import array_ops as _array_ops
 from tensorflow.python.ops import gradients_util as _gradients_util
 from tensorflow.python.ops import nn_impl as _nn_impl
@@ -133,14 +132,6 @@ def unknown_shapes_attr(shapes: Iterable[Any]) -> Any:
   return _attr_value_pb2.AttrValue(
       list=_attr_value_pb2.AttrValue.ListValue(
           shape=[shape.as_proto() for shape in relaxed]))
-
-
-def gradient_function(op: tf.Operation) -> Optional[Callable[..., Any]]:
-  """The gradient function TensorFlow registered for `op`, or None."""
-  try:
-    return _ops.get_gradient_function(op)
-  except LookupError:
-    return None
 
 
 # ------------------------------------------------------------ graph state
@@ -250,8 +241,8 @@ def function_on_device(graph: tf.Graph,
         value.func.name = function_on_device(graph, value.func.name, suffix,
                                              device, copied)
       for function in value.list.func:
-        function.name = function_on_device(graph, function.name, suffix,
-                                           device, copied)
+        function.name = function_on_device(graph, function.name, suffix, device,
+                                           copied)
   imported = pywrap_tf_session.TF_FunctionImportFunctionDef(
       definition.SerializeToString())
   try:
@@ -266,8 +257,8 @@ def called_functions(op: tf.Operation) -> Dict[str, Any]:
   return {
       name: value
       for name, value in op.node_def.attr.items()
-      if name in _CALL_ATTRIBUTES and (value.HasField("func") or
-                                       value.list.func)
+      if name in _CALL_ATTRIBUTES and
+      (value.HasField("func") or value.list.func)
   }
 
 
@@ -350,8 +341,9 @@ def share_variable(variable: Any, shared: Any) -> None:
   `shared` instead: its handle's, or a reference variable's ref tensor's,
   consumers read `shared`'s."""
   own = variable.op.name + "/"
-  keep = [op for op in variable.op.outputs[0].consumers()
-          if op.name.startswith(own)]
+  keep = [
+      op for op in variable.op.outputs[0].consumers() if op.name.startswith(own)
+  ]
   rewire(variable.op.outputs[0], shared.op.outputs[0], keep)
 
 
@@ -421,7 +413,7 @@ def _rooted_name_scope(self: tf.Graph, name: Optional[str]) -> Any:
     if not name:
       name = root + "/"
     elif name == _roots.segment:
-      current = self.get_name_scope()
+      current = tf.Graph.get_name_scope(self)
       name = current + "/" if current else None
     elif name.endswith("/") and not (name == root + "/" or
                                      name.startswith(root + "/")):
@@ -506,8 +498,7 @@ def tower_root(graph: tf.Graph, root: Optional[str], segment: Optional[str],
   try:
     yield
   finally:
-    (_roots.graph, _roots.root, _roots.segment,
-     _roots.before_read) = before
+    (_roots.graph, _roots.root, _roots.segment, _roots.before_read) = before
 
 
 @contextlib.contextmanager
@@ -652,11 +643,6 @@ class Patches:
     self._lock = threading.Lock()
     self._count = 0
     self._originals: Patched = []
-
-  @property
-  def installed(self) -> bool:
-    """Whether some builder is inside `applied()` now."""
-    return self._count > 0
 
   @contextlib.contextmanager
   def applied(self, needed: bool = True) -> Iterator[None]:

@@ -65,8 +65,8 @@ def _ctr_columns():
   return linear, dnn
 
 
-@pytest.mark.parametrize("name", ["DeepFMEstimator", "DCNEstimator",
-                                  "WDLEstimator"])
+@pytest.mark.parametrize("name",
+                         ["DeepFMEstimator", "DCNEstimator", "WDLEstimator"])
 def test_deepctr_with_weight_penalties_replicates(name):
   estimator_module = pytest.importorskip("deepctr.estimator")
   linear, dnn = _ctr_columns()
@@ -120,8 +120,7 @@ def test_tfgan_with_a_scoped_regularizer_replicates():
       generator_loss_fn=tfgan.losses.wasserstein_generator_loss,
       discriminator_loss_fn=tfgan.losses.wasserstein_discriminator_loss,
       generator_optimizer=tf.compat.v1.train.GradientDescentOptimizer(0.1),
-      discriminator_optimizer=tf.compat.v1.train.GradientDescentOptimizer(
-          0.1))
+      discriminator_optimizer=tf.compat.v1.train.GradientDescentOptimizer(0.1))
   summary = replicate.testing.assert_replicates(
       estimator.model_fn,
       _dataset(noise, real),
@@ -161,8 +160,8 @@ def test_hub_module_in_a_model_fn_replicates():
         loss, tf.compat.v1.train.get_global_step())
     return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
 
-  summary = replicate.testing.assert_replicates(model_fn, _dataset(*_texts()),
-                                                towers=TOWERS)
+  summary = replicate.testing.assert_replicates(
+      model_fn, _dataset(*_texts()), towers=TOWERS)
   assert summary.variables == 4  # the module's table, the logits, the step
 
 
@@ -182,9 +181,8 @@ def test_hub_text_embedding_column_in_a_canned_estimator_replicates():
       feature_columns=[column],
       n_classes=3,
       optimizer=tf.compat.v1.train.AdagradOptimizer(0.1))
-  summary = replicate.testing.assert_replicates(canned.model_fn,
-                                                _dataset(*_texts()),
-                                                towers=TOWERS)
+  summary = replicate.testing.assert_replicates(
+      canned.model_fn, _dataset(*_texts()), towers=TOWERS)
   assert "accuracy" in summary.metrics
 
 
@@ -211,8 +209,13 @@ def _adanet_estimators(adanet, devices, model_dir):
     def __init__(self, size):
       self._size = size
 
-    def build_subnetwork(self, features, logits_dimension, training,
-                         iteration_step, summary, previous_ensemble=None):
+    def build_subnetwork(self,
+                         features,
+                         logits_dimension,
+                         training,
+                         iteration_step,
+                         summary,
+                         previous_ensemble=None):
       seeded = tf.compat.v1.glorot_uniform_initializer
       hidden = tf.compat.v1.layers.dense(
           features["x"],
@@ -256,8 +259,8 @@ def _adanet_estimators(adanet, devices, model_dir):
         config=replicate.testing.run_config(
             4, model_dir=str(directory), tf_random_seed=0))
 
-  return (build(adanet.Estimator, model_dir / "one"),
-          build(Replicated, model_dir / "towers"))
+  return (build(adanet.Estimator,
+                model_dir / "one"), build(Replicated, model_dir / "towers"))
 
 
 @pytest.mark.parametrize("num_towers", TOWERS)
@@ -282,8 +285,8 @@ def test_adanet_estimator_trains_replicated_through_its_model_fn(
   for name, value in values.items():
     np.testing.assert_allclose(towers_values[name], value, 1e-5, 1e-6, name)
   for name in ("loss", "accuracy", "iteration"):
-    np.testing.assert_allclose(towers_metrics[name], metrics[name], 1e-5,
-                               1e-6, name)
+    np.testing.assert_allclose(towers_metrics[name], metrics[name], 1e-5, 1e-6,
+                               name)
 
 
 # ------------------------------------------------- the CIFAR-10 tutorial
@@ -296,16 +299,16 @@ def _weight_decayed(name, shape, stddev, decay):
       initializer=tf.compat.v1.truncated_normal_initializer(stddev=stddev))
   if decay is not None:
     tf.compat.v1.add_to_collection(
-        "losses", tf.multiply(tf.nn.l2_loss(variable), decay,
-                              name="weight_loss"))
+        "losses",
+        tf.multiply(tf.nn.l2_loss(variable), decay, name="weight_loss"))
   return variable
 
 
 def _cifar_inference(images):
   with tf.compat.v1.variable_scope("conv1") as scope:
     kernel = _weight_decayed("weights", [3, 3, 2, 4], 5e-2, 0.01)
-    biases = tf.compat.v1.get_variable("biases", [4],
-                                       initializer=tf.constant_initializer())
+    biases = tf.compat.v1.get_variable(
+        "biases", [4], initializer=tf.constant_initializer())
     conv = tf.nn.conv2d(images, kernel, [1, 1, 1, 1], padding="SAME")
     conv1 = tf.nn.relu(tf.nn.bias_add(conv, biases), name=scope.name)
   pool1 = tf.nn.max_pool2d(conv1, 2, 2, padding="SAME", name="pool1")
@@ -317,8 +320,8 @@ def _cifar_inference(images):
     local3 = tf.nn.relu(tf.matmul(reshape, weights) + biases, name=scope.name)
   with tf.compat.v1.variable_scope("softmax_linear") as scope:
     weights = _weight_decayed("weights", [8, 3], 1 / 8.0, None)
-    biases = tf.compat.v1.get_variable("biases", [3],
-                                       initializer=tf.constant_initializer())
+    biases = tf.compat.v1.get_variable(
+        "biases", [3], initializer=tf.constant_initializer())
     return tf.add(tf.matmul(local3, weights), biases, name=scope.name)
 
 
@@ -332,8 +335,8 @@ def _cifar_model_fn(features, labels, mode):
           labels=labels, logits=logits),
       name="cross_entropy")
   tf.compat.v1.add_to_collection("losses", cross_entropy)
-  total_loss = tf.add_n(tf.compat.v1.get_collection("losses"),
-                        name="total_loss")
+  total_loss = tf.add_n(
+      tf.compat.v1.get_collection("losses"), name="total_loss")
   averages = tf.compat.v1.train.ExponentialMovingAverage(0.9, name="avg")
   losses = tf.compat.v1.get_collection("losses")
   averages_op = averages.apply(losses + [total_loss])
@@ -353,8 +356,8 @@ def _cifar_model_fn(features, labels, mode):
       loss=total_loss,
       train_op=train_op,
       eval_metric_ops={
-          "accuracy": tf.compat.v1.metrics.accuracy(labels,
-                                                    tf.argmax(logits, 1))
+          "accuracy":
+              tf.compat.v1.metrics.accuracy(labels, tf.argmax(logits, 1))
       })
 
 

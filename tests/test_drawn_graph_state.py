@@ -39,9 +39,9 @@ _EXAMPLES = 12
 _MANY = 300
 _GraphKeys = tf.compat.v1.GraphKeys
 
-USES = ("layer_regularizer", "variable_regularizer", "add_loss",
-        "losses_key", "moving_average", "zero_debias", "default_name",
-        "named_twice", "shared_layer", "hub_scopes", "batch_norm", "observe")
+USES = ("layer_regularizer", "variable_regularizer", "add_loss", "losses_key",
+        "moving_average", "zero_debias", "default_name", "named_twice",
+        "shared_layer", "hub_scopes", "batch_norm", "observe")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,8 +60,7 @@ class Case:
 def cases(draw) -> Case:
   towers = draw(st.integers(2, 4))
   return Case(
-      uses=tuple(draw(st.lists(st.sampled_from(USES), min_size=1,
-                               max_size=6))),
+      uses=tuple(draw(st.lists(st.sampled_from(USES), min_size=1, max_size=6))),
       scope=draw(st.sampled_from(["", "net"])),
       var_list=draw(st.sampled_from(["all", "marker", "scoped"])),
       mode=draw(st.sampled_from([harness.TRAIN, harness.EVAL])),
@@ -122,9 +121,8 @@ class _Model:
     hidden, terms, updates = features["x"], [], []
     self.inputs = features["x"]
     scope = (
-        tf.compat.v1.variable_scope(case.scope)
-        if case.scope else tf.compat.v1.variable_scope(
-            tf.compat.v1.get_variable_scope()))
+        tf.compat.v1.variable_scope(case.scope) if case.scope else
+        tf.compat.v1.variable_scope(tf.compat.v1.get_variable_scope()))
     with scope:
       for index, use in enumerate(case.uses):
         hidden = self._use(use, index, hidden, terms, updates, records, mode)
@@ -201,10 +199,9 @@ class _Model:
       first = tf.Variable(0.0, name=f"tp{index}", trainable=False)
       with tf.name_scope(f"tp{index}"):
         count = tf.Variable(0.0, name="count", trainable=False)
-      updates.extend([
-          first.assign_add(tf.reduce_sum(hidden)),
-          count.assign_add(1.0)
-      ])
+      updates.extend(
+          [first.assign_add(tf.reduce_sum(hidden)),
+           count.assign_add(1.0)])
       return hidden + 0.0 * (first + count)
     if use == "shared_layer":
       if self.shared is None:
@@ -238,7 +235,11 @@ def _run(case: Case, towers: int):
                                                      towers)
   run = harness.train if case.mode == harness.TRAIN else harness.evaluate
   results = run(
-      model, _data(), case.batch, STEPS, tower_devices=devices,
+      model,
+      _data(),
+      case.batch,
+      STEPS,
+      tower_devices=devices,
       static=case.static)
   return results, model.records
 
@@ -246,8 +247,8 @@ def _run(case: Case, towers: int):
 def _records_towerless(records):
   return [[
       tf.nest.map_structure(
-          lambda x: _towerless(x) if isinstance(x, str) else x, record)
-      for record in call
+          lambda x: _towerless(x)
+          if isinstance(x, str) else x, record) for record in call
   ] for call in records]
 
 

@@ -83,21 +83,30 @@ def _layers():
 
 def _leaf():
   return st.one_of(
-      st.just(("mean",)), st.just(("masked_mean",)), st.just(
-          ("batch_sum_mean",)),
+      st.just(("mean",)),
+      st.just(("masked_mean",)),
+      st.just(("batch_sum_mean",)),
       st.tuples(
           st.just("v1_losses"), st.sampled_from(_REDUCTIONS),
           st.sampled_from(_WEIGHTS)),
       st.tuples(
           st.just("v1_direct"), st.sampled_from(_REDUCTIONS),
-          st.sampled_from(_WEIGHTS)), st.just(("sum_over_size",)),
-      st.just(("sum",)), st.just(("max",)), st.just(("logsumexp",)),
+          st.sampled_from(_WEIGHTS)),
+      st.just(("sum_over_size",)),
+      st.just(("sum",)),
+      st.just(("max",)),
+      st.just(("logsumexp",)),
       st.just(("variance",)),
       # Forms that mix rows: run on the whole batch, or positions in it.
-      st.just(("position_weights",)), st.just(("segment_mean",)),
-      st.just(("top_k_mean",)), st.just(("sorted_trim",)),
-      st.just(("cumsum_mean",)), st.just(("softmax_over_batch",)),
-      st.just(("map_fn",)), st.just(("tensordot",)), st.just(("pairwise",)))
+      st.just(("position_weights",)),
+      st.just(("segment_mean",)),
+      st.just(("top_k_mean",)),
+      st.just(("sorted_trim",)),
+      st.just(("cumsum_mean",)),
+      st.just(("softmax_over_batch",)),
+      st.just(("map_fn",)),
+      st.just(("tensordot",)),
+      st.just(("pairwise",)))
 
 
 def _loss():
@@ -283,8 +292,8 @@ def _loss_value(spec, errors, features, labels, outputs, case):
   if kind == "map_fn":
     return tf.reduce_mean(tf.map_fn(lambda e: tf.square(e) + e, errors))
   if kind == "tensordot":
-    return tf.tensordot(errors, errors, 1) / tf.cast(tf.size(errors),
-                                                     tf.float32)
+    return tf.tensordot(errors, errors, 1) / tf.cast(
+        tf.size(errors), tf.float32)
   if kind == "pairwise":
     return tf.reduce_mean(tf.nn.relu(errors[:, None] - errors[None, :]))
   sub = lambda s: _loss_value(s, errors, features, labels, outputs, case)

@@ -124,8 +124,7 @@ def _reads(graph):
         part for part in name.split("/") if not part.startswith("tower_"))
 
   return {
-      "global":
-          [towerless(v.op.name) for v in tf.compat.v1.global_variables()],
+      "global": [towerless(v.op.name) for v in tf.compat.v1.global_variables()],
       "scoped": [
           towerless(v.op.name)
           for v in tf.compat.v1.trainable_variables("block")
@@ -167,8 +166,8 @@ def test_a_call_reads_one_devices_graph_at_every_point(towers):
     calls.append(reads)
     loss = _cross_entropy(labels, logits)
     loss += tf.compat.v1.losses.get_regularization_loss()
-    return _spec(mode, loss,
-                 after=tf.compat.v1.get_collection(_GraphKeys.UPDATE_OPS))
+    return _spec(
+        mode, loss, after=tf.compat.v1.get_collection(_GraphKeys.UPDATE_OPS))
 
   harness.train(model_fn, _data(), 8, 1)
   one_device = calls.pop()

@@ -383,8 +383,8 @@ class CopiesTest(parameterized.TestCase):
     # filled from the restored original when the session starts.
     summary = replicate.testing.assert_replicates(
         models.classifier_model_fn,
-        lambda: tf.data.Dataset.from_tensor_slices(models.data(40)).repeat()
-        .batch(7),
+        lambda: tf.data.Dataset.from_tensor_slices(models.data(40)).repeat().
+        batch(7),
         towers=(3,),
         params={},
         variable_placement=MIRRORED)
@@ -426,8 +426,8 @@ class CopiesTest(parameterized.TestCase):
         session.run(spec.train_op)
         check(graph, session)
 
-  @parameterized.parameters(
-      ("keras", 2), ("keras", 3), ("v1", 2), ("v1", 4), ("keras_float16", 2))
+  @parameterized.parameters(("keras", 2), ("keras", 3), ("v1", 2), ("v1", 4),
+                            ("keras_float16", 2))
   def test_a_dynamic_loss_scale_is_mirrored_and_one_devices(
       self, spelling, num_towers):
     # The update sits in the scale's tf.cond (a function body): each
@@ -435,8 +435,7 @@ class CopiesTest(parameterized.TestCase):
     # starts at an overflow (the first steps skip and halve it), then grows
     # every second finite step.
     model_fn = functools.partial(_loss_scaled_model_fn, spelling=spelling)
-    expected_losses, expected = harness.train(model_fn, models.data(), BATCH,
-                                              8)
+    expected_losses, expected = harness.train(model_fn, models.data(), BATCH, 8)
     scales = []
 
     def check(graph, session):

@@ -78,9 +78,10 @@ _MODELS = {
     "DNN": ("DNN", dict(_DNN_BASES,
                         BaseDNNWarmStartingTest=_WARM_START), "DNN", {}),
     "Linear": ("Linear",
-               dict(_LINEAR_BASES,
-                    **_LINEAR_INTEGRATION,
-                    BaseLinearWarmStartingTest=_WARM_START), "Linear", {}),
+               dict(
+                   _LINEAR_BASES,
+                   **_LINEAR_INTEGRATION,
+                   BaseLinearWarmStartingTest=_WARM_START), "Linear", {}),
     "DNNOnlyCombined": ("DNN", _DNN_BASES, "DNNLinearCombined", {
         "hidden_units": "dnn_hidden_units",
         "feature_columns": "dnn_feature_columns",
@@ -88,13 +89,12 @@ _MODELS = {
         "activation_fn": "dnn_activation_fn",
         "dropout": "dnn_dropout",
     }),
-    "LinearOnlyCombined": ("Linear",
-                           dict(_LINEAR_BASES,
-                                **_LINEAR_INTEGRATION), "DNNLinearCombined", {
-        "feature_columns": "linear_feature_columns",
-        "optimizer": "linear_optimizer",
-        "sparse_combiner": "linear_sparse_combiner",
-    }),
+    "LinearOnlyCombined": ("Linear", dict(_LINEAR_BASES, **_LINEAR_INTEGRATION),
+                           "DNNLinearCombined", {
+                               "feature_columns": "linear_feature_columns",
+                               "optimizer": "linear_optimizer",
+                               "sparse_combiner": "linear_sparse_combiner",
+                           }),
 }
 # What the default run (no `-m peer`) keeps, on 2 towers in both forms,
 # besides the first test of every base in one form (66 tests in all, about

@@ -41,19 +41,19 @@ FORMS = {
             tf.range(_rows(e)), D))) / tf.reduce_sum(1.0 / tf.math.log(
                 2.0 + tf.cast(tf.range(_rows(e)), D))),
     "segment_sum_mean":
-        lambda e, logits, f: tf.reduce_mean(tf.math.segment_sum(e, f["group"])
-                                           ),
+        lambda e, logits, f: tf.reduce_mean(tf.math.segment_sum(e, f["group"])),
     "segment_mean_mean":
         lambda e, logits, f: tf.reduce_mean(
             tf.math.segment_mean(e, f["group"])),
     "hard_example_top_k":
         lambda e, logits, f: tf.reduce_mean(
             tf.math.top_k(
-                e,
-                tf.cast(tf.math.ceil(tf.cast(_rows(e), D) / 2), tf.int32)).values),
+                e, tf.cast(tf.math.ceil(tf.cast(_rows(e), D) / 2), tf.int32)).
+            values),
     "top_k_gather":
         lambda e, logits, f: tf.reduce_mean(
-            tf.gather(logits, tf.math.top_k(e, 1).indices)) + tf.reduce_mean(e),
+            tf.gather(logits,
+                      tf.math.top_k(e, 1).indices)) + tf.reduce_mean(e),
     "trimmed_sort":
         lambda e, logits, f: tf.reduce_sum(tf.sort(e)[:-1]) + tf.reduce_max(e),
     "sort_difference":
@@ -76,8 +76,8 @@ FORMS = {
                 labels=tf.range(_rows(e)),
                 logits=tf.matmul(logits, logits, transpose_b=True))),
     "pairwise_hinge":
-        lambda e, logits, f: tf.reduce_mean(tf.nn.relu(e[:, None] - e[None, :])
-                                           ),
+        lambda e, logits, f: tf.reduce_mean(
+            tf.nn.relu(e[:, None] - e[None, :])),
     "argmax_pick":
         lambda e, logits, f: tf.reduce_mean(e) + 0.1 * tf.gather(
             e, tf.argmax(e)),
@@ -92,8 +92,9 @@ FORMS = {
         lambda e, logits, f: -tf.reduce_mean(
             tf.gather_nd(
                 tf.nn.log_softmax(logits),
-                tf.stack([tf.range(_rows(e)),
-                          tf.zeros_like(tf.range(_rows(e)))], 1))),
+                tf.stack(
+                    [tf.range(_rows(e)),
+                     tf.zeros_like(tf.range(_rows(e)))], 1))),
 }
 
 
@@ -115,8 +116,7 @@ def _model_fn(form):
     return tf.estimator.EstimatorSpec(
         mode,
         loss=loss,
-        train_op=optimizer.minimize(loss,
-                                    tf.compat.v1.train.get_global_step()))
+        train_op=optimizer.minimize(loss, tf.compat.v1.train.get_global_step()))
 
   return model_fn
 

@@ -49,8 +49,10 @@ def _tensor_list_set(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
     # rows) keeps it one.
     if row_kinds.is_one_row(item) or item is row_kinds.WHOLE:
       return [listed]
-    return [item if row_kinds.is_local(item) else row_kinds.Local(
-        op.name, "puts rows into a list of the rows")]
+    return [
+        item if row_kinds.is_local(item) else row_kinds.Local(
+            op.name, "puts rows into a list of the rows")
+    ]
   if isinstance(item, row_kinds.Rows):
     if isinstance(listed, row_kinds.Listed) and listed.axis != item.axis:
       return [
@@ -111,8 +113,10 @@ def _tensor_array_write(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
   if _lists_rows(flow):
     if row_kinds.is_one_row(item) or item is row_kinds.WHOLE:
       return [flow]
-    return [item if row_kinds.is_local(item) else row_kinds.Local(
-        op.name, "puts rows into a list of the rows")]
+    return [
+        item if row_kinds.is_local(item) else row_kinds.Local(
+            op.name, "puts rows into a list of the rows")
+    ]
   if isinstance(item, row_kinds.Rows):
     return [row_kinds.Listed(item.axis)]
   if row_kinds.is_local(item):
@@ -234,7 +238,6 @@ _unknown_logged: Set[str] = set()
 # A graph collection of op type names (strings) the user declares to compute
 # each row of their outputs from the same row of their inputs (custom ops).
 PER_ROW_COLLECTION = "replicate_per_row_op_types"
-
 
 # Ops of ragged tensors: each row's values are computed from the same
 # row's (the towers' row partitions are their own).

@@ -85,9 +85,6 @@ SUMMARIES = frozenset([
 # Ops that run Python on their inputs: rows mixed in ways nobody can split.
 PY_FUNCS = frozenset(["PyFunc", "PyFuncStateless", "EagerPyFunc"])
 
-_FUSED_NORMS = frozenset(
-    ["FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3"])
-
 RANDOM_FROM_SHAPE = frozenset([
     "RandomUniform", "RandomStandardNormal", "TruncatedNormal",
     "RandomUniformInt", "StatelessRandomUniform", "StatelessRandomNormal",
@@ -95,16 +92,6 @@ RANDOM_FROM_SHAPE = frozenset([
     "StatelessRandomUniformV2", "StatelessRandomNormalV2",
     "StatelessTruncatedNormalV2", "StatelessRandomUniformIntV2",
     "StatelessRandomUniformFullIntV2", "RandomGammaGrad", "Empty"
-])
-
-# Integer ops through which a shard size stays a size (each entry a
-# function of the sizes); anything else reading a size reads its value.
-_SIZE_OPS = frozenset([
-    "StridedSlice", "Slice", "Pack", "ConcatV2", "Concat", "Gather", "GatherV2",
-    "Identity", "Cast", "Mul", "AddV2", "Add", "Sub", "FloorDiv", "FloorMod",
-    "TruncateDiv", "Div", "Maximum", "Minimum", "Prod", "Sum", "Reshape",
-    "ExpandDims", "Squeeze", "BroadcastArgs", "Neg", "Abs", "Unpack", "Max",
-    "Min", "Range"
 ])
 
 # (op type, input index): inputs that give an op's output its shape; a size

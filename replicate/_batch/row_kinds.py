@@ -109,8 +109,7 @@ class Like(NamedTuple):
   tensor: Any
 
 
-Kind = Union[_Whole, _Shard, Rows, Size, Positions, Coordinates, Local,
-             Listed]
+Kind = Union[_Whole, _Shard, Rows, Size, Positions, Coordinates, Local, Listed]
 
 # What a tensor the tower did not compute may be declared (`rows.TowerRows`).
 Source = Union[Kind, Like]

@@ -74,10 +74,6 @@ class _Context:
     # rows, which it uses as indices into them.
     self.own_positions: FrozenSet[int] = frozenset()
 
-  @property
-  def in_function(self) -> bool:
-    return self.mode != TOWER
-
   def needs_every_tower(self, op: tf.Operation,
                         event: Optional[row_kinds.Event], kind: row_kinds.Kind,
                         why: str) -> row_kinds.Kind:
@@ -272,29 +268,68 @@ def _size_arithmetic(op: tf.Operation,
 # Ops whose integer input (index) may hold positions indexing the tower's own
 # rows: index -> the input that must then hold the rows (or their count).
 _INDEXES = {
-    "GatherV2": {1: 0},
-    "Gather": {1: 0},
-    "GatherNd": {1: 0},
-    "TensorScatterUpdate": {1: 0},
-    "TensorScatterAdd": {1: 0},
-    "TensorScatterSub": {1: 0},
-    "TensorScatterMax": {1: 0},
-    "TensorScatterMin": {1: 0},
-    "ScatterNd": {0: 2},
-    "SegmentSum": {1: 0},
-    "SegmentMean": {1: 0},
-    "SegmentMax": {1: 0},
-    "SegmentMin": {1: 0},
-    "SegmentProd": {1: 0},
-    "UnsortedSegmentSum": {1: 2},
-    "UnsortedSegmentMax": {1: 2},
-    "UnsortedSegmentMin": {1: 2},
-    "UnsortedSegmentProd": {1: 2},
-    "SparseToDense": {0: 1},
-    "SparseTensorDenseMatMul": {0: 2},
+    "GatherV2": {
+        1: 0
+    },
+    "Gather": {
+        1: 0
+    },
+    "GatherNd": {
+        1: 0
+    },
+    "TensorScatterUpdate": {
+        1: 0
+    },
+    "TensorScatterAdd": {
+        1: 0
+    },
+    "TensorScatterSub": {
+        1: 0
+    },
+    "TensorScatterMax": {
+        1: 0
+    },
+    "TensorScatterMin": {
+        1: 0
+    },
+    "ScatterNd": {
+        0: 2
+    },
+    "SegmentSum": {
+        1: 0
+    },
+    "SegmentMean": {
+        1: 0
+    },
+    "SegmentMax": {
+        1: 0
+    },
+    "SegmentMin": {
+        1: 0
+    },
+    "SegmentProd": {
+        1: 0
+    },
+    "UnsortedSegmentSum": {
+        1: 2
+    },
+    "UnsortedSegmentMax": {
+        1: 2
+    },
+    "UnsortedSegmentMin": {
+        1: 2
+    },
+    "UnsortedSegmentProd": {
+        1: 2
+    },
+    "SparseToDense": {
+        0: 1
+    },
+    "SparseTensorDenseMatMul": {
+        0: 2
+    },
     "OneHot": {},
 }
-
 
 # Ops named Sparse... that take no sparse tensor (their integers are not
 # coordinates of rows).
@@ -350,9 +385,10 @@ def _position_inputs(
   return result, kept
 
 
-def _kept_positions(op: tf.Operation, kept: Sequence[Tuple[
-    int, row_kinds.Positions]], outputs: Sequence[row_kinds.Kind],
-                    ctx: _Context, before: int) -> List[row_kinds.Kind]:
+def _kept_positions(op: tf.Operation,
+                    kept: Sequence[Tuple[int, row_kinds.Positions]],
+                    outputs: Sequence[row_kinds.Kind], ctx: _Context,
+                    before: int) -> List[row_kinds.Kind]:
   """Outputs of an op that kept positions the tower's own: its integer rows
   hold such positions too; if the op needs every tower (its rule reported
   events since `before`), they are made the whole batch's first."""
@@ -368,8 +404,9 @@ def _kept_positions(op: tf.Operation, kept: Sequence[Tuple[
     return list(outputs) if local is None else [local] * len(outputs)
   whole = all(kind.whole for _, kind in kept)
   return [
-      row_kinds.Positions(k.axis, whole) if isinstance(k, row_kinds.Rows) and
-      t.dtype.is_integer else k for t, k in zip(op.outputs, outputs)
+      row_kinds.Positions(k.axis, whole)
+      if isinstance(k, row_kinds.Rows) and t.dtype.is_integer else k
+      for t, k in zip(op.outputs, outputs)
   ]
 
 
@@ -383,15 +420,16 @@ def _coordinates(
   None: column 0 alone is positions of the tower's rows, others are rows;
   a copy or a cast is coordinates still. Any other op sees them as rows."""
   if op.type == "ConcatV2" and kinds and all(
-      isinstance(k, row_kinds.Coordinates) for k in kinds[:-1]) and (
-          static.static_ints(op.inputs[-1]) == [0]):
+      isinstance(k, row_kinds.Coordinates)
+      for k in kinds[:-1]) and (static.static_ints(op.inputs[-1]) == [0]):
     return [row_kinds.Coordinates()]
   if not kinds or not isinstance(kinds[0], row_kinds.Coordinates):
     return None
   if op.type in _COPIES or op.type == "Cast" and op.outputs[0].dtype.is_integer:
     return [row_kinds.Coordinates()] * len(op.outputs)
-  if op.type in ("GatherV2", "Gather") and (op.type == "Gather" or (
-      static.static_ints(op.inputs[2]) == [0])):
+  if op.type in ("GatherV2",
+                 "Gather") and (op.type == "Gather" or
+                                (static.static_ints(op.inputs[2]) == [0])):
     # Some of the entries, all their coordinates.
     return [row_kinds.Coordinates()]
   if op.type != "StridedSlice" or op.inputs[0].shape.rank not in (None, 2):
@@ -403,8 +441,8 @@ def _coordinates(
       op.get_attr("ellipsis_mask") or op.get_attr("new_axis_mask")):
     return None
   if (op.get_attr("begin_mask") & 1 or begin[0] == 0) and (
-      op.get_attr("end_mask") & 1) and strides[0] == 1 and not (
-          op.get_attr("shrink_axis_mask") & 1):
+      op.get_attr("end_mask")
+      & 1) and strides[0] == 1 and not (op.get_attr("shrink_axis_mask") & 1):
     # Every entry, some columns: column 0 alone, or with others.
     first = 0 if op.get_attr("begin_mask") & 2 else begin[1]
     single = op.get_attr("shrink_axis_mask") & 2 or (
@@ -441,30 +479,31 @@ def transfer(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
   return _sparse_coordinates(op, _transfer_rule(op, kinds, ctx))
 
 
-def _reordered(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
-               ctx: _Context, orders: Set[Any]) -> List[row_kinds.Kind]:
+def _reordered(op: tf.Operation, kinds: Sequence[row_kinds.Kind], ctx: _Context,
+               orders: Set[Any]) -> List[row_kinds.Kind]:
   """An op of rows in another order than one device's (`Rows.order`): as
   its rule says where that keeps them so (rows computed from rows, a
   reduction); the tower's own where it meets rows in another order, or
   needs one device's order (it would run on the whole batch)."""
   if len(orders) > 1:
     return [
-        row_kinds.Local(op.name, "meets rows joined along the rows (in "
-                        "another order than one device's) with other rows")
+        row_kinds.Local(
+            op.name, "meets rows joined along the rows (in "
+            "another order than one device's) with other rows")
     ] * len(op.outputs)
   order = next(iter(orders))
   before = len(ctx.events)
-  outputs = _transfer_rule(
-      op, [
-          row_kinds.Rows(k.axis) if isinstance(k, row_kinds.Rows) else k
-          for k in kinds
-      ], ctx)
+  outputs = _transfer_rule(op, [
+      row_kinds.Rows(k.axis) if isinstance(k, row_kinds.Rows) else k
+      for k in kinds
+  ], ctx)
   if any(isinstance(e, row_kinds.Mixing) for e in ctx.events[before:]):
     del ctx.events[before:]
     return [
-        row_kinds.Local(op.name, f"needs the rows in one device's order, "
-                        f"but {order!r} joined them along the rows (the "
-                        "towers' pieces interleave)")
+        row_kinds.Local(
+            op.name, f"needs the rows in one device's order, "
+            f"but {order!r} joined them along the rows (the "
+            "towers' pieces interleave)")
     ] * len(op.outputs)
   return [
       row_kinds.Rows(k.axis, order) if isinstance(k, row_kinds.Rows) else k
@@ -490,8 +529,7 @@ def _sparse_coordinates(
 def _transfer_rule(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
                    ctx: _Context) -> Sequence[row_kinds.Kind]:
   """`transfer` once sizes and positions are read (its rule)."""
-  if (op.type in _SIZE_ARITHMETIC or
-      op.type in op_types.ELEMENTWISE and
+  if (op.type in _SIZE_ARITHMETIC or op.type in op_types.ELEMENTWISE and
       all(t.dtype.is_integer for t in op.outputs)) and any(
           isinstance(k, row_kinds.Size) for k in kinds) and not any(
               isinstance(k, (row_kinds.Rows, row_kinds.Local)) for k in kinds):

@@ -158,8 +158,8 @@ def row_ints(tensor: tf.Tensor, index: int) -> Optional[List[int]]:
   not be (`tf.pad`'s paddings `[[0, 0], [0, n - t], [0, 0]]` are stacked
   rows)."""
   values = static_ints(tensor)
-  if values is not None and tensor.shape.rank == 2 and (
-      tensor.shape[1] is not None):
+  if values is not None and tensor.shape.rank == 2 and (tensor.shape[1]
+                                                        is not None):
     width = int(tensor.shape[1])
     return values[index * width:(index + 1) * width]
   op = tensor.op

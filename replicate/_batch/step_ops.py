@@ -43,11 +43,6 @@ def _ops_in(value: Any, depth: int, seen: Set[int],
       _ops_in(item, depth - 1, seen, found)
 
 
-def ops_in(value: Any, found: List[tf.Operation]) -> None:
-  """Appends the ops of the tensors and ops in `value` (a nest)."""
-  _ops_in(value, 0, set(), found)
-
-
 def _roots(graph: tf.Graph, specs: Iterable[Any]) -> List[tf.Operation]:
   """The ops the Estimator fetches: the specs' and the collections'."""
   found: List[tf.Operation] = []

@@ -15,8 +15,10 @@ from replicate._batch import row_kinds
 from replicate._batch import static
 
 
-def _output_axes(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
-                 aligned: Sequence[bool] = ()) -> Any:
+def _output_axes(
+    op: tf.Operation,
+    kinds: Sequence[row_kinds.Kind],
+    aligned: Sequence[bool] = ()) -> Any:
   """The output axes a broadcasting elementwise op's rows land on, or the
   Local / SHARD / WHOLE kind it has without rows. `aligned[i]`: input i's
   axes are the output's as they are (not right-aligned)."""
@@ -39,10 +41,12 @@ def _output_axes(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
   return row_kinds.SHARD if shard else row_kinds.WHOLE
 
 
-def _elementwise_rule(op: tf.Operation,
-                      kinds: Sequence[row_kinds.Kind],
-                      ctx: row_kinds.Context,
-                      aligned: Sequence[bool] = ()) -> Sequence[row_kinds.Kind]:
+def _elementwise_rule(
+    op: tf.Operation,
+    kinds: Sequence[row_kinds.Kind],
+    ctx: row_kinds.Context,
+    aligned: Sequence[bool] = ()
+) -> Sequence[row_kinds.Kind]:
   """A broadcasting elementwise op: rows where its inputs' rows land; rows
   of one input meeting rows of another along another axis (a pairwise
   difference `x[:, None] - x[None, :]`) meet on the whole batch."""
@@ -153,7 +157,8 @@ def _sorted_segment(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
       return [local]
     if 1 in ctx.own_positions:
       return [row_kinds.Rows(0)]
-    return ctx.whole_batch(op, [row_kinds.WHOLE], "sums sorted segments of rows")
+    return ctx.whole_batch(op, [row_kinds.WHOLE],
+                           "sums sorted segments of rows")
   return [row_kinds.WHOLE]
 
 
@@ -183,7 +188,8 @@ def _matmul(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
   return [row_kinds.SHARD if row_kinds.SHARD in (a, b) else row_kinds.WHOLE]
 
 
-def _product_rows(a_contracted: bool, b_contracted: bool,
+def _product_rows(a_contracted: bool,
+                  b_contracted: bool,
                   first: int = 0) -> row_kinds.Kind:
   """Where a product of rows by rows keeps rows: the left operand's on the
   output's first matrix axis, else the right's on its second."""
@@ -223,7 +229,8 @@ def _matrix_rows(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
   if out_rank is None:
     return row_kinds.WHOLE
   adjoint = [
-      op.get_attr(name) if name in [a.name for a in op.op_def.attr] else False
+      op.get_attr(name) if name in [a.name
+                                    for a in op.op_def.attr] else False
       for name in ("adj_x", "adj_y")
   ]
   contracted = []
@@ -470,9 +477,8 @@ def _dynamic_partition(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
   if (isinstance(data, row_kinds.Rows) and data.axis == 0 and
       isinstance(partitions, row_kinds.Rows) and partitions.axis == 0):
     return row_kinds.same_for_outputs(op, row_kinds.Rows(0))
-  return ctx.whole_batch(
-      op, row_kinds.same_for_outputs(op, row_kinds.WHOLE),
-      "partitions rows by values of no rows")
+  return ctx.whole_batch(op, row_kinds.same_for_outputs(op, row_kinds.WHOLE),
+                         "partitions rows by values of no rows")
 
 
 def _sparse_fill_empty_rows(op: tf.Operation, kinds: Sequence[row_kinds.Kind],

@@ -167,6 +167,7 @@ class KerasTowerOptimizer(_tf.TracksWrapped,
       var_list = var_list()
     var_list = tf.nest.flatten(var_list)
     replication = optimizer_calls.replicated()
+    assert replication is not None  # checked above
     if not self._transforms.active:
       return routing.once(
           "TowerOptimizer.minimize", loss, var_list,

@@ -365,9 +365,9 @@ def _components(grad: Any) -> List[tf.Tensor]:
       grad, tf.IndexedSlices) else [grad]
 
 
-def unrecorded(replication: _context.Replication,
-               windows: Sequence[Tuple[int, int]], ys: Sequence[tf.Tensor],
-               xs: Sequence[Any]) -> List[tf.Tensor]:
+def unrecorded(replication: _context.Replication, windows: Sequence[Tuple[int,
+                                                                          int]],
+               ys: Sequence[tf.Tensor], xs: Sequence[Any]) -> List[tf.Tensor]:
   """Where a tape differentiates: the values it did not record, to stop at.
 
   A tape differentiates what it recorded: values computed before it (a
@@ -387,10 +387,9 @@ def unrecorded(replication: _context.Replication,
   if replication.library_open:
     recorded.update(operations[min(replication.library_open):])
   model = set(op for ops in replication.tower_ops for op in ops) or set(
-      op for index in replication.ranges
-      for op in replication.model_ops(index))
+      op for index in replication.ranges for op in replication.model_ops(index))
   sources = {x.op for x in xs if isinstance(x, tf.Tensor)}
-  stops = []
+  stops: List[tf.Tensor] = []
   for op in _graph.walk([y.op for y in ys], _graph.input_ops):
     if op in model and op not in recorded and op not in sources:
       stops.extend(
@@ -406,8 +405,8 @@ def tape_windows(tape: Any, graph: tf.Graph) -> List[Tuple[int, int]]:
   """The graph positions of the ops `tape` recorded: [start, end) while it
   was entered (one still open ends now)."""
   found = _context.graph_store(graph, "tape windows").get(id(tape), [])
-  return [(start, graph.version if end is None else end)
-          for start, end in found]
+  return [(start, graph.version if end is None else end) for start, end in found
+         ]
 
 
 def entered_tape(self: tf.GradientTape) -> Any:

@@ -62,10 +62,6 @@ def _bound(original: Callable[..., Any], args: Sequence[Any],
   return dict(bound.arguments)
 
 
-def _is_scalar(tensor: Any) -> bool:
-  return isinstance(tensor, tf.Tensor) and tensor.shape.rank == 0
-
-
 def _key(x: Any) -> Any:
   return x.ref() if isinstance(x, (tf.Tensor, tf.Variable)) else id(x)
 

@@ -25,7 +25,7 @@ models are refused).
 
 import collections
 import re
-from typing import Any, Callable, Counter, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from absl import logging
 import numpy as np
@@ -40,15 +40,6 @@ from replicate._batch import sums as _sums
 from replicate._batch_norm import whole_batch
 
 _SUFFIX = re.compile(r"_\d+$")
-# The inputs of a reduction that hold the reduced rows.
-_DATA_INPUTS = {
-    "UnsortedSegmentSum": (0, 1),
-    "UnsortedSegmentMax": (0, 1),
-    "UnsortedSegmentMin": (0, 1),
-    "UnsortedSegmentProd": (0, 1),
-    "ScatterNd": (0, 1),
-    "SparseToDense": (0, 2)
-}
 
 
 def _normalized(relative: str) -> str:
@@ -77,7 +68,6 @@ class Rewiring:
     self._ops: Dict[int, Dict[tf.Operation, tf.Operation]] = (
         collections.defaultdict(dict))
     self._tensors: Dict[int, Dict[Any, Any]] = collections.defaultdict(dict)
-    self._group_counts: Counter[Any] = collections.Counter()
     self._handled: Dict[int, set] = collections.defaultdict(set)
     self._sizes: Dict[Any, tf.Tensor] = {}
     self._positions: Dict[Any, tf.Tensor] = {}
@@ -201,7 +191,7 @@ class Rewiring:
     towers' models compared (see `_check_same_rows`)."""
     self.advance()
     if specs:
-      self._check_same_rows(specs)
+      self._check_same_rows()
     for index in range(1, self._replication.num_towers):
       for event in self._analyses[index].events:
         if event.op in self._handled[index] or not _has_readers(event.op):
@@ -212,14 +202,13 @@ class Rewiring:
             "must build the same model (a model_fn whose Python code builds "
             "a different model in each call cannot be replicated).")
 
-  def _check_same_rows(self, specs: Sequence[Any]) -> None:
+  def _check_same_rows(self) -> None:
     """Every op of a tower computing rows has its counterpart in tower 0.
 
     A model_fn whose Python code builds a different model in each call (an
     extra layer in one tower) computes different rows in each tower: not
     one device's model. Tower 0 may build more (summaries of its own).
     """
-    del specs  # unused
     for index in range(1, self._replication.num_towers):
       analysis = self._analyses[index]
       taken = self._taken[index]
@@ -629,11 +618,6 @@ def substitute(tensor: tf.Tensor,
   return replacement, keep
 
 
-def _metric_updates(spec: Any) -> List[Any]:
-  metrics = getattr(spec, "eval_metric_ops", None) or {}
-  return [m[1] for m in metrics.values() if isinstance(m, tuple)]
-
-
 def _has_readers(op: tf.Operation) -> bool:
   return any(t.consumers() for t in op.outputs)
 
@@ -766,7 +750,7 @@ def concatenated(replication: _context.Replication,
       else:
         # A phantom row known when the graph runs: its original's row.
         piece = next(pieces)
-        rows.append(tf.cond(ok, lambda p=piece: p, lambda l=last: l))
+        rows.append(tf.cond(ok, lambda p=piece: p, lambda r=last: r))
     return rows
 
   return whole, place

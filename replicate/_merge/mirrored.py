@@ -396,7 +396,7 @@ def _copy_update(
     replication: _context.Replication, plan: _Plan,
     copies: Dict[tf.Operation, List[tf.Tensor]]
 ) -> Tuple[Dict[tf.Operation, List[tf.Operation]], Dict[tf.Operation,
-                                                          tf.Operation]]:
+                                                        tf.Operation]]:
   """The update's ops once more on every other tower device; and for a
   copied function call, the op running it (reading its outputs)."""
   graph = replication.graph
@@ -422,8 +422,9 @@ def _copy_update(
           placed = type(value)()
           placed.CopyFrom(value)
           if placed.HasField("func"):
-            placed.func.name = _tf.function_on_device(
-                graph, value.func.name, f"_tower_{index}", device, functions)
+            placed.func.name = _tf.function_on_device(graph, value.func.name,
+                                                      f"_tower_{index}", device,
+                                                      functions)
           for function in placed.list.func:
             function.name = _tf.function_on_device(graph, function.name,
                                                    f"_tower_{index}", device,
@@ -447,11 +448,12 @@ def _copy_update(
           # A function call runs its body for its outputs: what waits for
           # the copy waits for them (a control edge alone would not run it).
           with tf.device(device):
-            triggers[clone] = tf.group(*[
-                tf.identity(t, name=f"{clone.name}_ran_{position}")
-                for position, t in enumerate(clone.outputs)
-            ],
-                                       name=f"{clone.name}_ran")
+            triggers[clone] = tf.group(
+                *[
+                    tf.identity(t, name=f"{clone.name}_ran_{position}")
+                    for position, t in enumerate(clone.outputs)
+                ],
+                name=f"{clone.name}_ran")
         clones[op].append(clone)
   return clones, triggers
 

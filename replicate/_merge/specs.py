@@ -263,8 +263,7 @@ def merge_specs(mode: str, specs: List[Any],
 
 def _with_unseen_initialized(
     scaffold: Optional[tf.compat.v1.train.Scaffold],
-    replication: _context.Replication
-) -> Optional[tf.compat.v1.train.Scaffold]:
+    replication: _context.Replication) -> Optional[tf.compat.v1.train.Scaffold]:
   """A scaffold whose own `local_init_op` (built in tower 0's call, AdaNet's)
   also initializes the variables tower 0 did not see; None if unchanged.
 

@@ -187,8 +187,7 @@ def _run_by_the_step(replication: Replication,
   """Names of the ops the step runs: tower 0's spec's, its values' whole
   batch's (every tower's partials), the other towers' predictions."""
   return step_ops.run_by_the_step(
-      replication.graph, specs[:1],
-      [s.predictions for s in specs[1:]] +
+      replication.graph, specs[:1], [s.predictions for s in specs[1:]] +
       list(replication.rewiring.replacements().values()))
 
 

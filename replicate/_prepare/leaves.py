@@ -1,4 +1,4 @@
-"""What a batch's leaves are, and which tensors read them.
+"""What a batch's leaves are.
 
 An input_fn may return Python lists (`{'age': [[10.], [20.]]}`, labels
 `[[1], [0]]`): feature columns and heads convert them to tensors, so on one
@@ -16,8 +16,6 @@ from typing import Any, Sequence, Tuple
 
 import numpy as np
 import tensorflow as tf
-
-from replicate import _graph
 
 _SCALARS = (int, float, complex, bool, str, bytes, np.generic)
 
@@ -92,19 +90,3 @@ def as_tensors(structure: Any, path: str) -> Any:
       lengths, mixed types), naming it.
   """
   return _converted(structure, path)[0]
-
-
-def reads_batch(tensors: Any, inputs: Any) -> bool:
-  """Whether a value of `tensors` (a tensor or a list) is computed from
-  `inputs`.
-
-  `inputs` is any nest of the towers' input tensors (composites included);
-  only data edges count, so a value read from a variable does not.
-  """
-  batch_ops = {
-      t.op
-      for t in tf.nest.flatten(inputs, expand_composites=True)
-      if t is not None
-  }
-  return any(
-      op in batch_ops for op in _graph.ancestors(tf.nest.flatten(tensors)))

@@ -7,7 +7,7 @@ variable-scope reuse), matched by the name asked for and how often.
 """
 
 import collections
-from typing import Any, Callable, Counter, Dict, Optional, Set, Tuple, Union
+from typing import Any, Callable, Counter, Dict, Optional, Tuple, Union
 
 from absl import logging
 import tensorflow as tf
@@ -137,8 +137,8 @@ def _name_parts(graph: tf.Graph, name: str,
   unique = graph.unique_name(name)
   if not segment:
     return unique, asked
-  return (_tf.without_segment(unique, segment),
-          _tf.without_segment(asked, segment))
+  return (_tf.without_segment(unique,
+                              segment), _tf.without_segment(asked, segment))
 
 
 def variable_creator(replication: Replication,
@@ -180,7 +180,6 @@ def variable_creator(replication: Replication,
           (relative, counts[relative]))
       if original is not None:
         _check_shape(replication, index, relative, original, kwargs)
-        _obtained(replication, index).add(id(original))
         if index and not name.endswith("/"):
           graph.unique_name(name)  # taken in this tower as on one device
         views.obtained(original)
@@ -210,7 +209,6 @@ def variable_creator(replication: Replication,
           "replicate: variable %r is named %r, not %r as on one device (the "
           "name was taken)", relative, variable.op.name, unique.rstrip("/"))
     created[(relative, counts[relative])] = variable
-    _obtained(replication, index).add(id(variable))
     return variable
 
   return creator
@@ -223,12 +221,6 @@ def _asked(graph: tf.Graph, name: str) -> str:
     return name
   scope = graph.get_name_scope()
   return f"{scope}/{name}" if scope else name
-
-
-def _obtained(replication: Replication, index: int) -> Set[int]:
-  """Ids of the variables tower `index` created or was given."""
-  store = _context.graph_store(replication.graph, "variables per tower")
-  return store.setdefault((id(replication), index), set())
 
 
 def _check_shape(replication: Replication, index: int, relative: str,

@@ -118,8 +118,7 @@ class GraphViews:
   def lengths(self) -> Dict[Any, int]:
     """The current view's collection lengths, for `record_created`."""
     return {
-        key: len(values)
-        for key, values in _tf.collections(self._graph).items()
+        key: len(values) for key, values in _tf.collections(self._graph).items()
     }
 
   def record_created(self, variable: Any, lengths: Dict[Any, int]) -> None:
@@ -182,14 +181,15 @@ class GraphViews:
       for variable in theirs.values():
         if id(variable) in shared:
           _tf.share_variable(variable, shared[id(variable)])
-      for key, values in collections.items():
+      for values in collections.values():
         values[:] = [value for value in values if id(value) not in shared]
 
   def _imported(self, collections: _Collections,
                 segment: str) -> Dict[str, Any]:
     """Imported variables of a view by name without `segment`."""
     before = {
-        id(value) for key in _VARIABLE_KEYS
+        id(value)
+        for key in _VARIABLE_KEYS
         for value in self._collections_before.get(key, ())
     }
     found = {}
@@ -228,8 +228,8 @@ class GraphViews:
     main = self._views[order[-1]]
     merged = _copy_collections(main[0])
     before = {
-        key: {id(value) for value in values
-             } for key, values in self._collections_before.items()
+        key: {id(value) for value in values}
+        for key, values in self._collections_before.items()
     }
     for index in order[:-1]:
       for key, values in self._views[index][0].items():

@@ -19,7 +19,7 @@ says is then checked against the whole batch's output:
 The op types with no case here are listed (`test_every_rule_has_a_case`).
 """
 
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence
+from typing import Any, Callable, List, NamedTuple, Optional, Sequence
 
 import numpy as np
 import pytest
@@ -72,7 +72,9 @@ def _whole_floats(*shape: int):
 _CASES: List[Case] = []
 
 
-def case(op_type: str, build: Callable[..., Any], *inputs: Any,
+def case(op_type: str,
+         build: Callable[..., Any],
+         *inputs: Any,
          rows_axes: Sequence[Optional[int]] = (0,)) -> None:
   axes = list(rows_axes) + [None] * (len(inputs) - len(rows_axes))
   _CASES.append(Case(op_type, build, inputs, axes))
@@ -99,8 +101,8 @@ def _dtype_of(op_def: Any, arg: Any) -> Optional[tf.DType]:
   attr = next((a for a in op_def.attr if a.name == arg.type_attr), None)
   if attr is None:
     return None
-  allowed = [tf.as_dtype(t) for t in attr.allowed_values.list.type] or list(
-      _DTYPES)
+  allowed = [tf.as_dtype(t) for t in attr.allowed_values.list.type
+            ] or list(_DTYPES)
   return next((d for d in _DTYPES if d in allowed), None)
 
 
@@ -113,9 +115,8 @@ def _values(dtype: tf.DType):
       return rng.randint(1, 5, (n, 3)).astype(dtype.as_numpy_dtype)
     if dtype == tf.bool:
       return rng.rand(n, 3) > 0.5
-    return np.array(
-        [[str(v) for v in rng.randint(0, 9, 3)] for _ in range(n)]).reshape(
-            n, 3)
+    return np.array([[str(v) for v in rng.randint(0, 9, 3)] for _ in range(n)
+                    ]).reshape(n, 3)
 
   return make
 
@@ -123,8 +124,8 @@ def _values(dtype: tf.DType):
 def _elementwise_cases() -> None:
   for op_type in sorted(op_types.ELEMENTWISE - _NOT_GENERATED):
     op_def = op_def_registry.get(op_type)
-    if op_def is None or any(a.number_attr or a.type_list_attr
-                             for a in op_def.input_arg):
+    if op_def is None or any(
+        a.number_attr or a.type_list_attr for a in op_def.input_arg):
       continue
     dtypes = [_dtype_of(op_def, a) for a in op_def.input_arg]
     if None in dtypes or tf.string in dtypes or not dtypes:
@@ -143,27 +144,46 @@ def _elementwise_cases() -> None:
         rows_axes=[0] * len(dtypes))
     if len(dtypes) > 1:
       _CASES.append(
-          Case(op_type, build,
-               [_values(dtypes[0])] +
+          Case(op_type, build, [_values(dtypes[0])] +
                [lambda rng, n, d=d: _values(d)(rng, 1)[0] for d in dtypes[1:]],
                [0] + [None] * (len(dtypes) - 1)))
 
 
 _elementwise_cases()
-case("AddN", lambda a, b: tf.raw_ops.AddN(inputs=[a, b]), _floats(3),
-     _floats(3), rows_axes=(0, 0))
-case("Select", lambda c, a, b: tf.raw_ops.Select(condition=c, t=a, e=b),
-     lambda rng, n: rng.rand(n) > 0.5, _floats(3), _floats(3),
-     rows_axes=(0, 0, 0))
-case("SelectV2", lambda c, a, b: tf.raw_ops.SelectV2(condition=c, t=a, e=b),
-     lambda rng, n: rng.rand(n, 3) > 0.5, _floats(3), _floats(3),
-     rows_axes=(0, 0, 0))
-case("SelectV2", lambda c, a, b: tf.raw_ops.SelectV2(condition=c, t=a, e=b),
-     lambda rng, n: rng.rand(n, 1) > 0.5, _floats(3), _floats(3),
-     rows_axes=(0, 0, 0))
+case(
+    "AddN",
+    lambda a, b: tf.raw_ops.AddN(inputs=[a, b]),
+    _floats(3),
+    _floats(3),
+    rows_axes=(0, 0))
+case(
+    "Select",
+    lambda c, a, b: tf.raw_ops.Select(condition=c, t=a, e=b),
+    lambda rng, n: rng.rand(n) > 0.5,
+    _floats(3),
+    _floats(3),
+    rows_axes=(0, 0, 0))
+case(
+    "SelectV2",
+    lambda c, a, b: tf.raw_ops.SelectV2(condition=c, t=a, e=b),
+    lambda rng, n: rng.rand(n, 3) > 0.5,
+    _floats(3),
+    _floats(3),
+    rows_axes=(0, 0, 0))
+case(
+    "SelectV2",
+    lambda c, a, b: tf.raw_ops.SelectV2(condition=c, t=a, e=b),
+    lambda rng, n: rng.rand(n, 1) > 0.5,
+    _floats(3),
+    _floats(3),
+    rows_axes=(0, 0, 0))
 # Rows meeting rows along another axis: a pairwise difference.
-case("Sub", lambda a, b: a[:, None] - b[None, :], _floats(), _floats(),
-     rows_axes=(0, 0))
+case(
+    "Sub",
+    lambda a, b: a[:, None] - b[None, :],
+    _floats(),
+    _floats(),
+    rows_axes=(0, 0))
 
 # --------------------------------------------------------- reductions
 
@@ -180,18 +200,30 @@ case("All", lambda x: tf.reduce_all(x, axis=0),
 case("Any", lambda x: tf.reduce_any(x, axis=0),
      lambda rng, n: rng.rand(n, 3) > 0.8)
 case("L2Loss", tf.nn.l2_loss, _floats(3))
-case("UnsortedSegmentSum",
-     lambda x, i: tf.math.unsorted_segment_sum(x, i, 4), _floats(2),
-     _ints(high=4), rows_axes=(0, 0))
-case("UnsortedSegmentMax",
-     lambda x, i: tf.math.unsorted_segment_max(x, i, 4), _floats(2),
-     _ints(high=4), rows_axes=(0, 0))
-case("UnsortedSegmentMin",
-     lambda x, i: tf.math.unsorted_segment_min(x, i, 4), _floats(2),
-     _ints(high=4), rows_axes=(0, 0))
-case("UnsortedSegmentProd",
-     lambda x, i: tf.math.unsorted_segment_prod(x, i, 4), _floats(2),
-     _ints(high=4), rows_axes=(0, 0))
+case(
+    "UnsortedSegmentSum",
+    lambda x, i: tf.math.unsorted_segment_sum(x, i, 4),
+    _floats(2),
+    _ints(high=4),
+    rows_axes=(0, 0))
+case(
+    "UnsortedSegmentMax",
+    lambda x, i: tf.math.unsorted_segment_max(x, i, 4),
+    _floats(2),
+    _ints(high=4),
+    rows_axes=(0, 0))
+case(
+    "UnsortedSegmentMin",
+    lambda x, i: tf.math.unsorted_segment_min(x, i, 4),
+    _floats(2),
+    _ints(high=4),
+    rows_axes=(0, 0))
+case(
+    "UnsortedSegmentProd",
+    lambda x, i: tf.math.unsorted_segment_prod(x, i, 4),
+    _floats(2),
+    _ints(high=4),
+    rows_axes=(0, 0))
 for _type, _function in (("SegmentSum", tf.math.segment_sum),
                          ("SegmentMean", tf.math.segment_mean),
                          ("SegmentMax", tf.math.segment_max),
@@ -204,27 +236,55 @@ case("BiasAddGrad", lambda g: tf.raw_ops.BiasAddGrad(out_backprop=g),
 # --------------------------------------------------------- products
 
 case("MatMul", lambda a, w: tf.matmul(a, w), _floats(3), _whole_floats(3, 2))
-case("MatMul", lambda a, b: tf.matmul(a, b, transpose_a=True), _floats(3),
-     _floats(2), rows_axes=(0, 0))
-case("MatMul", lambda a, b: tf.matmul(a, b, transpose_b=True), _floats(3),
-     _floats(3), rows_axes=(0, 0))
-case("MatMul", lambda w, b: tf.matmul(w, b, transpose_b=True),
-     _whole_floats(2, 3), _floats(3), rows_axes=(None, 0))
+case(
+    "MatMul",
+    lambda a, b: tf.matmul(a, b, transpose_a=True),
+    _floats(3),
+    _floats(2),
+    rows_axes=(0, 0))
+case(
+    "MatMul",
+    lambda a, b: tf.matmul(a, b, transpose_b=True),
+    _floats(3),
+    _floats(3),
+    rows_axes=(0, 0))
+case(
+    "MatMul",
+    lambda w, b: tf.matmul(w, b, transpose_b=True),
+    _whole_floats(2, 3),
+    _floats(3),
+    rows_axes=(None, 0))
 case("BatchMatMulV2", lambda a, w: tf.matmul(a, w), _floats(2, 3),
      _whole_floats(3, 2))
-case("BatchMatMulV2", lambda a, b: tf.linalg.matmul(a, b, adjoint_b=True),
-     _floats(2, 3), _floats(2, 3), rows_axes=(0, 0))
-case("Einsum", lambda a, b: tf.einsum("bi,bi->b", a, b), _floats(3),
-     _floats(3), rows_axes=(0, 0))
-case("Einsum", lambda a, b: tf.einsum("bi,bj->ij", a, b), _floats(3),
-     _floats(2), rows_axes=(0, 0))
-case("Einsum", lambda a, b: tf.einsum("bi,ci->bc", a, b), _floats(3),
-     _floats(3), rows_axes=(0, 0))
+case(
+    "BatchMatMulV2",
+    lambda a, b: tf.linalg.matmul(a, b, adjoint_b=True),
+    _floats(2, 3),
+    _floats(2, 3),
+    rows_axes=(0, 0))
+case(
+    "Einsum",
+    lambda a, b: tf.einsum("bi,bi->b", a, b),
+    _floats(3),
+    _floats(3),
+    rows_axes=(0, 0))
+case(
+    "Einsum",
+    lambda a, b: tf.einsum("bi,bj->ij", a, b),
+    _floats(3),
+    _floats(2),
+    rows_axes=(0, 0))
+case(
+    "Einsum",
+    lambda a, b: tf.einsum("bi,ci->bc", a, b),
+    _floats(3),
+    _floats(3),
+    rows_axes=(0, 0))
 
 # --------------------------------------------------------- along an axis
 
-for _type, _function in (("Cumsum", tf.math.cumsum),
-                         ("Cumprod", tf.math.cumprod),
+for _type, _function in (("Cumsum", tf.math.cumsum), ("Cumprod",
+                                                      tf.math.cumprod),
                          ("CumulativeLogsumexp", tf.math.cumulative_logsumexp)):
   case(_type, lambda x, f=_function: f(x, axis=0), _floats(2))
   case(_type, lambda x, f=_function: f(x, axis=1), _floats(2))
@@ -241,9 +301,12 @@ case("TopKV2", tf.sort, _floats())
 case("ArgMax", lambda x: tf.argmax(x, 0), _floats(3))
 case("ArgMax", lambda x: tf.argmax(x, 1), _floats(3))
 case("ArgMin", lambda x: tf.argmin(x, 0), _floats(3))
-case("ReverseSequence",
-     lambda x, n: tf.reverse_sequence(x, n, seq_axis=1, batch_axis=0),
-     _floats(3), _ints(high=3), rows_axes=(0, 0))
+case(
+    "ReverseSequence",
+    lambda x, n: tf.reverse_sequence(x, n, seq_axis=1, batch_axis=0),
+    _floats(3),
+    _ints(high=3),
+    rows_axes=(0, 0))
 
 # --------------------------------------------------------- shapes
 
@@ -253,14 +316,30 @@ case("Transpose", lambda x: tf.transpose(x, [1, 0, 2]), _floats(2, 3))
 case("ExpandDims", lambda x: tf.expand_dims(x, -1), _floats(3))
 case("ExpandDims", lambda x: tf.expand_dims(x, 0), _floats(3))
 case("Squeeze", lambda x: tf.squeeze(x, 1), _floats(1, 3))
-case("ConcatV2", lambda a, b: tf.concat([a, b], 1), _floats(2), _floats(3),
-     rows_axes=(0, 0))
-case("ConcatV2", lambda a, b: tf.concat([a, b], 0), _floats(2), _floats(2),
-     rows_axes=(0, 0))
-case("ConcatV2", lambda a, w: tf.concat([a, w], 0), _floats(2),
-     _whole_floats(1, 2), rows_axes=(0, None))
-case("Pack", lambda a, b: tf.stack([a, b], 1), _floats(2), _floats(2),
-     rows_axes=(0, 0))
+case(
+    "ConcatV2",
+    lambda a, b: tf.concat([a, b], 1),
+    _floats(2),
+    _floats(3),
+    rows_axes=(0, 0))
+case(
+    "ConcatV2",
+    lambda a, b: tf.concat([a, b], 0),
+    _floats(2),
+    _floats(2),
+    rows_axes=(0, 0))
+case(
+    "ConcatV2",
+    lambda a, w: tf.concat([a, w], 0),
+    _floats(2),
+    _whole_floats(1, 2),
+    rows_axes=(0, None))
+case(
+    "Pack",
+    lambda a, b: tf.stack([a, b], 1),
+    _floats(2),
+    _floats(2),
+    rows_axes=(0, 0))
 case("Unpack", lambda x: tf.unstack(x, axis=1), _floats(2))
 case("Split", lambda x: tf.split(x, 2, axis=1), _floats(4))
 case("SplitV", lambda x: tf.split(x, [1, 3], axis=1), _floats(4))
@@ -282,47 +361,81 @@ case("Range", lambda x: tf.cast(tf.range(tf.shape(x)[0]), F) + x[:, 0],
      _floats(3))
 case("Shape", tf.shape, _floats(3))
 case("Size", tf.size, _floats(3))
-case("GatherV2", lambda w, i: tf.gather(w, i), _whole_floats(4, 2),
-     _ints(high=4), rows_axes=(None, 0))
+case(
+    "GatherV2",
+    lambda w, i: tf.gather(w, i),
+    _whole_floats(4, 2),
+    _ints(high=4),
+    rows_axes=(None, 0))
 case("GatherV2", lambda x: tf.gather(x, [0, 2], axis=1), _floats(3))
 case("GatherV2", lambda x: tf.gather(x, [1, 0]), _floats(3))
-case("GatherV2", lambda x, i: tf.gather(x, i, batch_dims=1), _floats(3),
-     _ints(2, high=3), rows_axes=(0, 0))
-case("GatherNd", lambda x, i: tf.gather_nd(x, i, batch_dims=1), _floats(3),
-     _ints(1, high=3), rows_axes=(0, 0))
-case("GatherNd",
-     lambda x: tf.gather_nd(x, tf.stack([tf.range(tf.shape(x)[0]),
-                                         tf.zeros_like(tf.range(tf.shape(x)[0]))
-                                        ], 1)), _floats(3))
-case("ScatterNd",
-     lambda u: tf.scatter_nd([[1], [2]], u[:2] * 0 + 1.0, [5, 3]), _floats(3))
+case(
+    "GatherV2",
+    lambda x, i: tf.gather(x, i, batch_dims=1),
+    _floats(3),
+    _ints(2, high=3),
+    rows_axes=(0, 0))
+case(
+    "GatherNd",
+    lambda x, i: tf.gather_nd(x, i, batch_dims=1),
+    _floats(3),
+    _ints(1, high=3),
+    rows_axes=(0, 0))
+case(
+    "GatherNd", lambda x: tf.gather_nd(
+        x,
+        tf.stack(
+            [tf.range(tf.shape(x)[0]),
+             tf.zeros_like(tf.range(tf.shape(x)[0]))], 1)), _floats(3))
+case("ScatterNd", lambda u: tf.scatter_nd([[1], [2]], u[:2] * 0 + 1.0, [5, 3]),
+     _floats(3))
 case("OneHot", lambda i: tf.one_hot(i, 4, dtype=F), _ints(high=4))
 case("Where", lambda x: tf.where(x > 0.5), _floats(3))
-case("DynamicPartition",
-     lambda x, p: tf.dynamic_partition(x, p, 2), _floats(2), _ints(high=2),
-     rows_axes=(0, 0))
+case(
+    "DynamicPartition",
+    lambda x, p: tf.dynamic_partition(x, p, 2),
+    _floats(2),
+    _ints(high=2),
+    rows_axes=(0, 0))
 
 # --------------------------------------------------------- per row
 
-case("SparseSoftmaxCrossEntropyWithLogits",
-     lambda x, y: tf.nn.sparse_softmax_cross_entropy_with_logits(
-         labels=y, logits=x), _floats(3), _ints(high=3), rows_axes=(0, 0))
-case("SoftmaxCrossEntropyWithLogits",
-     lambda x, y: tf.nn.softmax_cross_entropy_with_logits(labels=y, logits=x),
-     _floats(3), _floats(3), rows_axes=(0, 0))
-case("Conv2D",
-     lambda x, k: tf.nn.conv2d(x, k, 1, "SAME"), _floats(4, 4, 2),
-     _whole_floats(2, 2, 2, 3), rows_axes=(0, None))
+case(
+    "SparseSoftmaxCrossEntropyWithLogits",
+    lambda x, y: tf.nn.sparse_softmax_cross_entropy_with_logits(
+        labels=y, logits=x),
+    _floats(3),
+    _ints(high=3),
+    rows_axes=(0, 0))
+case(
+    "SoftmaxCrossEntropyWithLogits",
+    lambda x, y: tf.nn.softmax_cross_entropy_with_logits(labels=y, logits=x),
+    _floats(3),
+    _floats(3),
+    rows_axes=(0, 0))
+case(
+    "Conv2D",
+    lambda x, k: tf.nn.conv2d(x, k, 1, "SAME"),
+    _floats(4, 4, 2),
+    _whole_floats(2, 2, 2, 3),
+    rows_axes=(0, None))
 case("MaxPool", lambda x: tf.nn.max_pool2d(x, 2, 2, "VALID"), _floats(4, 4, 2))
 case("AvgPool", lambda x: tf.nn.avg_pool2d(x, 2, 2, "VALID"), _floats(4, 4, 2))
-case("FusedBatchNormV3",
-     lambda x: tf.compat.v1.nn.fused_batch_norm(
-         x, tf.ones([2], F), tf.zeros([2], F), tf.zeros([2], F),
-         tf.ones([2], F), is_training=False)[0], _floats(3, 3, 2))
+case(
+    "FusedBatchNormV3", lambda x: tf.compat.v1.nn.fused_batch_norm(
+        x,
+        tf.ones([2], F),
+        tf.zeros([2], F),
+        tf.zeros([2], F),
+        tf.ones([2], F),
+        is_training=False)[0], _floats(3, 3, 2))
 case("MatrixDiagPartV3", tf.linalg.diag_part, _floats(3, 3))
-case("InTopKV2", lambda x, y: tf.math.in_top_k(y, tf.cast(x, tf.float32), 2),
-     _floats(3), _ints(high=3), rows_axes=(0, 0))
-
+case(
+    "InTopKV2",
+    lambda x, y: tf.math.in_top_k(y, tf.cast(x, tf.float32), 2),
+    _floats(3),
+    _ints(high=3),
+    rows_axes=(0, 0))
 
 # ----------------------------------------------------------- the check
 
@@ -360,9 +473,7 @@ def _outputs(value: Any) -> List[tf.Tensor]:
 def _build(graph: tf.Graph, check: Case, arrays: Sequence[np.ndarray],
            known: str, analysed: bool) -> _Built:
   start = graph.version
-  inputs = [
-      _placeholder(a, axis, known) for a, axis in zip(arrays, check.rows)
-  ]
+  inputs = [_placeholder(a, axis, known) for a, axis in zip(arrays, check.rows)]
   outputs = _outputs(check.build(*inputs))
   if not analysed:
     return _Built(outputs, [], [])
@@ -418,8 +529,7 @@ def _check(check: Case, sizes: Sequence[int], whole_values: List[Any],
     for position, kind in enumerate(kinds):
       if isinstance(kind, row_kinds.Rows) and 0 in check.rows:
         where = f"{check.op_type} output {position} ({kind}) sizes {sizes}"
-        assert np.shape(whole_values[position])[kind.axis] == sum(
-            counts), where
+        assert np.shape(whole_values[position])[kind.axis] == sum(counts), where
     return True
   got = run([tower.outputs for tower in towers])
   for position, expected in enumerate(whole_values):
@@ -477,7 +587,8 @@ def _run_case(check: Case, seed: int, known: str) -> int:
       shard_inputs = [[
           a if axis is None else _shards(a, axis, sizes)[index]
           for a, axis in zip(arrays, check.rows)
-      ] for index in range(len(sizes))]
+      ]
+                      for index in range(len(sizes))]
       towers = [
           _build(graph, check, parts, known, analysed=True)
           for parts in shard_inputs
@@ -520,17 +631,33 @@ def _ruled_op_types() -> List[str]:
 # (tests/test_whole_batch.py, test_inputs.py, test_sequence_inputs.py,
 # test_loss_summaries.py), not here.
 _END_TO_END = frozenset(
-    set(flow_rules.RULES) | op_types.SUMMARIES | op_types.PY_FUNCS |
-    op_types.SINKS | op_types.PASS_THROUGH | {
-        t for t in value_rules.RULES if t.startswith("Sparse")
-    } | {
-        "CTCLoss", "CTCLossV2", "DynamicStitch", "ParallelDynamicStitch",
-        "RandomShuffle", "ResourceGather", "Rank",
+    set(flow_rules.RULES) | op_types.SUMMARIES | op_types.PY_FUNCS
+    | op_types.SINKS | op_types.PASS_THROUGH
+    | {t for t in value_rules.RULES if t.startswith("Sparse")} | {
+        "CTCLoss",
+        "CTCLossV2",
+        "DynamicStitch",
+        "ParallelDynamicStitch",
+        "RandomShuffle",
+        "ResourceGather",
+        "Rank",
         # The tower's own distinct values and their indices: used to look
         # up embeddings by row (tests/test_lookups.py), refused as values.
-        "Unique", "UniqueV2", "UniqueWithCounts", "BiasAddGradV1", "Concat", "ShapeN", "TopK",
-        "FusedBatchNorm", "FusedBatchNormV2", "Gather", "MirrorPad", "PadV2",
-        "ConjugateTranspose", "BatchMatMul", "BatchMatMulV3"
+        "Unique",
+        "UniqueV2",
+        "UniqueWithCounts",
+        "BiasAddGradV1",
+        "Concat",
+        "ShapeN",
+        "TopK",
+        "FusedBatchNorm",
+        "FusedBatchNormV2",
+        "Gather",
+        "MirrorPad",
+        "PadV2",
+        "ConjugateTranspose",
+        "BatchMatMul",
+        "BatchMatMulV3"
     })
 
 
@@ -539,9 +666,8 @@ def test_every_rule_has_a_case():
   covered by the end-to-end tests or a table drawn from op definitions."""
   covered = {c.op_type for c in _CASES}
   missing = [
-      t for t in _ruled_op_types()
-      if t not in covered and t not in _END_TO_END and
-      t not in op_types.ELEMENTWISE and t not in op_types.PER_ROW and
-      t not in op_types.RANDOM_FROM_SHAPE
+      t for t in _ruled_op_types() if t not in covered and
+      t not in _END_TO_END and t not in op_types.ELEMENTWISE and
+      t not in op_types.PER_ROW and t not in op_types.RANDOM_FROM_SHAPE
   ]
   assert not missing, f"rules without a conformance case: {missing}"
