@@ -523,8 +523,8 @@ def optimizer_name(optimizer: Any) -> str:
 
 def keras_iterations(optimizer: Any) -> Any:
   """A Keras legacy optimizer's step counter as set, created or not
-  (`_iterations`: the public `iterations` creates it)."""
-  return optimizer._iterations
+  (`_iterations`: the public `iterations` creates it); None if unset."""
+  return getattr(optimizer, "_iterations", None)
 
 
 def keras_compute_gradients(optimizer: Any, loss: Any, **kwargs: Any) -> Any:
@@ -538,8 +538,8 @@ def keras_compute_gradients(optimizer: Any, loss: Any, **kwargs: Any) -> Any:
 
 def warm_start_settings(estimator: Any) -> Any:
   """What an Estimator was given as `warm_start_from` (`_warm_start_settings`:
-  it keeps no public copy)."""
-  return estimator._warm_start_settings
+  it keeps no public copy); None for anything else."""
+  return getattr(estimator, "_warm_start_settings", None)
 
 
 def canned_optimizer(name_or_optimizer: Any, learning_rate: float) -> Any:

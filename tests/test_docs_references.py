@@ -37,13 +37,12 @@ _DOCS = ["README.md", "BUILD.md", "docs/*.md", "benchmarks/README.md"]
 
 # Top-level modules the package had before its stage subpackages; nothing
 # may be named under them any more.
-_FORMER = (
-    "_aggregate", "_cluster", "_collectives", "_devices", "_gather", "_hooks",
-    "_host_relu", "_inputs", "_keras_optimizer", "_lockstep", "_lookups",
-    "_loss", "_meetings", "_nn_batch_norm", "_optimizer", "_own_gradients",
-    "_patches", "_routing", "_rows", "_scalars", "_sharing", "_source",
-    "_split", "_state", "_step_ops", "_summaries", "_tpu", "_tracking",
-    "_transform", "_variance", "_whole")
+_FORMER = ("_aggregate", "_cluster", "_collectives", "_devices", "_gather",
+           "_hooks", "_host_relu", "_inputs", "_keras_optimizer", "_lockstep",
+           "_lookups", "_loss", "_meetings", "_nn_batch_norm", "_optimizer",
+           "_own_gradients", "_patches", "_routing", "_rows", "_scalars",
+           "_sharing", "_source", "_split", "_state", "_step_ops", "_summaries",
+           "_tpu", "_tracking", "_transform", "_variance", "_whole")
 
 
 def _own_modules() -> List[str]:
@@ -61,8 +60,7 @@ _NAME = r"[A-Za-z_]\w*"
 
 
 def _pattern(firsts: List[str]) -> "re.Pattern[str]":
-  alternatives = "|".join(sorted(map(re.escape, firsts), key=len,
-                                 reverse=True))
+  alternatives = "|".join(sorted(map(re.escape, firsts), key=len, reverse=True))
   # Not inside a longer name, attribute chain or path; at least one dot.
   return re.compile(rf"(?<![\w./\\-])((?:{alternatives})(?:\.{_NAME})+)"
                     rf"(?![\w/\\-])")
@@ -110,7 +108,8 @@ def _declared(cls: type, name: str) -> bool:
     source = inspect.getsource(cls)
   except (OSError, TypeError):
     return False
-  return re.search(rf"\bself\.{re.escape(name)}\s*(:[^=]*)?=", source) is not None
+  assignment = rf"\bself\.{re.escape(name)}\s*(:[^=]*)?="
+  return re.search(assignment, source) is not None
 
 
 def resolve(dotted: str) -> Optional[str]:
@@ -146,8 +145,9 @@ def _python_texts(path: pathlib.Path) -> Iterator[Tuple[int, str]]:
   source = path.read_text()
   tree = ast.parse(source)
   for node in ast.walk(tree):
-    if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef,
-                         ast.AsyncFunctionDef)):
+    if isinstance(
+        node,
+        (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
       body = node.body
       if (body and isinstance(body[0], ast.Expr) and
           isinstance(body[0].value, ast.Constant) and
@@ -243,8 +243,8 @@ def test_docs_name_what_exists():
         ("see `_batch.row_kinds`.", ["_batch.row_kinds"]),
         ("(`_meet.rewiring.Rewiring.advance`)",
          ["_meet.rewiring.Rewiring.advance"]),
-        ("`replicate._tf` and replicate.testing.", ["replicate._tf",
-                                                     "replicate.testing"]),
+        ("`replicate._tf` and replicate.testing.",
+         ["replicate._tf", "replicate.testing"]),
         ("replicate/_tf.py, `_tf.py`, tests/_batch/test_x.py", []),
         ("self._batch.x, tf._tf.x, my_batch.x, `_batchy.x`", []),
         ("`_tf` alone, replicate alone", []),

@@ -92,6 +92,10 @@ def test_no_import_cycles():
       visit(module, [module])
 
 
+# Documented attributes of namedtuples, whose names start with "_".
+_NAMEDTUPLE_API = ("_fields", "_asdict", "_replace", "_make")
+
+
 def _private_accesses(tree: ast.Module) -> List[str]:
   found = []
   for node in ast.walk(tree):
@@ -111,6 +115,15 @@ def _private_accesses(tree: ast.Module) -> List[str]:
         found.append(f"line {node.lineno}: {ast.unparse(node)}")
     elif isinstance(node, ast.Call) and isinstance(
         node.func, ast.Name) and node.func.id in ("setattr", "delattr"):
+      found.append(f"line {node.lineno}: {ast.unparse(node)[:60]}")
+    elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and
+          node.func.id in ("getattr", "hasattr") and len(node.args) > 1 and
+          isinstance(node.args[1], ast.Constant) and
+          isinstance(node.args[1].value, str) and
+          node.args[1].value.startswith("_") and
+          not node.args[1].value.endswith("__") and
+          node.args[1].value not in _NAMEDTUPLE_API):
+      # A private attribute read by name is a private access too.
       found.append(f"line {node.lineno}: {ast.unparse(node)[:60]}")
     elif isinstance(node, ast.Assign):
       for target in node.targets:
@@ -138,10 +151,12 @@ def test_the_fence_sees_what_it_fences():
                    "setattr(tf.nn, 'relu', f)\n"
                    "tf.GradientTape.gradient = g\n"
                    "spec._replace(loss=1)\n"
-                   "self._own = 1\n")
+                   "self._own = 1\n"
+                   "getattr(estimator, '_warm_start_settings', None)\n"
+                   "hasattr(leaf, '_fields')\n")
   found = _private_accesses(tree)
   assert sorted(f.split(":")[0] for f in found) == [
-      "line 1", "line 2", "line 3", "line 4"
+      "line 1", "line 2", "line 3", "line 4", "line 7"
   ]
 
 

@@ -50,6 +50,9 @@ from replicate._meet import transforms
 
 _V1 = tf.compat.v1.train.Optimizer
 _KERAS = tf.keras.optimizers.legacy.Optimizer
+# A class attribute of replicate's own optimizer wrappers, which route their
+# calls themselves (TowerOptimizer, KerasTowerOptimizer).
+ROUTES_ITSELF = "_replicate_routes_itself"
 _NO_TRANSFORMS = transforms.Pipeline(None)
 
 
@@ -449,8 +452,7 @@ def _routed_method(original: Callable[..., Any], route: _Route,
 
   @functools.wraps(original)
   def method(self: Any, *args: Any, **kwargs: Any) -> Any:
-    if not getattr(self, "_replicate_routes_itself", False) and (routes()
-                                                                 is not None):
+    if not getattr(self, ROUTES_ITSELF, False) and routes() is not None:
       return route(original, self, args, kwargs)
     if elsewhere is not None:
       return elsewhere(original, self, args, kwargs)
@@ -468,7 +470,7 @@ def _iterations_property(original: property) -> property:
   """
 
   def setter(self: Any, variable: Any) -> None:
-    if getattr(self, "_iterations", None) is variable:
+    if _tf.keras_iterations(self) is variable:
       return
     # Keras' `iterations` has a setter (an fset of None fails here as before).
     original.fset(self, variable)  # type: ignore[misc]
@@ -479,9 +481,8 @@ def _iterations_property(original: property) -> property:
 def _subclasses(base: type) -> List[type]:
   seen = _graph.walk([base], lambda cls: cls.__subclasses__())
   return [
-      c for c in seen
-      if not c.__dict__.get("_replicate_routes_itself", False) and not any(
-          b.__dict__.get("_replicate_routes_itself", False) for b in c.__mro__)
+      c for c in seen if not c.__dict__.get(ROUTES_ITSELF, False) and not any(
+          b.__dict__.get(ROUTES_ITSELF, False) for b in c.__mro__)
   ]
 
 

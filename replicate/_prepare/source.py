@@ -14,6 +14,8 @@ from typing import Any, Callable, Optional
 from absl import logging
 import tensorflow as tf
 
+from replicate import _tf
+
 _ESTIMATORS = (tf.estimator.Estimator, tf.compat.v1.estimator.Estimator)
 
 
@@ -37,8 +39,7 @@ def warm_starter(model_fn: Callable[..., Any]) -> Optional[Callable[[], None]]:
   the same values).
   """
   estimator = estimator_of(model_fn)
-  # Estimator keeps its WarmStartSettings only here: no public accessor.
-  settings = getattr(estimator, "_warm_start_settings", None)
+  settings = _tf.warm_start_settings(estimator)
   if settings is None:
     return None
 
