@@ -637,12 +637,30 @@ class Patches:
     install: sets the patched attributes and returns what they were.
   """
 
+  _every: List["Patches"] = []
+
   def __init__(self, what: str, install: Callable[[], Patched]):
     self._what = what
     self._install = install
     self._lock = threading.Lock()
     self._count = 0
     self._originals: Patched = []
+    Patches._every.append(self)
+
+  @classmethod
+  def every(cls) -> List["Patches"]:
+    """Every set of patches made so far (the modules make theirs on
+    import)."""
+    return list(cls._every)
+
+  @property
+  def installed(self) -> bool:
+    """Whether a builder is inside `applied()` now."""
+    return self._count > 0
+
+  @property
+  def what(self) -> str:
+    return self._what
 
   @contextlib.contextmanager
   def applied(self, needed: bool = True) -> Iterator[None]:

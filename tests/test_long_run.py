@@ -16,11 +16,7 @@ import pytest
 import tensorflow as tf
 
 import replicate
-from replicate import _core
-from replicate._batch_norm import per_tower
-from replicate._meet import own_gradients
-from replicate._meet import routing
-from replicate._towers import lookups
+from replicate import _tf
 from tests import harness
 from tests import test_estimator
 
@@ -119,14 +115,9 @@ def test_no_graph_or_library_state_is_left_behind(runs):
   alive = [ref for ref in recorder.graphs if ref() is not None]
   assert not alive, f"{len(alive)} of {len(recorder.graphs)} graphs alive"
   # Every patch the towers' build installs is undone after it.
-  for patches in (
-      _core._UNFOLDED_SHAPES,
-      _core._TOWER_ROOTS,  # pylint: disable=protected-access
-      routing._PATCHES,
-      own_gradients._PATCHES,  # pylint: disable=protected-access
-      lookups._PATCHES,
-      per_tower._PATCHES):  # pylint: disable=protected-access
-    assert not patches.installed
+  every = _tf.Patches.every()
+  assert len(every) >= 6, [p.what for p in every]
+  assert not [p.what for p in every if p.installed]
 
 
 def test_memory_stays_flat(runs):
