@@ -1,4 +1,5 @@
-"""Walks over a graph's ops: every search of the library goes through `walk`.
+"""Walks over a graph's ops: every search of the library goes through `walk`;
+`look_through` finds the value behind ops that pass it on.
 
 The graphs walked are the towers' (tens of thousands of ops), so a walk is
 iterative, visits each node once, and can stop early: it yields as it goes,
@@ -6,6 +7,7 @@ and `limit` bounds how many nodes it visits.
 """
 
 from typing import (
+    AbstractSet,
     Callable,
     Hashable,
     Iterable,
@@ -19,6 +21,9 @@ from typing import (
 import tensorflow as tf
 
 Node = TypeVar("Node", bound=Hashable)
+
+# Ops that pass their first input on unchanged: `look_through`'s default.
+IDENTITIES = frozenset(["Identity", "RefIdentity"])
 
 
 def walk(start: Iterable[Node],
@@ -65,3 +70,17 @@ def ancestors(tensors: Iterable[tf.Tensor],
               limit: Optional[int] = None) -> Iterator[tf.Operation]:
   """The ops `tensors` are computed from (their own ops included)."""
   return walk([t.op for t in tensors], input_ops, limit)
+
+
+def look_through(tensor: tf.Tensor,
+                 types: AbstractSet[str] = IDENTITIES) -> tf.Tensor:
+  """The tensor behind `tensor`'s chain of ops of `types`.
+
+  Follows each op's first input while the op's type is in `types` (and it
+  has inputs), so that a search sees the value behind ops that pass it on;
+  each caller names the ops it counts as passing its value on (Identity and
+  RefIdentity by default).
+  """
+  while tensor.op.type in types and tensor.op.inputs:
+    tensor = tensor.op.inputs[0]
+  return tensor

@@ -18,8 +18,8 @@ import tensorflow as tf
 from replicate import _context
 from replicate._batch import row_kinds
 from replicate._batch import sums
+from replicate._meet import combining
 from replicate._meet import meetings
-from replicate._meet import rewiring
 
 
 def _tower_replication(what: str) -> Optional[_context.Replication]:
@@ -203,4 +203,4 @@ def _whole_rows(replication: _context.Replication, parts: Sequence[Any]) -> Any:
     if isinstance(first, tf.SparseTensor):
       return first
     return tf.identity(replication.rewiring.resolve(first))
-  return _concat(rewiring.real_rows(parts, replication))
+  return _concat(combining.real_rows(parts, replication))

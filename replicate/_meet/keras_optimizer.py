@@ -15,6 +15,7 @@ from replicate._meet import meetings
 from replicate._meet import optimizer_calls
 from replicate._meet import routing
 from replicate._meet import transforms
+from replicate._meet import wrapper
 
 _KerasOptimizer = tf.keras.optimizers.legacy.Optimizer
 
@@ -55,7 +56,7 @@ def _colocated_gradients(optimizer: Any,
   ]
 
 
-class KerasTowerOptimizer(_tf.TracksWrapped,
+class KerasTowerOptimizer(wrapper.WrapsOptimizer,
                           tf.keras.optimizers.legacy.Optimizer):
   """TowerOptimizer for a Keras legacy optimizer (see TowerOptimizer).
 
@@ -71,9 +72,6 @@ class KerasTowerOptimizer(_tf.TracksWrapped,
       `grads_and_vars -> grads_and_vars` or a list of them, applied to the
       summed gradients before `optimizer.apply_gradients`.
   """
-
-  # Its calls do their own meeting (see _meet.routing).
-  _replicate_routes_itself = True
 
   def __init__(
       self,
@@ -192,29 +190,12 @@ class KerasTowerOptimizer(_tf.TracksWrapped,
                       **kwargs: Any) -> Any:
     """Meets the other towers; tower 0's gradients are applied once."""
     optimizer = self._wrapped_keras
+    return self._apply_once(
+        grads_and_vars,
+        lambda pairs: optimizer.apply_gradients(pairs, name=name, **kwargs))
 
-    def apply(pairs: List[Tuple[Any, tf.Variable]]) -> Any:
-      with routing.direct():
-        return optimizer.apply_gradients(pairs, name=name, **kwargs)
-
-    return optimizer_calls.transform_and_apply(grads_and_vars, self._transforms,
-                                               apply)
-
-  def _tracked_optimizer(self) -> Any:
-    """What checkpoints see in this wrapper's place (`_tf.TracksWrapped`)."""
+  def _wrapped_optimizer(self) -> Any:
     return self._wrapped_keras
-
-  def get_slot(self, var: tf.Variable, slot_name: str) -> tf.Variable:
-    """Forwards to the wrapped optimizer."""
-    return self._wrapped_keras.get_slot(var, slot_name)
-
-  def get_slot_names(self) -> List[str]:
-    """Forwards to the wrapped optimizer."""
-    return self._wrapped_keras.get_slot_names()
-
-  def variables(self) -> List[tf.Variable]:
-    """Forwards to the wrapped optimizer."""
-    return self._wrapped_keras.variables()
 
   @property
   def weights(self) -> List[tf.Variable]:

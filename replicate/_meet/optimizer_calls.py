@@ -35,12 +35,14 @@ from replicate import _graph
 from replicate import _tf
 from replicate._batch import row_kinds
 from replicate._meet import all_reduce
+from replicate._meet import combining
 from replicate._meet import meetings as _meetings
-from replicate._meet import rewiring
 from replicate._meet import transforms as _transforms
 
 _COMPUTE = "TowerOptimizer.compute_gradients"
 _APPLY = "TowerOptimizer.apply_gradients"
+# Ops between a gather's ids and the `tf.unique` they may come from.
+_SAME_IDS = frozenset(["Identity", "Cast"])
 
 
 def replicated() -> Optional[_context.Replication]:
@@ -103,7 +105,7 @@ def whole_batch_loss(replication: _context.Replication, losses: Sequence[Any],
     ]
     with _context.outside(replication, "whole_batch_loss"), \
         tf.device(replication.meeting_device):
-      return tf.concat(rewiring.real_rows(parts, replication), 0)
+      return tf.concat(combining.real_rows(parts, replication), 0)
   raise ValueError(not_whole_batch(loss, kind, f"the loss handed to {call}"))
 
 
@@ -303,9 +305,7 @@ def _looks_up_unique_ids(variable: Any) -> bool:
 
 
 def _source_type(tensor: tf.Tensor) -> str:
-  while tensor.op.type in ("Identity", "Cast") and tensor.op.inputs:
-    tensor = tensor.op.inputs[0]
-  return tensor.op.type
+  return _graph.look_through(tensor, _SAME_IDS).op.type
 
 
 def transform_and_apply(grads_and_vars: Iterable[Tuple[Any, tf.Variable]],

@@ -25,10 +25,9 @@ models are refused).
 
 import collections
 import re
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from absl import logging
-import numpy as np
 import tensorflow as tf
 
 from replicate import _context
@@ -36,8 +35,8 @@ from replicate import _graph
 from replicate import _tf
 from replicate._batch import row_kinds
 from replicate._batch import rows as _rows
-from replicate._batch import sums as _sums
 from replicate._batch_norm import whole_batch
+from replicate._meet import combining
 
 _SUFFIX = re.compile(r"_\d+$")
 
@@ -332,7 +331,7 @@ class Rewiring:
                 self._copy(op0,
                            [self.counterpart(t, index) for t in op0.inputs],
                            replication.placed[index]).outputs[0])
-        whole = _combine(event.combine, partials, replication.validity)
+        whole = combining.combine(event.combine, partials, replication.validity)
     self._rewire_everywhere(op0, 0, whole)
     logging.vlog(1, "replicate: %s (%s over rows) is the whole batch's",
                  op0.name, event.combine)
@@ -361,8 +360,8 @@ class Rewiring:
       sums.append(total)
       counts.append(count)
     validity = replication.validity
-    total = _combine("sum", sums, validity)
-    count = _combine("sum", counts, validity)
+    total = combining.combine("sum", sums, validity)
+    count = combining.combine("sum", counts, validity)
     if compute.is_integer:
       whole = tf.math.truncatediv(total, count)
     else:
@@ -424,7 +423,7 @@ class Rewiring:
             tf.size(self.counterpart(tensor0, other), out_type=tensor0.dtype)
             for other in range(index)
         ]
-        whole = own if not before else own + _combine(
+        whole = own if not before else own + combining.combine(
             "sum", before, replication.validity[:index])
         valid = replication.is_valid(index)
         if valid is not True:
@@ -495,7 +494,7 @@ class Rewiring:
           parts.append(tf.size(x, out_type=dtype))
         else:
           parts.append(tf.shape(x, out_type=dtype)[rows.axis])
-    total = _combine("sum", parts, replication.validity)
+    total = combining.combine("sum", parts, replication.validity)
     if op.type == "Size":
       return total
     shape = tf.shape(x0, out_type=dtype)
@@ -515,14 +514,14 @@ class Rewiring:
         self.counterpart(tensor0, index)[0]
         for index in range(replication.num_towers)
     ]
-    total = _combine("sum", parts, replication.validity)
+    total = combining.combine("sum", parts, replication.validity)
     return tf.concat([[total], tensor0[1:]], 0)
 
   def _mixing(self, event: row_kinds.Mixing) -> None:
     """The op runs once, on every tower's rows concatenated in order."""
     replication = self._replication
     op0 = event.op
-    place: Optional[_Place]
+    place: Optional[combining.Place]
     inputs, place = [], None
     for tensor in op0.inputs:
       kind = self.kind(tensor)
@@ -531,7 +530,7 @@ class Rewiring:
             self.counterpart(tensor, index)
             for index in range(replication.num_towers)
         ]
-        whole, placing = concatenated(replication, parts, kind.axis)
+        whole, placing = combining.concatenated(replication, parts, kind.axis)
         place = place or placing
         inputs.append(whole)
       elif isinstance(kind, row_kinds.Size):
@@ -641,7 +640,7 @@ def _readers_within(tensor: tf.Tensor) -> List[tf.Operation]:
 
   The combination reads the partials (which may be the very outputs being
   rewired): those reads stay. Found as `tensor`'s ancestors within the
-  combination (ops built by `_combine`, a few levels).
+  combination (ops built by `_meet.combining.combine`, a few levels).
   """
 
   def within(op: tf.Operation) -> List[tf.Operation]:
@@ -650,140 +649,3 @@ def _readers_within(tensor: tf.Tensor) -> List[tf.Operation]:
     return []
 
   return list(_graph.walk([tensor.op], within, limit=4096))
-
-
-def _combine(how: str, values: Sequence[tf.Tensor],
-             validity: Sequence[Any]) -> tf.Tensor:
-  """The towers' partial `values` combined, towers on phantom rows left out."""
-  kept = [(v, ok) for v, ok in zip(values, validity) if ok is not False]
-  if how in ("sum", "norm"):
-    gated = [
-        _sums.gate(tf.square(v) if how == "norm" else v, ok) for v, ok in kept
-    ]
-    total = gated[0] if len(gated) == 1 else tf.add_n(gated)
-    return tf.sqrt(total) if how == "norm" else total
-  neutral = {
-      "max": _lowest,
-      "min": _highest,
-      "prod": lambda d: 1,
-      "all": lambda d: True,
-      "any": lambda d: False
-  }[how]
-  combined = None
-  for value, ok in kept:
-    if ok is not True:
-      value = tf.where(
-          ok, value,
-          tf.fill(
-              tf.shape(value), tf.constant(neutral(value.dtype), value.dtype)))
-    if combined is None:
-      combined = value
-    elif how == "max":
-      combined = tf.maximum(combined, value)
-    elif how == "min":
-      combined = tf.minimum(combined, value)
-    elif how == "prod":
-      combined = combined * value
-    elif how == "all":
-      combined = tf.logical_and(combined, value)
-    else:
-      combined = tf.logical_or(combined, value)
-  return combined
-
-
-def _lowest(dtype: tf.DType) -> Any:
-  return -np.inf if dtype.is_floating else dtype.min
-
-
-def _highest(dtype: tf.DType) -> Any:
-  return np.inf if dtype.is_floating else dtype.max
-
-
-# `place(output, out_axis)`: each tower's rows of a whole batch's output.
-_Place = Callable[[tf.Tensor, int], List[tf.Tensor]]
-
-
-def concatenated(replication: _context.Replication,
-                 parts: Sequence[tf.Tensor],
-                 axis: int = 0) -> Tuple[tf.Tensor, _Place]:
-  """The towers' rows along `axis`, in order, and how to hand rows back.
-
-  Returns (the whole batch's tensor, place): `place(output, out_axis)` ->
-  each tower's rows of an output with the same rows along `out_axis`. A
-  tower on a phantom row adds none; it gets the output's last row back
-  (its phantom row's original), so its shapes stay as built.
-  """
-  validity = replication.validity
-  counts = []
-  kept = []
-  for part, valid in zip(parts, validity):
-    size = tf.compat.dimension_value(
-        part.shape[axis]) if (part.shape.rank is not None) else None
-    size = tf.shape(part)[axis] if size is None else size
-    if valid is False:
-      counts.append(0)
-      continue
-    if valid is not True:
-      size = tf.where(valid, size, 0)
-      extent = tf.tensor_scatter_nd_update(tf.shape(part), [[axis]], [size])
-      part = tf.slice(part, tf.zeros_like(extent), extent)
-    counts.append(size)
-    kept.append(part)
-  whole = kept[0] if len(kept) == 1 else tf.concat(kept, axis)
-
-  def place(output: tf.Tensor, out_axis: int) -> List[tf.Tensor]:
-    sizes = [c for c, ok in zip(counts, validity) if ok is not False]
-    pieces = iter([output] if len(sizes) == 1 else tf.split(
-        output,
-        tf.stack([tf.cast(c, tf.int64) for c in sizes]) if any(
-            isinstance(c, tf.Tensor) for c in sizes) else sizes, out_axis))
-    rows = []
-    for ok in validity:
-      if ok is True:
-        rows.append(next(pieces))
-        continue
-      last = tf.gather(
-          output, [tf.shape(output, out_type=tf.int64)[out_axis] - 1],
-          axis=out_axis)
-      if ok is False:
-        rows.append(last)
-      else:
-        # A phantom row known when the graph runs: its original's row.
-        piece = next(pieces)
-        rows.append(tf.cond(ok, lambda p=piece: p, lambda r=last: r))
-    return rows
-
-  return whole, place
-
-
-def real_rows(tensors: Sequence[tf.Tensor],
-              replication: _context.Replication,
-              examples: bool = False) -> List[tf.Tensor]:
-  """The towers' rows (axis 0) without those computed on phantom rows.
-
-  A tower known to hold a phantom row is left out; one that may (the batch
-  size is dynamic) keeps all its rows or none; with `examples` (a row per
-  example: predictions), its first `size` rows.
-  """
-  kept = []
-  for index, (tensor, valid) in enumerate(zip(tensors, replication.validity)):
-    if valid is True:
-      kept.append(tensor)
-    elif valid is not False and examples:
-      size = tf.cast(replication.size(index), tf.int64)
-      if isinstance(tensor, tf.SparseTensor):
-        kept.append(
-            tf.sparse.slice(tensor, tf.zeros_like(tensor.dense_shape),
-                            tf.concat([[size], tensor.dense_shape[1:]], 0)))
-      else:
-        kept.append(tensor[:size])
-    elif valid is not False:
-      if isinstance(tensor, tf.SparseTensor):
-        kept.append(
-            tf.sparse.slice(
-                tensor, tf.zeros_like(tensor.dense_shape),
-                tf.concat([[tf.where(valid, tensor.dense_shape[0], 0)],
-                           tensor.dense_shape[1:]], 0)))
-      else:
-        kept.append(tensor[:tf.where(valid, tf.shape(tensor)[0], 0)])
-  return kept

@@ -21,10 +21,10 @@ from typing import (
 import tensorflow as tf
 
 from replicate import _context
-from replicate import _tf
 from replicate._meet import optimizer_calls
 from replicate._meet import routing
 from replicate._meet import transforms
+from replicate._meet import wrapper
 from replicate._meet.keras_optimizer import KerasTowerOptimizer
 
 _Optimizer = tf.compat.v1.train.Optimizer
@@ -86,7 +86,9 @@ class _EitherFlavour(type):
 
 
 class TowerOptimizer(
-    _tf.TracksWrapped, tf.compat.v1.train.Optimizer, metaclass=_EitherFlavour):
+    wrapper.WrapsOptimizer,
+    tf.compat.v1.train.Optimizer,
+    metaclass=_EitherFlavour):
   """Wraps an optimizer: its own calls, once per step, on the whole batch.
 
   `replicate_model_fn` routes plain optimizers itself (see `_meet.routing`); the
@@ -155,9 +157,6 @@ class TowerOptimizer(
     TypeError: the argument is neither an optimizer nor callable, or
       `gradient_transform` is neither a function nor a list of them.
   """
-
-  # Its calls do their own meeting (see _meet.routing).
-  _replicate_routes_itself = True
 
   def __new__(cls,
               optimizer_or_optimizer_fn: Any = None,
@@ -299,26 +298,14 @@ class TowerOptimizer(
                       name: Optional[str] = None) -> Any:
     """Meets the other towers; tower 0's gradients are applied once."""
     optimizer = self.optimizer
+    return self._apply_once(
+        grads_and_vars,
+        lambda pairs: optimizer.apply_gradients(pairs, global_step, name))
 
-    def apply(pairs: List[Tuple[Any, tf.Variable]]) -> Any:
-      with routing.direct():
-        return optimizer.apply_gradients(pairs, global_step, name)
-
-    return optimizer_calls.transform_and_apply(grads_and_vars, self._transforms,
-                                               apply)
+  def _wrapped_optimizer(self) -> Any:
+    return self.optimizer
 
   def _tracked_optimizer(self) -> Any:
-    """What checkpoints see in this wrapper's place (`_tf.TracksWrapped`)."""
+    """What checkpoints see in this wrapper's place (`_tf.TracksWrapped`):
+    the optimizer built for this graph, of either flavour."""
     return self._wrapped.get()
-
-  def get_slot(self, *args: Any, **kwargs: Any) -> Optional[tf.Variable]:
-    """Forwards to the wrapped optimizer."""
-    return self.optimizer.get_slot(*args, **kwargs)
-
-  def get_slot_names(self, *args: Any, **kwargs: Any) -> List[str]:
-    """Forwards to the wrapped optimizer."""
-    return self.optimizer.get_slot_names(*args, **kwargs)
-
-  def variables(self) -> List[tf.Variable]:
-    """Forwards to the wrapped optimizer."""
-    return self.optimizer.variables()

@@ -18,8 +18,8 @@ import tensorflow as tf
 
 from replicate import _context
 from replicate._batch import row_kinds
+from replicate._meet import combining
 from replicate._meet import optimizer_calls
-from replicate._meet import rewiring as _rewiring
 from replicate._merge import hooks
 from replicate._merge import tpu as _tpu
 from replicate._prepare import split
@@ -78,7 +78,7 @@ def _merged(tensors: Sequence[Any], path: str, name: str,
       return rewiring.whole_size(first)
   if not isinstance(kind, row_kinds.Rows) or kind.axis != 0 or kind.order:
     raise ValueError(optimizer_calls.not_whole_batch(first, kind, path))
-  parts = _rewiring.real_rows(tensors, replication, examples=True)
+  parts = combining.real_rows(tensors, replication, examples=True)
   if isinstance(first, tf.SparseTensor):
     return tf.sparse.concat(axis=0, sp_inputs=parts, expand_nonconcat_dims=True)
   if isinstance(first, tf.RaggedTensor):

@@ -32,12 +32,15 @@ from typing import (
 from absl import logging
 import tensorflow as tf
 
+from replicate import _graph
 from replicate import _tf
 from replicate._batch import sums
 
 # Ops that pass a statistic on unchanged in value (shape and dtype aside).
 _VALUE_PRESERVING = frozenset(
     ["Identity", "Squeeze", "Reshape", "ExpandDims", "Cast"])
+# Ops between a variance's squared differences and the batch mean they take.
+_PASS_MEAN = frozenset(["StopGradient", "Identity"])
 # Ops a statistic may pass through on its way to the write: those, or an
 # elementwise combination with the variable's value and a decay.
 _PATH_OPS = _VALUE_PRESERVING | frozenset(
@@ -188,8 +191,7 @@ def _statistic(consumer: tf.Operation, position: int,
   if difference is None:
     return None
   values, mean = difference
-  while mean.op.type in ("StopGradient", "Identity"):
-    mean = mean.op.inputs[0]
+  mean = _graph.look_through(mean, _PASS_MEAN)
   if mean.op.type != "Mean" or mean.op.inputs[0] is not values:
     return None
   axes = _axes(op)
