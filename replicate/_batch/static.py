@@ -4,7 +4,7 @@ A rule needs the axes, sizes and positions an op is given; these are
 folded from the few ops shape arithmetic uses, without running the graph.
 """
 
-from typing import Dict, List, Optional, cast
+from typing import Callable, Dict, List, Optional, cast
 
 import numpy as np
 import tensorflow as tf
@@ -82,7 +82,7 @@ def partial_ints(tensor: tf.Tensor,
       if found is None:
         return None
       parts.append(found * length if len(found) == 1 else found)
-    apply = {
+    apply: Callable[[int, int], int] = {
         "Mul": lambda a, b: a * b,
         "Sub": lambda a, b: a - b
     }.get(op.type, lambda a, b: a + b)

@@ -22,7 +22,7 @@ from replicate import _tf
 _NAMES = ("moments", "weighted_moments")
 
 
-def _recording(original: Callable) -> Callable:
+def _recording(original: Callable[..., Any]) -> Callable[..., Any]:
 
   @functools.wraps(original)
   def statistics(*args: Any, **kwargs: Any) -> Any:

@@ -28,7 +28,7 @@ def combine(how: str, values: Sequence[tf.Tensor],
     ]
     total = gated[0] if len(gated) == 1 else tf.add_n(gated)
     return tf.sqrt(total) if how == "norm" else total
-  neutral = {
+  neutral: Callable[[tf.DType], Any] = {
       "max": _lowest,
       "min": _highest,
       "prod": lambda d: 1,

@@ -25,7 +25,7 @@ models are refused).
 
 import collections
 import re
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 from absl import logging
 import tensorflow as tf
@@ -63,11 +63,11 @@ class Rewiring:
     self._replication = replication
     self._analyses: Dict[int, _rows.TowerRows] = {}
     self._indexes: Dict[int, _Index] = {}
-    self._taken: Dict[int, set] = collections.defaultdict(set)
+    self._taken: Dict[int, Set[Any]] = collections.defaultdict(set)
     self._ops: Dict[int, Dict[tf.Operation, tf.Operation]] = (
         collections.defaultdict(dict))
     self._tensors: Dict[int, Dict[Any, Any]] = collections.defaultdict(dict)
-    self._handled: Dict[int, set] = collections.defaultdict(set)
+    self._handled: Dict[int, Set[Any]] = collections.defaultdict(set)
     self._sizes: Dict[Any, tf.Tensor] = {}
     self._positions: Dict[Any, tf.Tensor] = {}
     # Other towers' tensors given a replacement: ref -> what readers read.

@@ -8,7 +8,7 @@ have, tower devices on another task's machine.
 
 import json
 import os
-from typing import Optional, Sequence
+from typing import Any, Dict, Optional, Sequence
 
 import tensorflow as tf
 
@@ -42,7 +42,7 @@ def check_tf_config() -> None:
   _check_task(config.get("cluster") or {}, config.get("task") or {})
 
 
-def _check_task(cluster: dict, task: dict) -> None:
+def _check_task(cluster: Dict[str, Any], task: Dict[str, Any]) -> None:
   """Raises ValueError unless `task` names a task of `cluster`."""
   task_type, index = task.get("type"), task.get("index", 0)
   if not cluster or task_type is None or task_type in _OUTSIDE_CLUSTER:

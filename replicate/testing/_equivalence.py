@@ -26,6 +26,7 @@ from typing import (
 )
 
 import numpy as np
+import numpy.typing as npt
 import tensorflow as tf
 
 from replicate import _core
@@ -350,7 +351,7 @@ def _tower_hint() -> str:
           "same row').")
 
 
-_LABELS = {
+_LABELS: Dict[str, Callable[[str], str]] = {
     "losses": lambda name: name,
     "variables": lambda name: f"variable {name!r}",
     "metrics": lambda name: f"metric {name!r}",
@@ -448,7 +449,7 @@ def _first_difference(name: str, expected: Any, actual: Any,
           f"{tolerance.describe(one)})"), worst
 
 
-def _is_float(array: np.ndarray) -> bool:
+def _is_float(array: npt.NDArray[Any]) -> bool:
   return np.issubdtype(array.dtype, np.floating)
 
 
@@ -521,7 +522,7 @@ class _LossRecorder(tf.estimator.SessionRunHook):
     self._losses.append(run_values.results)
 
 
-def _checkpoint_values(checkpoint: str) -> Dict[str, np.ndarray]:
+def _checkpoint_values(checkpoint: str) -> Dict[str, npt.NDArray[Any]]:
   reader = tf.train.load_checkpoint(checkpoint)
   names = sorted(reader.get_variable_to_shape_map())
   return {name: reader.get_tensor(name) for name in names}

@@ -13,6 +13,7 @@ import tensorflow as tf
 
 from replicate import _core
 from replicate import _tf
+from replicate._meet import keras_optimizer
 from replicate._meet import tower_optimizer
 from replicate.testing._configs import check_count
 from replicate.testing._configs import cpu_names
@@ -150,12 +151,12 @@ def _with_tower_optimizers(
 def _tower_optimizer(
     value: Any, argument: str, num_columns: int,
     built: List[tf.compat.v1.estimator.Estimator]
-) -> Union[tower_optimizer.TowerOptimizer, tower_optimizer.KerasTowerOptimizer,
+) -> Union[tower_optimizer.TowerOptimizer, keras_optimizer.KerasTowerOptimizer,
            None]:
   """`value` (an optimizer argument) in a TowerOptimizer."""
   if isinstance(
       value,
-      (tower_optimizer.TowerOptimizer, tower_optimizer.KerasTowerOptimizer)):
+      (tower_optimizer.TowerOptimizer, keras_optimizer.KerasTowerOptimizer)):
     return value
   if isinstance(value, str) or (value is None and argument == "optimizer"):
     value = functools.partial(_canned_optimizer, built, argument, value,
