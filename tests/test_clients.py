@@ -65,9 +65,11 @@ def _ctr_columns():
   return linear, dnn
 
 
-@pytest.mark.parametrize("name",
-                         ["DeepFMEstimator", "DCNEstimator", "WDLEstimator"])
-def test_deepctr_with_weight_penalties_replicates(name):
+# Each estimator on one tower count in turn, DeepFM on both.
+@pytest.mark.parametrize("name,towers", [("DeepFMEstimator", TOWERS),
+                                         ("DCNEstimator", TOWERS[1:]),
+                                         ("WDLEstimator", TOWERS[:1])])
+def test_deepctr_with_weight_penalties_replicates(name, towers):
   estimator_module = pytest.importorskip("deepctr.estimator")
   linear, dnn = _ctr_columns()
   penalties = dict(l2_reg_linear=0.1, l2_reg_embedding=0.1, l2_reg_dnn=0.1)
@@ -76,7 +78,7 @@ def test_deepctr_with_weight_penalties_replicates(name):
   estimator = getattr(estimator_module, name)(
       linear, dnn, dnn_hidden_units=(8,), **penalties)
   summary = replicate.testing.assert_replicates(
-      estimator.model_fn, _dataset(*_ctr_data()), towers=TOWERS)
+      estimator.model_fn, _dataset(*_ctr_data()), towers=towers)
   assert summary.variables > 10
   assert "AUC" in summary.metrics
 
@@ -263,24 +265,36 @@ def _adanet_estimators(adanet, devices, model_dir):
                 model_dir / "one"), build(Replicated, model_dir / "towers"))
 
 
-@pytest.mark.parametrize("num_towers", TOWERS)
-def test_adanet_estimator_trains_replicated_through_its_model_fn(
-    num_towers, tmp_path):
-  adanet = _adanet()
+def _adanet_run(estimator):
+  """Two AdaNet iterations (training, choosing the best ensemble, growing),
+  then the trained variables and an evaluation."""
   rng = np.random.RandomState(3)
   data = _dataset({"x": rng.randn(ROWS, 5).astype(np.float32)},
                   rng.randint(0, 3, ROWS).astype(np.int64))
-  results = []
+  estimator.train(data, max_steps=6)
+  values = {
+      name: estimator.get_variable_value(name)
+      for name in estimator.get_variable_names()
+  }
+  return estimator.evaluate(data, steps=3), values
+
+
+@pytest.fixture(scope="module")
+def adanet_one_device(tmp_path_factory):
+  adanet = _adanet()
+  one, _ = _adanet_estimators(adanet, ["/device:CPU:0"],
+                              tmp_path_factory.mktemp("adanet"))
+  return _adanet_run(one)
+
+
+@pytest.mark.parametrize("num_towers", TOWERS)
+def test_adanet_estimator_trains_replicated_through_its_model_fn(
+    num_towers, tmp_path, adanet_one_device):
+  adanet = _adanet()
   devices = [f"/device:CPU:{i}" for i in range(num_towers)]
-  for estimator in _adanet_estimators(adanet, devices, tmp_path):
-    # Two AdaNet iterations: training, choosing the best ensemble, growing.
-    estimator.train(data, max_steps=6)
-    values = {
-        name: estimator.get_variable_value(name)
-        for name in estimator.get_variable_names()
-    }
-    results.append((estimator.evaluate(data, steps=3), values))
-  (metrics, values), (towers_metrics, towers_values) = results
+  _, replicated = _adanet_estimators(adanet, devices, tmp_path)
+  towers_metrics, towers_values = _adanet_run(replicated)
+  metrics, values = adanet_one_device
   assert sorted(towers_values) == sorted(values)
   for name, value in values.items():
     np.testing.assert_allclose(towers_values[name], value, 1e-5, 1e-6, name)

@@ -1,4 +1,4 @@
-"""Optimizer calls across towers: one device's gradients, one update.
+"""The towers' optimizer calls met: one device's gradients, one update.
 
 `compute_gradients` (and Keras' `get_gradients`) is a meeting
 (`_meet.meetings`): tower 0, the last tower to make the call, differentiates the

@@ -1,4 +1,4 @@
-"""Optimizer calls in towers, wrapped in TowerOptimizer or not.
+"""Routes optimizer methods to meetings while towers are built.
 
 An optimizer's `minimize` (v1) or `get_updates` / `minimize` (Keras) is
 called once per step on one device, with the whole batch's loss. In towers
