@@ -23,11 +23,11 @@ from replicate import _graph
 from replicate import _tf
 from replicate._batch import row_kinds
 from replicate._batch import sums
+from replicate._batch_norm.moving_variance import add_between_shard_variance
 from replicate._context import Replication
 from replicate._merge import state_compare
 from replicate._merge import state_writes
 from replicate._merge import update_order
-from replicate._merge.variance import add_between_shard_variance
 
 _Aggregation = tf.VariableAggregation
 _Kind = state_writes.Kind
