@@ -21,3 +21,6 @@ pytest_addoption  # pytest_plugin: a pytest hook
 pytest_configure  # pytest_plugin: a pytest hook
 metrics  # testing.Replicated: a field of the report users read
 _.disable_meta_optimizer  # testing: a RewriterConfig field set on a proto
+Meets  # _context: a Protocol named in string annotations ("Meets")
+Rewires  # _context: the same
+Views  # _context: the same

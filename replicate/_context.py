@@ -8,11 +8,104 @@ one, and the current `Tower`, are kept per thread and per graph.
 import contextlib
 import dataclasses
 import threading
-from typing import Any, ContextManager, Dict, Iterator, List, Optional, Set
+from typing import (
+    Any,
+    Callable,
+    ContextManager,
+    Dict,
+    Iterator,
+    List,
+    Optional,
+    Protocol,
+    Sequence,
+    Set,
+    cast,
+)
 
 import tensorflow as tf
 
 from replicate import _tf
+
+
+class Meets(Protocol):
+  """What the stages use of `_meet.meetings.Meetings` (a later stage's
+  class, named here by its methods)."""
+
+  def meet(self,
+           kind: str,
+           value: Any,
+           build: Callable[[List[Any]], List[Any]],
+           spec: Callable[[Any], Any],
+           signature: Any = None) -> Any:
+    ...
+
+  def check_complete(self) -> None:
+    ...
+
+  def standin_kinds(self, index: int) -> Dict[Any, Any]:
+    ...
+
+
+class Rewires(Protocol):
+  """What the stages use of `_meet.rewiring.Rewiring`."""
+
+  def kind(self, tensor: Any, index: int = 0) -> Any:
+    ...
+
+  def resolve(self, tensor: Any) -> Any:
+    ...
+
+  def counterpart(self, tensor0: tf.Tensor, index: int) -> tf.Tensor:
+    ...
+
+  def declare(self, tensor: tf.Tensor, kind: Any, index: int = 0) -> None:
+    ...
+
+  def pair(self, tensor0: tf.Tensor, index: int, tensor: tf.Tensor) -> None:
+    ...
+
+  def whole_size(self, tensor0: tf.Tensor) -> tf.Tensor:
+    ...
+
+  def replacements(self) -> Dict[str, tf.Tensor]:
+    ...
+
+  def advance(self) -> None:
+    ...
+
+  def finish(self, specs: Sequence[Any] = ()) -> None:
+    ...
+
+
+class Views(Protocol):
+  """What the stages use of `_towers.views.GraphViews`."""
+
+  def enter(self, prefix: str, home: str, creating: bool) -> None:
+    ...
+
+  def leave(self, index: int) -> None:
+    ...
+
+  def merge(self) -> None:
+    ...
+
+  def lengths(self) -> Dict[Any, int]:
+    ...
+
+  def record_created(self, variable: Any, lengths: Dict[Any, int]) -> None:
+    ...
+
+  def obtained(self, variable: Any) -> None:
+    ...
+
+  def read(self) -> None:
+    ...
+
+  def share_imported(self) -> None:
+    ...
+
+  def unseen_variables(self) -> List[Any]:
+    ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +154,7 @@ class Replication:
   # Whether batch normalization in training uses the whole batch's statistics.
   sync_batch_norm: bool = True
   # What each tower's call sees of the graph (`_towers.views.GraphViews`).
-  views: Any = None
+  views: "Views" = dataclasses.field(default=cast(Any, None))
   # Per tower: the (features, labels) shard of the batch it was given.
   inputs: List[Any] = dataclasses.field(default_factory=list)
   # Per tower: the ops its model_fn call built (set once the towers are).
@@ -83,8 +176,8 @@ class Replication:
   # Names of ops whose statistics stay the tower's (sync_batch_norm=False).
   per_tower_ops: Set[str] = dataclasses.field(default_factory=set)
   # The meetings and the whole-batch rewiring of this call (set by _core).
-  meetings: Any = None
-  rewiring: Any = None
+  meetings: "Meets" = dataclasses.field(default=cast(Any, None))
+  rewiring: "Rewires" = dataclasses.field(default=cast(Any, None))
   # How many optimizer updates tower 0's meetings applied.
   apply_calls: int = 0
   # How deep tower 0 is in building meetings (calls inside pass through).

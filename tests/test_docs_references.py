@@ -26,6 +26,7 @@ import inspect
 import io
 import pathlib
 import re
+import sys
 import tokenize
 from typing import Dict, Iterator, List, Optional, Tuple
 
@@ -114,7 +115,24 @@ def _declared(cls: type, name: str) -> bool:
 
 def resolve(dotted: str) -> Optional[str]:
   """None if `dotted` (full or relative to `replicate`) names a module or
-  attribute of the package, else what is missing."""
+  attribute of the package, else what is missing.
+
+  A submodule of `replicate` imported only to look is removed again:
+  importing it sets it on the package, whose namespace is tested as it is
+  (`tests/test_public_api.py`).
+  """
+  loaded = set(sys.modules)
+  try:
+    return _resolve(dotted)
+  finally:
+    for name in set(sys.modules) - loaded:
+      parent, _, child = name.rpartition(".")
+      if parent == "replicate":
+        del sys.modules[name]
+        vars(sys.modules[parent]).pop(child, None)
+
+
+def _resolve(dotted: str) -> Optional[str]:
   parts = dotted.split(".")
   if parts[0] != "replicate":
     parts = ["replicate"] + parts
