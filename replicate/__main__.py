@@ -65,7 +65,7 @@ def _tower_devices(towers: Optional[int]) -> List[str]:
 
 def _placement_lines(devices: List[str]) -> List[str]:
   chosen = _devices.resolve_devices(None)
-  hub = _devices.consolidation_device(devices)
+  consolidation_device = _devices.consolidation_device(devices)
   return [
       "local devices: " +
       ", ".join(d.name for d in tf.config.list_logical_devices()),
@@ -75,11 +75,12 @@ def _placement_lines(devices: List[str]) -> List[str]:
       f"this check's towers: {devices}",
       f"default variable placement: "
       f"{_devices.default_placement(devices).name}",
-      f"variable placement SHARED: every variable on {hub}",
+      f"variable placement SHARED: every variable on {consolidation_device}",
       f"variable placement ROUND_ROBIN: spread over {devices}",
       f"variable placement MIRRORED: a copy on each of {devices}, "
       "gradients summed between them",
-      f"consolidation device (inputs split, results merged): {hub}",
+      "consolidation device (inputs split, results merged): "
+      f"{consolidation_device}",
   ]
 
 

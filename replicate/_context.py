@@ -147,8 +147,9 @@ class Replication:
   # True while variables are created for no tower (gradient apply, sinks).
   unshared: bool = False
   # Where inputs are split and results merged; None with one tower.
-  hub: Optional[str] = None
-  # Each tower's device, as given, and as placed on the hub's task.
+  consolidation_device: Optional[str] = None
+  # Each tower's device, as given, and as placed on the consolidation
+  # device's task.
   devices: List[str] = dataclasses.field(default_factory=list)
   placed: List[str] = dataclasses.field(default_factory=list)
   # Whether batch normalization in training uses the whole batch's statistics.
@@ -183,7 +184,8 @@ class Replication:
   # How deep tower 0 is in building meetings (calls inside pass through).
   meeting_depth: int = 0
   # MIRRORED in training: each tower device keeps copies of the trained
-  # variables, and the towers meet on tower 0's device, not the hub.
+  # variables, and the towers meet on tower 0's device, not the
+  # consolidation device.
   mirrored: bool = False
   # Gradients summed between the tower devices (`_meet.all_reduce`), in the
   # order they were built.
@@ -197,10 +199,11 @@ class Replication:
   @property
   def meeting_device(self) -> Optional[str]:
     """Where meetings combine the towers' values: tower 0's device when the
-    variables are mirrored (no round trip through the host), else the hub."""
+    variables are mirrored (no round trip through the host), else the
+    consolidation device."""
     if self.mirrored and self.placed:
       return self.placed[0]
-    return self.hub
+    return self.consolidation_device
 
   @contextlib.contextmanager
   def unshared_creation(self) -> Iterator[None]:

@@ -272,7 +272,8 @@ _TOWER_ROOTS = _tf.Patches("absolute name scopes of towers",
                            _tf.install_tower_roots)
 
 
-def _mirrors(placement: _devices.VariablePlacement, hub: str) -> bool:
+def _mirrors(placement: _devices.VariablePlacement,
+             consolidation_device: str) -> bool:
   """Whether MIRRORED copies the variables: on one machine, in every mode
   (training copies the update too; evaluation and prediction read their
   own device's copies, filled when the session starts).
@@ -282,10 +283,11 @@ def _mirrors(placement: _devices.VariablePlacement, hub: str) -> bool:
   """
   if placement is not _devices.VariablePlacement.MIRRORED:
     return False
-  if cluster.on_cluster(hub):
+  if cluster.on_cluster(consolidation_device):
     logging.info(
         "replicate: MIRRORED on a cluster: the variables stay where the "
-        "cluster's device function puts them (%s's parameter servers)", hub)
+        "cluster's device function puts them (%s's parameter servers)",
+        consolidation_device)
     return False
   return True
 
@@ -296,29 +298,33 @@ def _run_towers(model_fn: Callable[..., Any], features: Any, labels: Any,
                 sync_batch_norm: bool) -> Any:
   """Several devices: split, build the towers in turn, check, merge."""
   graph = tf.compat.v1.get_default_graph()
-  hub = _devices.consolidation_device(devices)
+  consolidation_device = _devices.consolidation_device(devices)
   logging.info("replicate: %d towers on %s, variables %s, merging on %s",
-               len(devices), devices, placement.value, hub)
+               len(devices), devices, placement.value, consolidation_device)
   first_op = len(graph.get_operations())
   names_before = dict(_tf.names_in_use(graph))
-  with tf.device(hub), tf.name_scope("split_inputs"):
+  with tf.device(consolidation_device), tf.name_scope("split_inputs"):
     shards = _split.split_batch(features, labels, len(devices))
-  # The hub and the towers as the caller's device scope (a cluster's
-  # replica_device_setter) places them: what the library builds between
-  # the towers, outside every scope, goes there.
+  # The consolidation device and the towers as the caller's device scope (a
+  # cluster's replica_device_setter) places them: what the library builds
+  # between the towers, outside every scope, goes there.
   split = graph.get_operations()[first_op:]
-  hub = next((op.device for op in split if op.device), hub)
-  mirrored = _mirrors(placement, hub)
+  consolidation_device = next((op.device for op in split if op.device),
+                              consolidation_device)
+  mirrored = _mirrors(placement, consolidation_device)
   replication = _context.Replication(
       num_towers=len(devices),
       fractions=shards.fractions,
       sizes=shards.sizes,
       valid=shards.valid,
       graph=graph,
-      hub=hub,
+      consolidation_device=consolidation_device,
       devices=list(devices),
       sync_batch_norm=sync_batch_norm,
-      placed=[_devices.on_task_of(device, hub) for device in devices],
+      placed=[
+          _devices.on_task_of(device, consolidation_device)
+          for device in devices
+      ],
       split_op_names={op.name for op in split},
       inputs=list(zip(shards.features, shards.labels)),
       mirrored=mirrored)
@@ -326,7 +332,7 @@ def _run_towers(model_fn: Callable[..., Any], features: Any, labels: Any,
   replication.rewiring = rewiring.Rewiring(replication)
   replication.views = views.GraphViews(graph, names_before)
   if placement is _devices.VariablePlacement.MIRRORED and cluster.on_cluster(
-      hub):
+      consolidation_device):
     # The cluster's device function puts the variables on its ps.
     placement = _devices.VariablePlacement.SHARED
   choose = _devices.variable_device_chooser(placement, devices, mirrored)

@@ -31,8 +31,9 @@ def kernel_moments(x: tf.Tensor, data_format: str, epsilon: float) -> tf.Tensor:
 
   The kernel in training mode computes its batch's moments in the passes it
   makes anyway (its normalised output goes unused: the layer normalises
-  with the whole batch's statistics), cheaper than reductions. The hub
-  turns the variance into a sum of squared distances (times n - 1).
+  with the whole batch's statistics), cheaper than reductions. The
+  consolidation device turns the variance into a sum of squared distances
+  (times n - 1).
   Returns a [2, channels] stack.
   """
   channels = x.shape[1 if data_format.startswith("NC") else -1]

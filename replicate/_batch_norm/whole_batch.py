@@ -53,15 +53,16 @@ def whole_batch(
 
 
 # Whether towers on one machine's CPUs normalise the concatenated batch
-# (tests turn it off to exercise the hub on virtual CPUs).
+# (tests turn it off to exercise the consolidation device on virtual CPUs).
 _CONCATENATE_ON_HOST = True
 _logged_host: "weakref.WeakSet[tf.Graph]" = weakref.WeakSet()
 
 
 def _on_one_host(replication: _context.Replication) -> bool:
-  """Whether every tower is a CPU of the hub's task: one memory, one pool."""
-  hub = tf.DeviceSpec.from_string(replication.hub or "")
-  place = (hub.job, hub.replica, hub.task)
+  """Whether every tower is a CPU of the consolidation device's task: one
+  memory, one pool."""
+  spec = tf.DeviceSpec.from_string(replication.consolidation_device or "")
+  place = (spec.job, spec.replica, spec.task)
   specs = [tf.DeviceSpec.from_string(d or "") for d in replication.devices]
   shared = bool(specs) and all(
       s.device_type == "CPU" and (s.job, s.replica, s.task) == place
@@ -71,7 +72,7 @@ def _on_one_host(replication: _context.Replication) -> bool:
     logging.info(
         "replicate: the towers are CPUs of one machine: each fused batch-norm "
         "kernel in training runs once, on the concatenated batch, on %s",
-        replication.hub)
+        replication.consolidation_device)
   return shared
 
 
@@ -182,7 +183,8 @@ def relu_once(
 def _through_hub(
     replication: _context.Replication, kernel: moments.Kernel,
     shards: Sequence[tf.Tensor]) -> Tuple[List[tf.Tensor], List[tf.Tensor]]:
-  """Shard moments merged on the hub; each tower normalises its rows."""
+  """Shard moments merged on the consolidation device; each tower normalises
+  its rows."""
   dtype = kernel.scale.dtype
   inputs = [x if x.dtype == dtype else tf.cast(x, dtype) for x in shards]
   stats = []
@@ -197,7 +199,8 @@ def _through_hub(
       mean: tf.Tensor, variance: tf.Tensor, count: Union[float, tf.Tensor],
       gamma: tf.Tensor, beta: tf.Tensor
   ) -> Tuple[Tuple[tf.Tensor, ...], Callable[..., Tuple[tf.Tensor, ...]]]:
-    """On the hub: the kernel's inputs and the batch statistics' values."""
+    """On the consolidation device: the kernel's inputs and the batch
+    statistics' values."""
     r = tf.math.rsqrt(variance + epsilon)
     if isinstance(count, float):
       bessel = count / max(count - 1.0, 1.0)

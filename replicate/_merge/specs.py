@@ -224,7 +224,7 @@ def merge_specs(mode: str, specs: List[Any],
   tpu = _tpu.is_tpu_spec(specs[0])
   check_same_metrics(specs)
   with _context.outside(replication, "merge_towers"), \
-      tf.device(replication.hub):
+      tf.device(replication.consolidation_device):
     fields = {
         "predictions":
             concat_predictions([s.predictions for s in specs], replication)

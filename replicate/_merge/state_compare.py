@@ -113,9 +113,10 @@ def check_written_alike(group: List[Optional[state_writes.Write]]) -> None:
 def written_alike(group: List[state_writes.Write]) -> bool:
   """Whether every tower writes what tower 0 writes, computed alike.
 
-  Synchronised batch norm hands every tower the hub's statistics, so each
-  tower's moving-average write is the same arithmetic on the same tensors:
-  combining them would only add ops (and a rounding).
+  Synchronised batch norm hands every tower the statistics made on the
+  consolidation device, so each tower's moving-average write is the same
+  arithmetic on the same tensors: combining them would only add ops (and a
+  rounding).
   """
   value = group[0].op.inputs[1]
   return all(w.kind is group[0].kind and

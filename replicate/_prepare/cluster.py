@@ -90,7 +90,8 @@ def check_devices(devices: Sequence[str],
           f"'/job:{own_job}/task:{own_task}'.")
 
 
-def on_cluster(hub: Optional[str]) -> bool:
-  """Whether the towers' ops are placed on a cluster's task (the hub, as the
-  caller's device function placed the input split, names a job)."""
-  return bool(tf.DeviceSpec.from_string(hub or "").job)
+def on_cluster(consolidation_device: Optional[str]) -> bool:
+  """Whether the towers' ops are placed on a cluster's task (the
+  consolidation device, as the caller's device function placed the input
+  split, names a job)."""
+  return bool(tf.DeviceSpec.from_string(consolidation_device or "").job)

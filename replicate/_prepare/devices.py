@@ -499,20 +499,22 @@ def other_task(device: str, other: str) -> bool:
 
 
 def cache_device(graph: tf.Graph, op_names: Iterable[str],
-                 hub: str) -> Optional[str]:
+                 consolidation_device: str) -> Optional[str]:
   """Where a parameter-server variable's one read per step is, or None.
 
   The consolidation device as the outer device functions placed it (the
-  ops in `op_names` were built under `tf.device(hub)`, e.g. Estimator's
-  `replica_device_setter` adds '/job:worker/task:0'). None where the towers'
-  devices name no job: one machine without a cluster, where variables are
-  on the towers' own machine and nothing is cached.
+  ops in `op_names` were built under `tf.device(consolidation_device)`,
+  e.g. Estimator's `replica_device_setter` adds '/job:worker/task:0').
+  None where the towers' devices name no job: one machine without a
+  cluster, where variables are on the towers' own machine and nothing is
+  cached.
   """
-  hub_spec = tf.DeviceSpec.from_string(hub)
+  consolidation_spec = tf.DeviceSpec.from_string(consolidation_device)
   for name in sorted(op_names):
     device = graph.get_operation_by_name(name).device
     spec = tf.DeviceSpec.from_string(device or "")
-    if (spec.device_type, spec.device_index) == (hub_spec.device_type,
-                                                 hub_spec.device_index):
+    if (spec.device_type,
+        spec.device_index) == (consolidation_spec.device_type,
+                               consolidation_spec.device_index):
       return device if spec.job else None
   return None

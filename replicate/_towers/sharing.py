@@ -32,10 +32,10 @@ def _cache_device(replication: Replication) -> Optional[str]:
   Worked out from where the input split was placed (see
   `devices.cache_device`).
   """
-  if not replication.hub:
+  if not replication.consolidation_device:
     return None
   device = devices.cache_device(replication.graph, replication.split_op_names,
-                                replication.hub)
+                                replication.consolidation_device)
   if device is not None:
     logging.info(
         "replicate: towers on cluster task %s; trained variables of other "
