@@ -46,7 +46,8 @@ from common import Settings
 import report
 
 VARIANTS = common.VARIANTS
-WORKLOADS = ("mlp", "cnn", "cnn_bn", "resnet50")
+WORKLOADS = ("mlp", "cnn", "cnn_bn", "resnet50", "mlp_top_k",
+             "mlp_top_k_by_hand")
 DEFAULT_WORKLOADS = ("mlp", "cnn")
 
 FLAGS = flags.FLAGS

@@ -16,7 +16,8 @@ import replicate
 NUM_CLASSES = 10
 IMAGE_SHAPE = (28, 28, 1)
 NUM_INPUTS = 28 * 28
-WORKLOADS = ("mlp", "cnn", "cnn_bn", "resnet50")
+WORKLOADS = ("mlp", "cnn", "cnn_bn", "resnet50", "mlp_top_k",
+             "mlp_top_k_by_hand")
 
 Arrays = Tuple[np.ndarray, np.ndarray]
 
@@ -179,10 +180,27 @@ def embedding_logits(x: tf.Tensor, training: bool) -> tf.Tensor:
 _LOGITS = {
     "embedding": embedding_logits,
     "mlp": mlp_logits,
+    "mlp_top_k": mlp_logits,
+    "mlp_top_k_by_hand": mlp_logits,
     "cnn": cnn_logits,
     "cnn_bn": cnn_bn_logits,
     "resnet50": resnet50_logits
 }
+
+
+def _hardest_half(labels: tf.Tensor, logits: tf.Tensor,
+                  by_hand: bool) -> tf.Tensor:
+  """The mean of the batch's hardest half of per-example losses (online
+  hard-example mining, a top-k over the batch's rows): replicate runs the
+  top-k on the whole batch itself, or (`by_hand`) the model_fn gathers the
+  whole batch's losses with `replicate.batch_concat` first, as it had to
+  before the library ran row-mixing ops."""
+  losses = tf.nn.sparse_softmax_cross_entropy_with_logits(
+      labels=labels, logits=logits)
+  if by_hand:
+    losses = replicate.batch_concat(losses)
+  half = (tf.shape(losses)[0] + 1) // 2
+  return tf.reduce_mean(tf.math.top_k(losses, half).values)
 
 
 def model_fn(features: Dict[str, tf.Tensor], labels: tf.Tensor, mode: str,
@@ -198,8 +216,11 @@ def model_fn(features: Dict[str, tf.Tensor], labels: tf.Tensor, mode: str,
   logits = _LOGITS[params["workload"]](features["x"], training)
   if mode == tf.estimator.ModeKeys.PREDICT:
     return tf.estimator.EstimatorSpec(mode, predictions={"logits": logits})
-  # Default reduction SUM_BY_NONZERO_WEIGHTS, replicate's default too.
-  loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
+  if params["workload"].startswith("mlp_top_k"):
+    loss = _hardest_half(labels, logits, params["workload"].endswith("by_hand"))
+  else:
+    # Default reduction SUM_BY_NONZERO_WEIGHTS, replicate's default too.
+    loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
   if mode == tf.estimator.ModeKeys.EVAL:
     return tf.estimator.EstimatorSpec(
         mode,
