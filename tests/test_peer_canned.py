@@ -98,9 +98,10 @@ _MODELS = {
 }
 # What the default run (no `-m peer`) keeps, on 2 towers in both forms,
 # besides the first test of every base in one form (74 tests in all with
-# `_PARSED_SAMPLE`, about 150 s): training with a mock optimizer (Keras `get_updates` in
-# v2; in v1 one that cannot be routed), training with the default optimizer
-# name, evaluation, and prediction of a DNNLinearCombined estimator.
+# `_PARSED_SAMPLE`, about 150 s): training with a mock optimizer (Keras
+# `get_updates` in v2; in v1 one that cannot be routed), training with the
+# default optimizer name, evaluation, and prediction of a DNNLinearCombined
+# estimator.
 _DEFAULT_SAMPLE = {
     ("DNN", "BaseDNNClassifierTrainTest", "test_binary_classification"),
     ("Linear", "BaseLinearRegressorTrainingTest",
