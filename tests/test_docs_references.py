@@ -22,6 +22,7 @@ under that name. Only importing: nothing builds a graph.
 
 import ast
 import importlib
+import importlib.util
 import inspect
 import io
 import pathlib
@@ -33,7 +34,9 @@ from typing import Dict, Iterator, List, Optional, Tuple
 import pytest
 
 _ROOT = pathlib.Path(__file__).resolve().parent.parent
-_PACKAGE = _ROOT / "replicate"
+# The package the suite imports: the checkout's, or in CI the installed
+# wheel's (the checkout copy there has no `replicate/`).
+_PACKAGE = pathlib.Path(importlib.util.find_spec("replicate").origin).parent
 _DOCS = ["README.md", "BUILD.md", "docs/*.md", "benchmarks/README.md"]
 
 # Top-level modules the package had before its stage subpackages; nothing
@@ -221,9 +224,18 @@ def _stale(path: pathlib.Path, texts: Iterator[Tuple[int, str]],
         problem = missing[-1]
       else:
         continue
-      where = path.relative_to(_ROOT)
+      where = _relative(path)
       problems.append(f"{where}:{line}: `{name}`: {problem}")
   return problems
+
+
+def _relative(path: pathlib.Path) -> pathlib.Path:
+  """Where a file is, from the checkout or from the installed package's
+  parent."""
+  for root in (_ROOT, _PACKAGE.parent):
+    if path.is_relative_to(root):
+      return path.relative_to(root)
+  return path
 
 
 def _python_files() -> List[pathlib.Path]:
@@ -240,7 +252,8 @@ def _markdown_files() -> List[pathlib.Path]:
 def test_docstrings_and_comments_name_what_exists():
   problems = []
   for path in _python_files():
-    module = ".".join(path.relative_to(_ROOT).with_suffix("").parts)
+    module = ".".join(
+        path.relative_to(_PACKAGE.parent).with_suffix("").parts)
     aliases = _import_aliases(ast.parse(path.read_text()), module)
     problems += _stale(path, _python_texts(path), aliases)
   assert not problems, "Stale names:\n" + "\n".join(problems)

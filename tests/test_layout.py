@@ -5,12 +5,15 @@ change that breaks the layout fails here rather than in a reader's head.
 """
 
 import ast
+import importlib.util
 import pathlib
 from typing import Dict, List, Set
 
 import pytest
 
-_PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "replicate"
+# The package the suite imports: the checkout's, or in CI the installed
+# wheel's (the checkout copy there has no `replicate/`).
+_PACKAGE = pathlib.Path(importlib.util.find_spec("replicate").origin).parent
 
 # The order a step is built in; a module imports only its own stage's
 # modules, earlier stages' and the shared ones.
@@ -158,6 +161,12 @@ def test_the_fence_sees_what_it_fences():
   assert sorted(f.split(":")[0] for f in found) == [
       "line 1", "line 2", "line 3", "line 4", "line 7"
   ]
+
+
+def test_the_layout_sees_the_package():
+  # The package is found where it is imported from (in CI, the wheel's).
+  modules = _modules()
+  assert len(modules) > 50 and "replicate._core" in modules, sorted(modules)
 
 
 def test_every_module_says_what_it_holds():
