@@ -252,8 +252,7 @@ def _markdown_files() -> List[pathlib.Path]:
 def test_docstrings_and_comments_name_what_exists():
   problems = []
   for path in _python_files():
-    module = ".".join(
-        path.relative_to(_PACKAGE.parent).with_suffix("").parts)
+    module = ".".join(path.relative_to(_PACKAGE.parent).with_suffix("").parts)
     aliases = _import_aliases(ast.parse(path.read_text()), module)
     problems += _stale(path, _python_texts(path), aliases)
   assert not problems, "Stale names:\n" + "\n".join(problems)
