@@ -331,17 +331,8 @@ class CopiesTest(parameterized.TestCase):
         sorted(copies),
         sorted(f"{layer}/{kind}{slot}" for layer in ("hidden", "logits")
                for kind in ("kernel", "bias") for slot in ("", "/Momentum")))
-    for name, own in copies.items():
-      self.assertEqual(
-          graph.get_operation_by_name(name).device, devices[0], name)
-      self.assertEqual([c.device for c in own], devices[1:])
     # Tower i's forward pass reads tower i's copy.
-    for index in range(1, num_towers):
-      read = graph.get_operation_by_name(f"tower_{index}/hidden/MatMul")
-      kernel = read.inputs[1].op
-      self.assertEqual(kernel.type, "ReadVariableOp")
-      self.assertEqual(kernel.inputs[0].op.name, f"tower_{index}/hidden/kernel")
-      self.assertEqual(kernel.device, devices[index])
+    self._assert_each_tower_reads_its_copy(graph, copies, devices, True)
     # Each device applies the update to its own copy; no optimizer work and
     # no summed gradient on the host.
     applies = [
@@ -356,6 +347,22 @@ class CopiesTest(parameterized.TestCase):
         self.assertTrue(
             op.name.startswith(("split_inputs/", "merge_towers/")), op.name)
 
+  def _assert_each_tower_reads_its_copy(self, graph, copies, devices,
+                                        through_read_op):
+    """Originals on tower 0's device, a copy on each other tower's, and tower
+    i's first layer reading tower i's copy."""
+    for name, own in copies.items():
+      self.assertEqual(
+          graph.get_operation_by_name(name).device, devices[0], name)
+      self.assertEqual([c.device for c in own], devices[1:])
+    for index in range(1, len(devices)):
+      read = graph.get_operation_by_name(f"tower_{index}/hidden/MatMul")
+      kernel = read.inputs[1].op
+      if through_read_op:
+        self.assertEqual(kernel.type, "ReadVariableOp")
+      self.assertEqual(kernel.inputs[0].op.name, f"tower_{index}/hidden/kernel")
+      self.assertEqual(kernel.device, devices[index])
+
   @parameterized.parameters(tf.estimator.ModeKeys.EVAL,
                             tf.estimator.ModeKeys.PREDICT)
   def test_evaluation_and_prediction_read_each_devices_copy(self, mode):
@@ -368,15 +375,7 @@ class CopiesTest(parameterized.TestCase):
         sorted(copies),
         sorted(f"{layer}/{kind}" for layer in ("hidden", "logits")
                for kind in ("kernel", "bias")))
-    for name, own in copies.items():
-      self.assertEqual(
-          graph.get_operation_by_name(name).device, devices[0], name)
-      self.assertEqual([c.device for c in own], devices[1:])
-    for index in range(1, num_towers):
-      read = graph.get_operation_by_name(f"tower_{index}/hidden/MatMul")
-      kernel = read.inputs[1].op
-      self.assertEqual(kernel.inputs[0].op.name, f"tower_{index}/hidden/kernel")
-      self.assertEqual(kernel.device, devices[index])
+    self._assert_each_tower_reads_its_copy(graph, copies, devices, False)
 
   def test_evaluation_and_prediction_from_a_checkpoint_are_one_devices(self):
     # Trained, evaluated and predicted from one checkpoint: every copy is
