@@ -383,8 +383,16 @@ class ScalarPredictionsTest(parameterized.TestCase):
         session.run(tf.compat.v1.global_variables_initializer())
         logits, scalar = session.run(
             [spec.predictions["logits"], spec.predictions["scalar"]])
+    # The float32 product and sum each round by at most half an ulp of their
+    # magnitudes; the float64 reference does not, and the two terms may
+    # cancel, so the bound is absolute.
+    first, last = np.float64(logits[0, 0]), np.float64(logits[-1, 1])
+    eps = np.finfo(np.float32).eps
     np.testing.assert_allclose(
-        scalar, logits[0, 0] + 10.0 * logits[-1, 1], rtol=1e-6)
+        scalar,
+        first + 10.0 * last,
+        rtol=0,
+        atol=eps * (abs(first) + 10.0 * abs(last)))
 
 
 def mean_loss_model_fn(features, labels, mode):
