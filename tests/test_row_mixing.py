@@ -54,6 +54,11 @@ FORMS = {
         lambda e, logits, f: tf.reduce_mean(
             tf.gather(logits,
                       tf.math.top_k(e, 1).indices)) + tf.reduce_mean(e),
+    "argsort_rank_weights":
+        lambda e, logits, f: tf.reduce_sum(
+            tf.gather(e, tf.argsort(e)) * tf.cast(tf.range(_rows(e)), D)) / tf.
+        cast(tf.size(e), D) + tf.reduce_mean(
+            tf.gather(logits, tf.argsort(e, direction="DESCENDING"))[:, 0] * e),
     "trimmed_sort":
         lambda e, logits, f: tf.reduce_sum(tf.sort(e)[:-1]) + tf.reduce_max(e),
     "sort_difference":

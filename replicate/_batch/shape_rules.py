@@ -321,6 +321,12 @@ def _picked_rows(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
   if local or any(
       isinstance(k, (row_kinds.Size, row_kinds.Listed)) for k in kinds[1:]):
     return local or row_kinds.Local(op.name, "picks rows by the shard's size")
+  if static.permutes_rows(op.inputs[1]):
+    # Every row, in another order (`tf.argsort`'s): as long as the rows,
+    # so the towers get their rows of it back.
+    axis = kinds[0].axis if isinstance(kinds[0], row_kinds.Rows) else 0
+    rows = row_kinds.Rows(axis)
+    return ctx.whole_batch(op, [rows], "puts the rows in another order")[0]
   return ctx.needs_every_tower(op, row_kinds.Mixing(op, (row_kinds.WHOLE,)),
                                row_kinds.WHOLE, "picks rows by position")
 

@@ -153,6 +153,18 @@ def counts_rows(tensor: tf.Tensor) -> bool:
   return False
 
 
+def permutes_rows(tensor: tf.Tensor) -> bool:
+  """Whether `tensor` is a permutation of a vector's rows: the positions a
+  sort of all of them gives (`tf.argsort` of a vector is `top_k`'s indices
+  with k its length)."""
+  op = tensor.op
+  while op.type in _SAME_VALUE and op.inputs:
+    tensor = op.inputs[0]
+    op = tensor.op
+  return (op.type == "TopKV2" and tensor is op.outputs[1] and
+          rank_of(op.inputs[0]) == 1 and counts_rows(op.inputs[1]))
+
+
 def row_ints(tensor: tf.Tensor, index: int) -> Optional[List[int]]:
   """Row `index` of an int matrix known when built, though other rows may
   not be (`tf.pad`'s paddings `[[0, 0], [0, n - t], [0, 0]]` are stacked
