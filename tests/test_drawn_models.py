@@ -106,7 +106,8 @@ def _leaf():
       st.just(("softmax_over_batch",)),
       st.just(("map_fn",)),
       st.just(("tensordot",)),
-      st.just(("pairwise",)))
+      st.just(("pairwise",)),
+      st.just(("argsort_ranks",)))
 
 
 def _loss():
@@ -296,6 +297,10 @@ def _loss_value(spec, errors, features, labels, outputs, case):
         tf.size(errors), tf.float32)
   if kind == "pairwise":
     return tf.reduce_mean(tf.nn.relu(errors[:, None] - errors[None, :]))
+  if kind == "argsort_ranks":  # each loss weighted by its rank
+    ranks = tf.cast(tf.range(rows), tf.float32) + 1.0
+    return tf.reduce_sum(tf.gather(errors, tf.argsort(errors)) * ranks) / (
+        tf.reduce_sum(ranks))
   sub = lambda s: _loss_value(s, errors, features, labels, outputs, case)
   if kind == "scaled":
     return spec[1] * sub(spec[2])

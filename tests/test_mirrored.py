@@ -204,7 +204,8 @@ def _loss_scaled_model_fn(features, labels, mode, params, spelling="keras"):
 
   It starts at an overflow and grows every second finite step. Spellings:
   Keras' LossScaleOptimizer in TowerOptimizer (with float16 compute and
-  float32 variables too), tf.compat.v1's MixedPrecisionLossScaleOptimizer.
+  float32 variables too), tf.compat.v1's MixedPrecisionLossScaleOptimizer,
+  alone or from the mixed-precision graph rewrite.
   """
   del params
   dense = tf.keras.layers.Dense(
@@ -215,11 +216,19 @@ def _loss_scaled_model_fn(features, labels, mode, params, spelling="keras"):
   loss_fn = lambda: 8.0 * tf.compat.v1.losses.sparse_softmax_cross_entropy(
       labels, tf.cast(dense(features["x"]), tf.float32))
   loss = loss_fn()
-  if spelling == "v1":
-    optimizer = tf.compat.v1.mixed_precision.MixedPrecisionLossScaleOptimizer(
-        tf.compat.v1.train.AdagradOptimizer(0.3),
-        tf.compat.v1.mixed_precision.DynamicLossScale(
-            initial_loss_scale=2.0**127, increment_period=2))
+  if spelling in ("v1", "v1_rewrite"):
+    scale = tf.compat.v1.mixed_precision.DynamicLossScale(
+        initial_loss_scale=2.0**127, increment_period=2)
+    if spelling == "v1":
+      optimizer = tf.compat.v1.mixed_precision.MixedPrecisionLossScaleOptimizer(
+          tf.compat.v1.train.AdagradOptimizer(0.3), scale)
+    else:
+      # The graph rewrite's spelling: the same optimizer, and float16
+      # kernels where Grappler finds a GPU (none here).
+      optimizer = (
+          tf.compat.v1.mixed_precision.enable_mixed_precision_graph_rewrite(
+              tf.compat.v1.train.AdagradOptimizer(0.3), scale))
+      tf.compat.v1.mixed_precision.disable_mixed_precision_graph_rewrite()
     with tf.control_dependencies([loss]):
       train_op = optimizer.minimize(loss, tf.compat.v1.train.get_global_step())
     return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
@@ -426,7 +435,7 @@ class CopiesTest(parameterized.TestCase):
         check(graph, session)
 
   @parameterized.parameters(("keras", 2), ("keras", 3), ("v1", 2), ("v1", 4),
-                            ("keras_float16", 2))
+                            ("v1_rewrite", 3), ("keras_float16", 2))
   def test_a_dynamic_loss_scale_is_mirrored_and_one_devices(
       self, spelling, num_towers):
     # The update sits in the scale's tf.cond (a function body): each
