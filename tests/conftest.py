@@ -94,6 +94,20 @@ def pytest_configure(config):
     os.environ["REPLICATE_FORCED_PLACEMENT"] = placement
 
 
+def pytest_collection_modifyitems(config, items):
+  """Cases marked `wide` run only when asked for (`-m wide`, or
+  REPLICATE_WIDE=1): the default run keeps one case of each behaviour,
+  to stay within its time budget (BUILD.md)."""
+  if "wide" in (config.getoption("markexpr") or
+                "") or os.environ.get("REPLICATE_WIDE") == "1":
+    return
+  skip = pytest.mark.skip(reason="wide case: run with `-m wide` or "
+                          "REPLICATE_WIDE=1")
+  for item in items:
+    if "wide" in item.keywords:
+      item.add_marker(skip)
+
+
 def forced_placement():
   """The placement --replicate-placement forces, or None."""
   return os.environ.get("REPLICATE_FORCED_PLACEMENT")

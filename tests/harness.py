@@ -8,6 +8,7 @@ initializers the model_fn uses; the decisive tests compare what follows.
 import zlib
 
 import numpy as np
+import pytest
 import tensorflow as tf
 
 import replicate
@@ -192,3 +193,9 @@ def assert_close_nests(actual, expected, rtol=1e-5, atol=1e-5):
       np.testing.assert_array_equal(a, e)
     else:
       np.testing.assert_allclose(a, e, rtol=rtol, atol=atol)
+
+
+def wide(*values, **kwargs):
+  """A parameter set the default run skips (`-m wide` runs it): a case
+  beside the one kept for the same behaviour."""
+  return pytest.param(*values, marks=pytest.mark.wide, **kwargs)

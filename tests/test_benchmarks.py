@@ -65,6 +65,8 @@ def test_smoke_run_reports_every_variant_at_one_and_two_towers(tmp_path):
   assert all(r["vs_mirrored"] for r in rows if r["variant"] in report.REPLICATE)
 
 
+# The smoke run above covers the variants; this one, the process per run.
+@pytest.mark.wide
 def test_smoke_runs_each_variant_in_its_own_process(tmp_path):
   # A process per run (two at a time): its peak memory, and ratios of runs.
   stdout, result = _smoke(tmp_path, "runs", "--towers=2",
@@ -82,6 +84,7 @@ def test_smoke_runs_each_variant_in_its_own_process(tmp_path):
   assert rows["replicate_shared"]["vs_plain"]["median"] > 0
 
 
+@pytest.mark.wide
 def test_smoke_batch_norm_sync_and_unsynced_side_by_side(tmp_path):
   stdout, result = _smoke(
       tmp_path, "windows", "--workloads=cnn_bn", "--towers=2",
@@ -195,6 +198,7 @@ def test_windows_taken_in_turn_give_a_ratio_per_window():
   assert "| +40 |" in table
 
 
+@pytest.mark.wide
 def test_build_cost_quick_reports_ops_and_ratios(tmp_path):
   # benchmarks/build_cost.py on its small batch-norm CNN: every row, one
   # tower builds the unwrapped graph, and synchronised batch norm stays
@@ -228,6 +232,7 @@ def test_build_cost_quick_reports_ops_and_ratios(tmp_path):
   assert "| model_fn | sync | 2 |" in proc.stdout
 
 
+@pytest.mark.wide
 def test_op_times_lists_each_variants_step_and_op_types():
   # benchmarks/op_times.py: a step time, a traced op time and the op types
   # of each variant, in the order asked (timings are not asserted).
@@ -255,6 +260,7 @@ def test_op_times_lists_each_variants_step_and_op_types():
   assert "FusedBatchNorm" in sync and "Conv2D" in sync
 
 
+@pytest.mark.wide
 @pytest.mark.skipif(
     shutil.which(os.environ.get("CXX", "c++")) is None,
     reason="no C++ compiler to build the experiment's kernels")

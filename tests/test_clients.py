@@ -25,6 +25,7 @@ import tensorflow as tf
 
 import replicate
 import replicate.testing
+from tests import harness
 
 BATCH = 9
 TOWERS = (2, 4)
@@ -65,10 +66,12 @@ def _ctr_columns():
   return linear, dnn
 
 
-# Each estimator on one tower count in turn, DeepFM on both.
-@pytest.mark.parametrize("name,towers", [("DeepFMEstimator", TOWERS),
-                                         ("DCNEstimator", TOWERS[1:]),
-                                         ("WDLEstimator", TOWERS[:1])])
+# DeepFM on both tower counts; the other two (the same penalties through
+# the same DeepCTR code, other networks) on one each, in the wide run.
+@pytest.mark.parametrize("name,towers",
+                         [("DeepFMEstimator", TOWERS),
+                          harness.wide("DCNEstimator", TOWERS[1:]),
+                          harness.wide("WDLEstimator", TOWERS[:1])])
 def test_deepctr_with_weight_penalties_replicates(name, towers):
   estimator_module = pytest.importorskip("deepctr.estimator")
   linear, dnn = _ctr_columns()

@@ -97,11 +97,11 @@ _MODELS = {
                            }),
 }
 # What the default run (no `-m peer`) keeps, on 2 towers in both forms,
-# besides the first test of every base in one form (74 tests in all with
-# `_PARSED_SAMPLE`, about 150 s): training with a mock optimizer (Keras
-# `get_updates` in v2; in v1 one that cannot be routed), training with the
-# default optimizer name, evaluation, and prediction of a DNNLinearCombined
-# estimator.
+# besides the first test of every base in one form and one API version,
+# both taking turns (about 45 tests in all with `_PARSED_SAMPLE`):
+# training with a mock optimizer (Keras `get_updates` in v2; in v1 one that
+# cannot be routed), training with the default optimizer name, evaluation,
+# and prediction of a DNNLinearCombined estimator.
 _DEFAULT_SAMPLE = {
     ("DNN", "BaseDNNClassifierTrainTest", "test_binary_classification"),
     ("Linear", "BaseLinearRegressorTrainingTest",
@@ -159,7 +159,13 @@ def _refused_only_by_name(method):
   return run
 
 
-def _test_case(version, model, base_name, form, towers, sampled_form=None):
+def _test_case(version,
+               model,
+               base_name,
+               form,
+               towers,
+               sampled_form=None,
+               first_sampled=False):
   bases_kind, roles_by_base, _, _ = _MODELS[model]
   base = getattr(_BASES[(version, bases_kind)], base_name)
   roles = roles_by_base[base_name]
@@ -176,7 +182,7 @@ def _test_case(version, model, base_name, form, towers, sampled_form=None):
   # bases never call it, and a non-callable is not collected.
   namespace = {
       "__init__": __init__,
-      "peer": (model, base_name, form, towers, sampled_form),
+      "peer": (model, base_name, form, towers, sampled_form, first_sampled),
       "test_session": None
   }
   if form == "model_fn":
@@ -194,14 +200,16 @@ def _test_case(version, model, base_name, form, towers, sampled_form=None):
 def _all_test_cases():
   forms = itertools.cycle(_FORMS)  # the form of each base's default run
   for version in _API:
-    for model, (_, roles_by_base, _, _) in _MODELS.items():
-      for base_name in roles_by_base:
+    for index, (model, (_, roles_by_base, _, _)) in enumerate(_MODELS.items()):
+      for turn, base_name in enumerate(roles_by_base, index):
         yield _test_case(version, model, base_name, "plain", None)
         sampled_form = next(forms)
+        # A base's first test in one of the API versions, by turns.
+        first_sampled = list(_API)[turn % len(_API)] == version
         for form in _FORMS:
           for towers in _TOWERS:
             yield _test_case(version, model, base_name, form, towers,
-                             sampled_form)
+                             sampled_form, first_sampled)
 
 
 globals().update(_all_test_cases())
@@ -217,11 +225,13 @@ def _default_sample(request):
   """Skips what the default run leaves to `-m peer`."""
   if _full_run(request.config):
     return
-  model, base_name, form, towers, sampled_form = request.cls.peer
+  model, base_name, form, towers, sampled_form, first_sampled = (
+      request.cls.peer)
   name = request.function.__name__
   sampled = (model, base_name, name) in _DEFAULT_SAMPLE or (
-      form == sampled_form and (name == _first_test(request.cls) or
-                                (model, base_name, name) in _PARSED_SAMPLE))
+      form == sampled_form and
+      (first_sampled and name == _first_test(request.cls) or
+       (model, base_name, name) in _PARSED_SAMPLE))
   if form == "plain" or towers != _TOWERS[0] or not sampled:
     pytest.skip(f"peer suite: run with `-m peer` or {_FULL_ENV}=full")
 
