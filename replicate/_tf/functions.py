@@ -1,0 +1,104 @@
+"""Function bodies a call op runs, and copies of them placed on a device.
+
+TensorFlow has no public API to read the graph a function-call op (If,
+While, PartitionedCall, ...) runs, nor to copy a library function with
+its ops on another device.
+"""
+
+from typing import Any, Dict, List, Optional
+
+import tensorflow as tf
+
+
+def function_bodies(op: tf.Operation) -> Optional[List[Any]]:
+  """The FuncGraphs a function-call op runs, or None where unknown.
+
+  cond_v2 keeps its branches on the If op (`_true_graph`, `_false_graph`);
+  other calls name functions of the graph's library, whose entries keep
+  the graph they were traced from (`Graph._get_function(...).graph`).
+  """
+  if op.type in ("If", "StatelessIf") and hasattr(op, "_true_graph"):
+    return [op._true_graph, op._false_graph]
+  names: List[str] = []
+  for attr in ("then_branch", "else_branch", "cond", "body", "f", "branches"):
+    try:
+      value = op.get_attr(attr)
+    except ValueError:
+      continue
+    values = value if isinstance(value, list) else [value]
+    names.extend(v.name for v in values)
+  if not names:
+    return None
+  graph = op.graph
+  bodies = []
+  for name in names:
+    function = graph._get_function(name)
+    body = getattr(function, "graph", None)
+    if body is None:
+      return None
+    bodies.append(body)
+  return bodies
+
+
+# Attributes of a node that name the functions it calls.
+_CALL_ATTRIBUTES = ("then_branch", "else_branch", "cond", "body", "f",
+                    "branches")
+
+
+def function_on_device(graph: tf.Graph,
+                       name: str,
+                       suffix: str,
+                       device: str,
+                       copied: Optional[Dict[str, str]] = None) -> str:
+  """A copy of `graph`'s function `name` (and of those it calls) whose ops
+  are placed on `device`; returns the copy's name, `name` + `suffix`.
+
+  A function body's ops keep the devices they were traced under; a call
+  copied onto another device runs them there only in such a copy. Reads
+  the function's definition (`Graph._get_function(name).definition`) and
+  adds the copy to the graph's library through the C API
+  (`TF_FunctionImportFunctionDef`, `TF_GraphCopyFunction` on
+  `Graph._c_graph`).
+  """
+  from tensorflow.core.framework import function_pb2
+  from tensorflow.python.client import pywrap_tf_session
+  copied = {} if copied is None else copied
+  if name in copied:
+    return copied[name]
+  definition = function_pb2.FunctionDef()
+  definition.CopyFrom(graph._get_function(name).definition)
+  new = f"{name}{suffix}"
+  copied[name] = new
+  definition.signature.name = new
+  for node in definition.node_def:
+    node.device = device
+    if "_class" in node.attr:
+      # Colocation with the original body's ops: the copy's are its own.
+      del node.attr["_class"]
+    for attribute in _CALL_ATTRIBUTES:
+      if attribute not in node.attr:
+        continue
+      value = node.attr[attribute]
+      if value.HasField("func"):
+        value.func.name = function_on_device(graph, value.func.name, suffix,
+                                             device, copied)
+      for function in value.list.func:
+        function.name = function_on_device(graph, function.name, suffix, device,
+                                           copied)
+  imported = pywrap_tf_session.TF_FunctionImportFunctionDef(
+      definition.SerializeToString())
+  try:
+    pywrap_tf_session.TF_GraphCopyFunction(graph._c_graph, imported, None)
+  finally:
+    pywrap_tf_session.TF_DeleteFunction(imported)
+  return new
+
+
+def called_functions(op: tf.Operation) -> Dict[str, Any]:
+  """`op`'s attributes naming functions it calls: name -> AttrValue."""
+  return {
+      name: value
+      for name, value in op.node_def.attr.items()
+      if name in _CALL_ATTRIBUTES and
+      (value.HasField("func") or value.list.func)
+  }
