@@ -24,6 +24,7 @@ import tensorflow as tf
 
 import replicate
 from replicate._batch_norm import whole_batch
+from tests import harness
 
 TRAIN = tf.estimator.ModeKeys.TRAIN
 PREDICT = tf.estimator.ModeKeys.PREDICT
@@ -141,11 +142,21 @@ def _moving_statistics_moved(model_dir):
   return bool(np.all(mean != 0.0) and np.all(variance != 1.0))
 
 
-@pytest.mark.parametrize(
-    "form,concatenate",
-    [(f, True) for f in FORMS] + [(f, False) for f in FORMS if f in FUSED],
-    ids=[f for f in FORMS] +
-    [f + "-through_the_hub" for f in FORMS if f in FUSED])
+# The default run's cases; the others are `wide`. keras_sync_layer is
+# keras_synchronized's layer under another name, keras_sequence reduces as
+# keras_two_axes does, test_whole_batch has channels first and a fused
+# layer's ReLU (the Sequential model's); fused layers meet each way once.
+DEFAULT = {("keras_synchronized", True), ("keras_two_axes", True),
+           ("keras_always_training", True), ("keras_5d", True),
+           ("keras_no_scale_or_offset", False)}
+
+
+@pytest.mark.parametrize("form,concatenate",
+                         [(pytest.param if (f, c) in DEFAULT else harness.wide)(
+                             f, c, id=f if c else f + "-through_the_hub")
+                          for c in (True, False)
+                          for f in FORMS
+                          if c or f in FUSED])
 def test_batch_norm_layer_is_one_devices(form, concatenate, tmp_path,
                                          monkeypatch):
   # Without concatenation, towers on CPUs meet with their shards' moments

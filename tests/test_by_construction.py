@@ -25,6 +25,8 @@ from tests import harness
 
 TRAIN, EVAL = harness.TRAIN, harness.EVAL
 TOWERS = (2, 4)
+# TOWERS as the default run takes them: 4, and 2 `wide`.
+ON_4 = [harness.wide(2), 4]
 
 
 def _towers(n):
@@ -64,6 +66,15 @@ def _assert_trains_as_one_device(model_fn,
     np.testing.assert_allclose(
         actual[name], expected[name], rtol=rtol, atol=atol, err_msg=name)
   return expected_losses, expected
+
+
+def _in_turns(forms):
+  """(form, towers) params of each form on TOWERS, ids `form-towers`: the
+  default run keeps each form on one of them, in turn, the others `wide`."""
+  return [(pytest.param if j == i % len(TOWERS) else harness.wide)(
+      form, towers, id=f"{form}-{towers}")
+          for i, form in enumerate(forms)
+          for j, towers in enumerate(TOWERS)]
 
 
 def _sgd(rate=0.5):
@@ -119,8 +130,7 @@ def _slim_model_fn(features, labels, mode, params):
     return _spec(mode, loss, _sgd(0.1))
 
 
-@pytest.mark.parametrize("towers", TOWERS)
-@pytest.mark.parametrize("both_inside", [False, True])
+@pytest.mark.parametrize("both_inside,towers", _in_turns([False, True]))
 def test_tf_slim_arg_scopes_around_batch_norm(towers, both_inside):
   _, values = _assert_trains_as_one_device(
       _slim_model_fn,
@@ -160,7 +170,9 @@ def _ranking_model_fn(ranker):
   return model_fn
 
 
-@pytest.mark.parametrize("towers,batch", [(2, 8), (2, 9), (4, 10)])
+@pytest.mark.parametrize(
+    "towers,batch",
+    [harness.wide(2, 8), harness.wide(2, 9), (4, 10)])
 def test_a_model_object_keeping_tensors_between_calls(towers, batch):
   _assert_trains_as_one_device(
       _ranking_model_fn(_Ranker()), _data(30), batch, 3, towers, static=False)
@@ -185,7 +197,7 @@ def _masked_mean_model_fn(features, labels, mode, params):
   return _spec(mode, loss)
 
 
-@pytest.mark.parametrize("towers", TOWERS)
+@pytest.mark.parametrize("towers", ON_4)
 def test_a_hand_written_masked_mean_is_one_devices(towers):
   # Default loss_reduction: nothing says the loss divides by a batch count.
   losses, _ = _assert_trains_as_one_device(_masked_mean_model_fn,
@@ -223,8 +235,7 @@ def _loss_form_model_fn(features, labels, mode, params):
 FORMS = ["scaled", "identity_scaled", "weighted_sum", "max", "per_batch"]
 
 
-@pytest.mark.parametrize("towers", TOWERS)
-@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("form,towers", _in_turns(FORMS))
 def test_losses_in_any_algebraic_form_train_as_one_device(form, towers):
   _assert_trains_as_one_device(
       _loss_form_model_fn, _data(14), 7, 2, towers, params={"form": form})
@@ -289,7 +300,7 @@ def test_an_optimizer_called_in_one_tower_only_is_an_error():
     harness.train(model_fn, _data(), 8, 1, tower_devices=_towers(2))
 
 
-@pytest.mark.parametrize("towers", TOWERS)
+@pytest.mark.parametrize("towers", ON_4)
 def test_a_write_ordered_before_compute_gradients_runs_once(towers):
 
   def model_fn(features, labels, mode, params):
@@ -341,7 +352,7 @@ def _fixed_width_sparse_step(towers):
       return session.run((spec.loss, spec.predictions))
 
 
-@pytest.mark.parametrize("towers", TOWERS)
+@pytest.mark.parametrize("towers", ON_4)
 def test_a_fixed_width_sparse_feature_keeps_its_width(towers):
   expected = _fixed_width_sparse_step(None)
   actual = _fixed_width_sparse_step(towers)
@@ -374,7 +385,7 @@ def _keras_minimize_model_fn(features, labels, mode, params):
   return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
 
 
-@pytest.mark.parametrize("towers", TOWERS)
+@pytest.mark.parametrize("towers", ON_4)
 def test_keras_minimize_of_callables(towers):
   _assert_trains_as_one_device(
       _keras_minimize_model_fn, _data(), 8, 5, towers, params={"ordered": True})
@@ -476,8 +487,7 @@ def _accumulating_model_fn(features, labels, mode, params):
   return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
 
 
-@pytest.mark.parametrize("towers", TOWERS)
-@pytest.mark.parametrize("adam", [False, True])
+@pytest.mark.parametrize("adam,towers", _in_turns([False, True]))
 def test_gradient_accumulation_in_a_tf_cond(towers, adam):
   _, values = _assert_trains_as_one_device(
       _accumulating_model_fn,
@@ -505,7 +515,7 @@ def _cond_minimize_model_fn(features, labels, mode, params):
   return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
 
 
-@pytest.mark.parametrize("towers", TOWERS)
+@pytest.mark.parametrize("towers", ON_4)
 def test_minimize_inside_a_tf_cond(towers):
   _assert_trains_as_one_device(_cond_minimize_model_fn, _data(), 8, 4, towers)
 
@@ -648,7 +658,7 @@ def _summaries(towers):
   return {v.tag: v for v in values}
 
 
-@pytest.mark.parametrize("towers", TOWERS)
+@pytest.mark.parametrize("towers", ON_4)
 def test_summaries_of_rows_and_of_picked_rows_are_the_whole_batchs(towers):
   expected, actual = _summaries(1), _summaries(towers)
   assert sorted(actual) == sorted(expected)
@@ -671,7 +681,7 @@ def test_summaries_of_rows_and_of_picked_rows_are_the_whole_batchs(towers):
   assert len([t for t in expected if t.startswith("rows/image")]) == 5
 
 
-@pytest.mark.parametrize("towers", TOWERS)
+@pytest.mark.parametrize("towers", ON_4)
 def test_integer_rows_picked_by_position_are_refused_where_whole(towers):
   # Integer rows are positions and counts of the tower's own values far
   # more often than data (a ragged tensor's row splits): picked by position
@@ -690,7 +700,7 @@ def test_integer_rows_picked_by_position_are_refused_where_whole(towers):
       replicated(features, labels, TRAIN, {})
 
 
-@pytest.mark.parametrize("towers", TOWERS)
+@pytest.mark.parametrize("towers", ON_4)
 def test_every_read_of_a_variable_runs_before_its_update(towers):
   # Keras' minimize(loss_fn) builds the loss again inside its tape: the
   # loss the step reports reads the variables apart from the gradients'

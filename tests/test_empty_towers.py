@@ -305,6 +305,13 @@ def _assert_one_device(model, mode, actual):
     harness.assert_close_nests(outcome, expected[size], rtol=RTOL, atol=ATOL)
 
 
+def _cases(kept, cases):
+  """pytest.params of `cases` (tuples), ids their values joined by "-";
+  the default run keeps those in `kept`, the others are `wide`."""
+  return [(pytest.param if case in kept else harness.wide)(
+      *case, id="-".join(map(str, case))) for case in cases]
+
+
 # Each canned model at one tower count (a replicated canned graph takes
 # seconds to build per tower); each count gets a v1 and a v2, a linear and
 # a combined model.
@@ -312,15 +319,22 @@ CANNED_TOWERS = (("linear_v1", 4), ("linear_v2", 2), ("combined_v1", 2),
                  ("combined_v2", 4))
 
 
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("model,num_towers", CANNED_TOWERS)
+# The default run: each model in one mode, every mode, EVAL on 4 towers.
+@pytest.mark.parametrize(
+    "model,num_towers,mode",
+    _cases(
+        {("linear_v1", 4, EVAL), ("linear_v2", 2, TRAIN),
+         ("combined_v1", 2, PREDICT), ("combined_v2", 4, TRAIN)},
+        [(model, n, mode) for model, n in CANNED_TOWERS for mode in MODES]))
 def test_canned_linear_models_match_one_device(model, num_towers, mode):
   actual = _run(model, mode, num_towers, _batch_sizes(num_towers))
   _assert_one_device(model, mode, actual)
 
 
-@pytest.mark.parametrize("num_towers", TOWERS)
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(
+    "mode,num_towers",
+    _cases({(TRAIN, 4), (EVAL, 2), (PREDICT, 4)},
+           [(mode, n) for mode in MODES for n in TOWERS]))
 def test_custom_model_fn_matches_one_device(mode, num_towers):
   actual = _run("custom", mode, num_towers, _batch_sizes(num_towers))
   _assert_one_device("custom", mode, actual)
@@ -329,8 +343,10 @@ def test_custom_model_fn_matches_one_device(mode, num_towers):
       assert state["rows_seen"] == 2 * size  # two steps, no phantom row
 
 
-@pytest.mark.parametrize("size", (1, 3))
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(
+    "mode,size",
+    _cases({(TRAIN, 1), (EVAL, 3), (PREDICT, 1)},
+           [(mode, size) for mode in MODES for size in (1, 3)]))
 def test_static_batches_match_one_device(mode, size):
   """Static shapes: phantom towers are known when the graph is built.
 

@@ -49,6 +49,9 @@ def test_digits_example_trains_on_two_towers(tmp_path):
   assert examples_per_sec > 0, output
 
 
+# README's example is digits.py, above; canned estimators replicated are
+# tested in process (test_testing, test_testing_replicated and others).
+@pytest.mark.wide
 def test_canned_example_trains_a_replicated_canned_estimator(tmp_path):
   result = _run_example(
       tmp_path,

@@ -182,13 +182,16 @@ def _keras_clip_run(clip, canned, num_towers):
   return _train(model_fn, _data(), devices, params={})
 
 
-@pytest.mark.parametrize("clip,canned,num_towers",
-                         [("clipnorm", True, 2),
-                          ("gradient_transform", True, 2),
-                          ("clipnorm", False, 4), ("clipvalue", False, 2),
-                          ("clipvalue", False, 4),
-                          ("global_clipnorm", False, 4),
-                          ("gradient_transform", False, 4)])
+# The default run: each clip once, clipnorm in the canned estimator.
+@pytest.mark.parametrize("clip,canned,num_towers", [
+    ("clipnorm", True, 2),
+    harness.wide("gradient_transform", True, 2),
+    harness.wide("clipnorm", False, 4),
+    harness.wide("clipvalue", False, 2),
+    ("clipvalue", False, 4),
+    ("global_clipnorm", False, 4),
+    ("gradient_transform", False, 4),
+])
 def test_keras_clipping_equals_one_device(clip, canned, num_towers):
   losses, values = _keras_clip_run(clip, canned, num_towers)
   expected_losses, expected = _keras_clip_run(clip, canned, None)
@@ -235,10 +238,12 @@ def _custom_run(optimizer, transform, num_towers):
   return _train(_custom_model_fn(make), _data(), devices, params={})
 
 
-@pytest.mark.parametrize("optimizer,transform,num_towers",
-                         [("adagrad", "global_norm", 2),
-                          ("adagrad", "global_norm", 4), ("adam", "list", 4),
-                          ("momentum", "list", 2)])
+@pytest.mark.parametrize("optimizer,transform,num_towers", [
+    harness.wide("adagrad", "global_norm", 2),
+    ("adagrad", "global_norm", 4),
+    ("adam", "list", 4),
+    ("momentum", "list", 2),
+])
 def test_gradient_transform_equals_one_device(optimizer, transform, num_towers):
   losses, values = _custom_run(optimizer, transform, num_towers)
   expected_losses, expected = _custom_run(optimizer, transform, None)
@@ -270,7 +275,7 @@ def _clip_in_model_fn():
   return Clipping()
 
 
-@pytest.mark.parametrize("num_towers", [2, 4])
+@pytest.mark.parametrize("num_towers", [harness.wide(2), 4])
 def test_clipping_in_the_model_fn_equals_one_device(num_towers):
   """compute_gradients hands every tower the whole batch's gradients."""
   model_fn = _custom_model_fn(_clip_in_model_fn)
@@ -379,10 +384,13 @@ def _loss_scaling_run(scaling, canned, num_towers):
   return _train(_custom_model_fn(make, keras), data, devices, params={})
 
 
-@pytest.mark.parametrize("scaling,canned,num_towers",
-                         [("v1_dynamic", False, 2), ("v1_dynamic", False, 4),
-                          ("keras_dynamic", False, 4),
-                          ("keras_dynamic", True, 2), ("keras_fixed", True, 2)])
+@pytest.mark.parametrize("scaling,canned,num_towers", [
+    harness.wide("v1_dynamic", False, 2),
+    ("v1_dynamic", False, 4),
+    ("keras_dynamic", False, 4),
+    ("keras_dynamic", True, 2),
+    ("keras_fixed", True, 2),
+])
 def test_loss_scaling_equals_one_device(scaling, canned, num_towers):
   losses, values = _loss_scaling_run(scaling, canned, num_towers)
   expected_losses, expected = _loss_scaling_run(scaling, canned, None)

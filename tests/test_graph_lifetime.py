@@ -8,6 +8,7 @@ no longer than the graph, or a long run keeps every graph it ever built.
 """
 
 import gc
+import itertools
 import weakref
 
 import numpy as np
@@ -15,6 +16,7 @@ import pytest
 import tensorflow as tf
 
 import replicate
+from tests import harness
 
 # Built once per test module: each graph must get its own optimizer.
 _LAZY = replicate.TowerOptimizer(
@@ -58,18 +60,31 @@ def _built(devices, fused, lazy):
   return weakref.ref(graph), loss
 
 
-@pytest.mark.parametrize("lazy", [True, False])
-@pytest.mark.parametrize("fused", [True, False])
-@pytest.mark.parametrize(
-    "devices",
-    [
-        None,
-        # Virtual CPUs: the fused layer runs on the concatenated batch.
-        ["/device:CPU:0", "/device:CPU:1"],
-        # GPU names (soft placement on a machine without them): the towers'
-        # moments meet, with written-out gradients.
-        ["/device:GPU:0", "/device:GPU:1"],
-    ])
+DEVICES = [
+    None,
+    # Virtual CPUs: the fused layer runs on the concatenated batch.
+    ["/device:CPU:0", "/device:CPU:1"],
+    # GPU names (soft placement on a machine without them): the towers'
+    # moments meet, with written-out gradients.
+    ["/device:GPU:0", "/device:GPU:1"],
+]
+
+
+def _cases():
+  """Every (devices, fused, lazy); the default run takes each (fused,
+  lazy) on one of DEVICES, in turn from the GPU names; the rest are `wide`."""
+  cases = []
+  for d, devices in enumerate(DEVICES):
+    name = "None" if devices is None else f"devices{d}"
+    for i, (fused,
+            lazy) in enumerate(itertools.product((True, False), (True, False))):
+      kept = d == (len(DEVICES) - 1 - i) % len(DEVICES)
+      case = pytest.param if kept else harness.wide
+      cases.append(case(devices, fused, lazy, id=f"{name}-{fused}-{lazy}"))
+  return cases
+
+
+@pytest.mark.parametrize("devices,fused,lazy", _cases())
 def test_a_dropped_graph_is_freed(devices, fused, lazy):
   graph, loss = _built(devices, fused, lazy)
   gc.collect()

@@ -71,8 +71,12 @@ def _input_fn():
   return tf.data.Dataset.from_tensor_slices(({"maps_input": x}, y)).batch(ROWS)
 
 
-@pytest.mark.parametrize(
-    "wrapped", [True, False], ids=["tower_optimizer", "keras_optimizer"])
+# An unwrapped optimizer in model_to_estimator is also in
+# test_optimizer_routing.py.
+@pytest.mark.parametrize("wrapped", [
+    pytest.param(True, id="tower_optimizer"),
+    harness.wide(False, id="keras_optimizer")
+])
 def test_model_to_estimator_with_batch_norm_is_one_devices(wrapped, tmp_path):
   estimator = _estimator(tmp_path, wrapped)
   summary = replicate.testing.assert_replicates(
@@ -150,13 +154,22 @@ def plain_twice(tmp_path_factory):
 
 
 # Every order with one optimizer; the others (their keys are checked above)
-# resume a replicated run.
-@pytest.mark.parametrize("first,second,optimizer",
-                         [("plain", "replicated", "sgd"),
-                          ("replicated", "replicated", "sgd"),
-                          ("replicated", "plain", "sgd"),
-                          ("replicated", "replicated", "adam"),
-                          ("replicated", "replicated", "v1_adam")])
+# resume a replicated run. The default run keeps the two orders that mix
+# plain and replicated runs (replicated -> replicated combines their save
+# and restore).
+@pytest.mark.parametrize("first,second,optimizer", [
+    ("plain", "replicated", "sgd"),
+    harness.wide(
+        "replicated", "replicated", "sgd", id="replicated-replicated-sgd"),
+    ("replicated", "plain", "sgd"),
+    harness.wide(
+        "replicated", "replicated", "adam", id="replicated-replicated-adam"),
+    harness.wide(
+        "replicated",
+        "replicated",
+        "v1_adam",
+        id="replicated-replicated-v1_adam"),
+])
 def test_training_resumes_from_either_runs_checkpoint(first, second, optimizer,
                                                       plain_twice, tmp_path):
   expected = plain_twice(optimizer)

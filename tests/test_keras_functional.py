@@ -39,6 +39,17 @@ STYLES = [
 ]
 
 
+def _style_shapes():
+  """Every style on every shape; the default run takes each style on one
+  shape, in turn from the dynamic one, the others are `wide` cases."""
+  cases = []
+  for j, (shape, shape_id) in enumerate(zip(SHAPES, SHAPE_IDS)):
+    for i, style in enumerate(STYLES):
+      case = pytest.param if (i + 1) % len(SHAPES) == j else harness.wide
+      cases.append(case(style, *shape, id=f"{style}-{shape_id}"))
+  return cases
+
+
 def _data(batch, steps=STEPS):
   rng = np.random.RandomState(batch)
   n = batch * steps
@@ -169,8 +180,7 @@ def _assert_close(actual, expected):
   np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("towers,batch,static", SHAPES, ids=SHAPE_IDS)
-@pytest.mark.parametrize("style", STYLES)
+@pytest.mark.parametrize("style,towers,batch,static", _style_shapes())
 def test_keras_model_with_batch_norm_trains_as_one_device(
     style, towers, batch, static):
   params = {"style": style}
@@ -187,7 +197,7 @@ def test_keras_model_with_batch_norm_trains_as_one_device(
   assert np.all(np.abs(expected[moving_mean[0]] - 0.2) > 1e-3)
 
 
-@pytest.mark.parametrize("towers", [2, 4])
+@pytest.mark.parametrize("towers", [harness.wide(2), 4])
 def test_functional_model_with_a_keras_optimizer(towers):
   params = {"style": "functional", "optimizer": "keras"}
   expected_losses, expected = _one_device(params, 7, False)
@@ -215,7 +225,7 @@ def _conv_model_fn(features, labels, mode, params):
   return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
 
 
-@pytest.mark.parametrize("towers", [2, 4])
+@pytest.mark.parametrize("towers", [harness.wide(2), 4])
 def test_functional_model_with_fused_batch_norm(towers):
   rng = np.random.RandomState(3)
   data = ({
@@ -232,7 +242,7 @@ def test_functional_model_with_fused_batch_norm(towers):
   assert np.all(np.abs(expected["bn/moving_mean"]) > 1e-3)
 
 
-@pytest.mark.parametrize("towers", [2, 4])
+@pytest.mark.parametrize("towers", [harness.wide(2), 4])
 def test_unsynchronised_functional_model_is_the_layers_own(towers):
   """sync_batch_norm=False: each tower's statistics, as the bare layers'."""
   losses, actual = _train({"style": "functional"},
@@ -252,7 +262,11 @@ def test_unsynchronised_functional_model_is_the_layers_own(towers):
   assert abs(losses[0] - one_device_losses[0]) > 1e-3
 
 
-@pytest.mark.parametrize("towers,batch,static", SHAPES, ids=SHAPE_IDS)
+# The default run takes the dynamic shape.
+@pytest.mark.parametrize(
+    "towers,batch,static",
+    [(harness.wide if shape[2] else pytest.param)(*shape, id=shape_id)
+     for shape, shape_id in zip(SHAPES, SHAPE_IDS)])
 def test_functional_model_evaluates_and_predicts_as_one_device(
     towers, batch, static):
   params = {"style": "functional"}
@@ -332,7 +346,7 @@ def _counter_in_a_cond_model_fn(features, labels, mode, params):
       mode, loss=loss, train_op=train_op, training_hooks=hooks)
 
 
-@pytest.mark.parametrize("towers", [2, 4])
+@pytest.mark.parametrize("towers", [harness.wide(2), 4])
 def test_a_write_in_a_tf_cond_no_fetch_reaches_is_left_alone(towers):
   params = {"fetch": None}
   expected_losses, expected = harness.train(
@@ -371,7 +385,7 @@ def _counts_fetched_by_the_hook(tower_devices):
   return [c["count"] for c in counts]
 
 
-@pytest.mark.parametrize("towers", [2, 4])
+@pytest.mark.parametrize("towers", [harness.wide(2), 4])
 def test_a_write_in_a_tf_cond_a_hook_fetches_is_one_devices(towers):
   # The tf.cond reduces the rows in its branch: it runs once, on the whole
   # batch, when the hook fetches it (once per step, as on one device).
@@ -396,7 +410,7 @@ def _op_layer_model_fn(features, labels, mode, params):
   return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
 
 
-@pytest.mark.parametrize("towers", [2, 4])
+@pytest.mark.parametrize("towers", [harness.wide(2), 4])
 def test_tensorflow_ops_on_keras_tensors_train_as_one_device(towers):
   # These were refused as towers building different models.
   expected_losses, expected = harness.train(_op_layer_model_fn, models.data(),

@@ -15,6 +15,7 @@ import pytest
 import tensorflow as tf
 
 import replicate
+from tests import harness
 
 NUM_IDS, DIM, NUM_CLASSES, BATCH = 12, 4, 3, 10
 
@@ -107,14 +108,27 @@ FORMS = [
 ]
 
 # Each form on 4 towers; the sparse forms (rows of ids split with their
-# indices) on 2 as well.
-TOWERS = {form: (2, 4) if "sparse" in form else (4,) for form in FORMS}
+# indices) on 2 as well. The default run takes the sparse forms' tower
+# counts in turn: safe_sparse_ref on 4, sparse_partitioned_ref on 2.
+SPARSE_DEFAULT_TOWERS = {"safe_sparse_ref": 4, "sparse_partitioned_ref": 2}
 
 
-@pytest.mark.parametrize("form", FORMS)
-def test_lookup_forms_are_one_devices(form):
+def _cases():
+  for form in FORMS:
+    if form not in SPARSE_DEFAULT_TOWERS:
+      yield pytest.param(form, (4,), id=form)
+      continue
+    for num_towers in (2, 4):
+      if num_towers == SPARSE_DEFAULT_TOWERS[form]:
+        yield pytest.param(form, (num_towers,), id=form)
+      else:
+        yield harness.wide(form, (num_towers,), id=f"{form}-{num_towers}")
+
+
+@pytest.mark.parametrize("form,towers", _cases())
+def test_lookup_forms_are_one_devices(form, towers):
   summary = replicate.testing.assert_replicates(
-      _model_fn, _input_fn, towers=TOWERS[form], steps=3, params={"form": form})
-  assert list(summary.towers) == list(TOWERS[form])
+      _model_fn, _input_fn, towers=towers, steps=3, params={"form": form})
+  assert list(summary.towers) == list(towers)
   assert summary.metrics == ["global_step", "loss", "mean_logit"]
   assert summary.predictions == 40

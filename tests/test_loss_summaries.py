@@ -18,6 +18,7 @@ import pytest
 import tensorflow as tf
 
 import replicate
+from tests import harness
 
 STEPS, BATCH = 3, 5
 COLUMNS = [tf.feature_column.numeric_column("x", shape=(2,))]
@@ -167,10 +168,16 @@ def replicated(tmp_path_factory):
 
 
 # Every case on 4 towers (phantom rows in evaluation); on 2 as well the
-# custom model_fn, the v1 head and the summing v2 head.
+# custom model_fn, the v1 head and the summing v2 head. The default run
+# takes each case once: the v1 head and the summing v2 head on 2 towers,
+# the others on 4.
+_ON_2 = ("v1_linear_regressor", "v2_baseline_sum")
+
+
 @pytest.mark.parametrize(
-    "case,num_towers", [(c, 4) for c in sorted(CASES)] +
-    [(c, 2) for c in ("custom", "v1_linear_regressor", "v2_baseline_sum")])
+    "case,num_towers", [(c, 2 if c in _ON_2 else 4) for c in sorted(CASES)] +
+    [harness.wide(c, 4) for c in sorted(CASES) if c in _ON_2] +
+    [harness.wide("custom", 2)])
 def test_loss_summaries_are_one_devices(one_device, replicated, case,
                                         num_towers):
   expected, expected_eval = one_device[case]
@@ -191,7 +198,7 @@ def test_loss_summaries_are_one_devices(one_device, replicated, case,
         actual[tag], expected[tag], rtol=1e-5, atol=1e-6, err_msg=tag)
 
 
-@pytest.mark.parametrize("num_towers", [2, 4])
+@pytest.mark.parametrize("num_towers", [harness.wide(2), 4])
 def test_other_summaries_stay_tower_0s(one_device, replicated, num_towers):
   x = _data()[0]["x"]
   shard = -(-BATCH // num_towers)  # tower 0 holds the larger shards

@@ -48,6 +48,20 @@ def _train(model_fn, num_towers, config=None):
       return harness.run_training(session, spec, STEPS)
 
 
+def _turns(forms, tower_counts=(4, 2)):
+  """Each form on one tower count, the default run's cases, and on the
+  others as `wide` cases. The counts take staggered turns (4, 2, 2, 4, 4,
+  ...), so that both values of a form's last factor meet both counts."""
+  n = len(tower_counts)
+  default = [(*f, tower_counts[(i + i // n) % n]) for i, f in enumerate(forms)]
+  return default + [
+      harness.wide(*f, count)
+      for f in forms
+      for count in tower_counts
+      if (*f, count) not in default
+  ]
+
+
 def _assert_one_device(actual, expected):
   (losses, values), (expected_losses, expected_values) = actual, expected
   np.testing.assert_allclose(losses, expected_losses, rtol=1e-5, atol=1e-6)
@@ -155,9 +169,9 @@ def test_own_method_called_once_outside_and_on_one_tower(call):
   _assert_one_device(one_tower, expected)
 
 
-@pytest.mark.parametrize("num_towers", [2, 4])
-@pytest.mark.parametrize("wrapped", [True, False])
-@pytest.mark.parametrize("call", sorted(OPTIMIZERS))
+@pytest.mark.parametrize(
+    "call,wrapped,num_towers",
+    _turns([(c, w) for c in sorted(OPTIMIZERS) for w in (True, False)]))
 def test_own_method_called_once_in_towers(call, wrapped, num_towers):
   _, expected = _counted_run(call, False, None)
   calls, result = _counted_run(call, wrapped, num_towers)
@@ -165,9 +179,9 @@ def test_own_method_called_once_in_towers(call, wrapped, num_towers):
   _assert_one_device(result, expected)
 
 
-@pytest.mark.parametrize("num_towers", [2, 4])
-@pytest.mark.parametrize("wrapped", [True, False])
-@pytest.mark.parametrize("shared", [True, False])
+@pytest.mark.parametrize(
+    "shared,wrapped,num_towers",
+    _turns([(s, w) for s in (True, False) for w in (True, False)]))
 def test_only_get_updates_gets_the_whole_batch_loss(shared, wrapped,
                                                     num_towers):
   instance = {}
@@ -207,7 +221,7 @@ def _mock_v1_optimizer():
   return optimizer
 
 
-@pytest.mark.parametrize("num_towers", [2, 4])
+@pytest.mark.parametrize("num_towers", [harness.wide(2), 4])
 def test_mock_v1_optimizer(num_towers):
   mocks = []
 
@@ -279,8 +293,8 @@ def _canned_run(name, num_towers):
   return _train(canned.model_fn, num_towers, config=canned.config)
 
 
-@pytest.mark.parametrize("num_towers", [2, 4])
-@pytest.mark.parametrize("name", sorted(CANNED))
+@pytest.mark.parametrize("name,num_towers",
+                         _turns([(n,) for n in sorted(CANNED)]))
 def test_canned_v2_unwrapped_optimizers(name, num_towers):
   expected = _canned_run(name, None)
   result = _canned_run(name, num_towers)
@@ -314,8 +328,7 @@ def _keras_model_fn(wrapped, model_dir):
   return model_fn, estimator.config
 
 
-@pytest.mark.parametrize("num_towers", [2, 4])
-@pytest.mark.parametrize("wrapped", [True, False])
+@pytest.mark.parametrize("wrapped,num_towers", _turns([(True,), (False,)]))
 def test_model_to_estimator(wrapped, num_towers, tmp_path):
   with tf.Graph().as_default():
     model_fn, config = _keras_model_fn(wrapped, tmp_path / "plain")
@@ -387,8 +400,7 @@ def test_gradient_free_trainers_refused(make, name, other_modes):
         assert spec.loss is not None
 
 
-@pytest.mark.parametrize("num_towers", [2, 4])
-@pytest.mark.parametrize("dynamic", [True, False])
+@pytest.mark.parametrize("dynamic,num_towers", _turns([(True,), (False,)]))
 def test_unwrapped_keras_loss_scale_optimizer(dynamic, num_towers):
   # Its get_gradients / apply_gradients are its own (routed overrides).
   def make():
@@ -404,7 +416,7 @@ def test_unwrapped_keras_loss_scale_optimizer(dynamic, num_towers):
       _train(_model_fn(make, "get_updates"), num_towers), expected)
 
 
-@pytest.mark.parametrize("num_towers", [2, 4])
+@pytest.mark.parametrize("num_towers", [harness.wide(2), 4])
 def test_unwrapped_v1_loss_scale_optimizer(num_towers):
   # Its compute_gradients / apply_gradients are its own (routed overrides).
   def make():

@@ -158,17 +158,48 @@ def _assert_same(actual, expected, rtol=1e-5, atol=1e-6):
         actual[1][name], value, rtol=rtol, atol=atol, err_msg=name)
 
 
-_BATCHES = [
-    pytest.param(8, True, id="4+4"),
-    pytest.param(9, True, id="uneven"),
-    pytest.param(9, False, id="dynamic")
-]
+# id: (num_towers, batch, static); the most telling first.
+_SHAPES = {
+    "4-dynamic": (4, 9, False),
+    "4-uneven": (4, 9, True),
+    "2-4+4": (2, 8, True),
+    "2-dynamic": (2, 9, False),
+    "4-4+4": (4, 8, True),
+    "2-uneven": (2, 9, True),
+}
+# id: (num_towers, batch); 3 rows on 4 towers leave one a phantom row.
+_PENALTY_SHAPES = {
+    "4-phantom": (4, 3),
+    "4-uneven": (4, 9),
+    "2-uneven": (2, 9),
+    "2-phantom": (2, 3),
+}
+
+
+def _some(cases, default):
+  """Parameter sets of {id: values}: those of `default` in the default run,
+  the others wide."""
+  return [(pytest.param if key in default else harness.wide)(*values, id=key)
+          for key, values in cases.items()]
+
+
+def _in_turns(shapes, forms, name=lambda shape, form: f"{shape}-{form}"):
+  """Parameter sets of every shape and form ({id: values} each): each form
+  on one shape in the default run, the shapes in turn; the others wide."""
+  cases = []
+  for i, (form, form_values) in enumerate(forms.items()):
+    for j, (shape, shape_values) in enumerate(shapes.items()):
+      make = pytest.param if j == i % len(shapes) else harness.wide
+      cases.append(make(*shape_values, *form_values, id=name(shape, form)))
+  return cases
 
 
 @pytest.mark.parametrize(
-    "wrap_optimizer", [False, True], ids=["unwrapped", "TowerOptimizer"])
-@pytest.mark.parametrize("batch,static", _BATCHES)
-@pytest.mark.parametrize("num_towers", [2, 4])
+    "num_towers,batch,static,wrap_optimizer",
+    _in_turns(_SHAPES, {
+        "unwrapped": (False,),
+        "TowerOptimizer": (True,)
+    }))
 def test_bert_style_gradients_equal_one_device(num_towers, batch, static,
                                                wrap_optimizer):
   model_fn = _bert_model_fn(wrap_optimizer)
@@ -190,8 +221,11 @@ def _plain_model_fn(features, labels, mode, params):
   return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
 
 
-@pytest.mark.parametrize("batch,static", _BATCHES[1:])
-@pytest.mark.parametrize("num_towers", [2, 4])
+@pytest.mark.parametrize(
+    "num_towers,batch,static",
+    _some({
+        k: v for k, v in _SHAPES.items() if "4+4" not in k
+    }, ["4-dynamic"]))
 def test_plain_descent_with_own_gradients_equals_one_device(
     num_towers, batch, static):
   expected = _train(_plain_model_fn, batch, static=static)
@@ -224,9 +258,15 @@ def _penalty_model_fn(of):
   return model_fn
 
 
-@pytest.mark.parametrize("batch", [9, 3], ids=["uneven", "phantom"])
-@pytest.mark.parametrize("of", ["loss", "sum", "per_example"])
-@pytest.mark.parametrize("num_towers", [2, 4])
+@pytest.mark.parametrize(
+    "num_towers,batch,of",
+    _in_turns(
+        _PENALTY_SHAPES, {
+            "loss": ("loss",),
+            "sum": ("sum",),
+            "per_example": ("per_example",)
+        },
+        name=lambda shape, form: shape.replace("-", f"-{form}-")))
 def test_gradient_penalty_on_inputs_equals_one_device(num_towers, of, batch):
   # With 4 towers a batch of 3 leaves one tower a phantom row: its inputs'
   # gradient is zeros, and nothing of it reaches the result.
@@ -248,8 +288,8 @@ def _saliency_model_fn(features, labels, mode, params):
       })
 
 
-@pytest.mark.parametrize("batch,static", _BATCHES)
-@pytest.mark.parametrize("num_towers", [2, 4])
+@pytest.mark.parametrize("num_towers,batch,static",
+                         _some(_SHAPES, ["4-dynamic", "2-uneven"]))
 def test_saliency_in_predict_equals_one_device(num_towers, batch, static):
   features = _data(batch, steps=1)[0]
   expected = harness.predict(
@@ -283,8 +323,14 @@ def _sum_model_fn(grad_ys):
 
 
 @pytest.mark.parametrize(
-    "grad_ys", [False, True], ids=["whole_batch", "shares_summed"])
-@pytest.mark.parametrize("num_towers", [2, 4])
+    "num_towers,grad_ys",
+    _in_turns({
+        "4": (4,),
+        "2": (2,)
+    }, {
+        "whole_batch": (False,),
+        "shares_summed": (True,)
+    }))
 def test_sum_reduction_equals_one_device(num_towers, grad_ys):
   model_fn = _sum_model_fn(grad_ys)
   expected = _train(model_fn, 9, reduction=Reduction.SUM)
@@ -309,7 +355,7 @@ def _descent_model_fn(gradients):
   return model_fn
 
 
-@pytest.mark.parametrize("num_towers", [2, 4])
+@pytest.mark.parametrize("num_towers", [harness.wide(2, id="2"), 4])
 def test_gradients_with_grad_ys_equal_one_devices(num_towers):
   # grad_ys scales what is differentiated: one device's loss, once.
   model_fn = _descent_model_fn(lambda tape, loss, tvars: tf.gradients(
@@ -385,9 +431,12 @@ def _tape_model_fn(optimizer):
   return model_fn
 
 
-@pytest.mark.parametrize("optimizer", ["v1", "keras"])
-@pytest.mark.parametrize("batch,static", _BATCHES)
-@pytest.mark.parametrize("num_towers", [2, 4])
+@pytest.mark.parametrize(
+    "num_towers,batch,static,optimizer",
+    _in_turns(_SHAPES, {
+        "v1": ("v1",),
+        "keras": ("keras",)
+    }))
 def test_gradient_tape_gradients_equal_one_device(num_towers, batch, static,
                                                   optimizer):
   model_fn = _tape_model_fn(optimizer)
@@ -421,8 +470,8 @@ def _tape_penalty_model_fn(features, labels, mode, params):
   return tf.estimator.EstimatorSpec(mode, loss=total, train_op=train_op)
 
 
-@pytest.mark.parametrize("batch", [9, 3], ids=["uneven", "phantom"])
-@pytest.mark.parametrize("num_towers", [2, 4])
+@pytest.mark.parametrize("num_towers,batch",
+                         _some(_PENALTY_SHAPES, ["4-phantom"]))
 def test_gradient_tape_penalty_on_inputs_equals_one_device(num_towers, batch):
   expected = _train(_tape_penalty_model_fn, batch)
   _assert_same(_train(_tape_penalty_model_fn, batch, num_towers), expected)

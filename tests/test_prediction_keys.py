@@ -94,8 +94,9 @@ def test_ordinary_keys_keep_their_names_others_get_valid_ones():
   assert specs.concat_name(("head", 2)) == "concat_head_2"
 
 
-@pytest.mark.parametrize("num_towers", [2, 4])
-@pytest.mark.parametrize("static", [True, False])
+@pytest.mark.parametrize("static,num_towers", [(True, 2), (False, 4),
+                                               harness.wide(True, 4),
+                                               harness.wide(False, 2)])
 def test_predictions_and_export_outputs_with_odd_keys(num_towers, static):
   """Batches of 7 on 2 and 4 towers: shards of 4+3 and 2+2+2+1."""
   features, _ = _data()
@@ -111,7 +112,7 @@ def test_predictions_and_export_outputs_with_odd_keys(num_towers, static):
   assert set(actual[0][0]) == set(KEYS)
 
 
-@pytest.mark.parametrize("num_towers", [2, 4])
+@pytest.mark.parametrize("num_towers", [harness.wide(2), 4])
 def test_train_and_eval_with_odd_prediction_keys(num_towers):
   data = _data()
   devices = harness.devices(harness.VIRTUAL_CPUS, num_towers)

@@ -10,6 +10,7 @@ tower 0 only (the former rule) still works.
 
 from absl.testing import parameterized
 import numpy as np
+import pytest
 import tensorflow as tf
 
 import replicate
@@ -58,6 +59,26 @@ def _spec(mode, loss):
   return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
 
 
+def _turns(cases):
+  """(default, wide): each case (a dict of parameters) on 4 and 2 towers;
+  the default run takes a case on one count, in staggered turns from 4."""
+  default, wide = [], []
+  for i, case in enumerate(cases):
+    for j, num_towers in enumerate((4, 2)):
+      kept = j == (i + i // 2) % 2
+      (default if kept else wide).append(dict(case, num_towers=num_towers))
+  return default, wide
+
+
+_AVERAGING = _turns([
+    dict(layers=layers, reduction=reduction)
+    for layers in ("v1", "keras")
+    for reduction in (Reduction.MEAN, Reduction.SUM_BY_NONZERO_WEIGHTS)
+])
+_SUM = _turns([dict(layers=layers) for layers in ("v1", "keras", "total_loss")])
+_HEAD = _turns([dict(reduction=r) for r in ("sum", "sum_over_batch_size")])
+
+
 def _train(num_towers, layers, reduction, every_tower):
   tower_devices = (None if num_towers == 1 else harness.devices(
       harness.VIRTUAL_CPUS, num_towers))
@@ -73,19 +94,30 @@ def _train(num_towers, layers, reduction, every_tower):
 
 class RegularizationTest(parameterized.TestCase):
 
-  @parameterized.product(
-      num_towers=[2, 4],
-      layers=["v1", "keras"],
-      reduction=[Reduction.MEAN, Reduction.SUM_BY_NONZERO_WEIGHTS])
-  def test_averaging_reduction_counts_the_penalty_once(self, num_towers, layers,
-                                                       reduction):
+  @parameterized.parameters(*_AVERAGING[0])
+  def test_averaging_reduction_counts_the_penalty_once(self, **case):
+    self._check_averaging(**case)
+
+  @parameterized.parameters(*_AVERAGING[1])
+  @pytest.mark.wide
+  def test_averaging_reduction_counts_the_penalty_once_wide(self, **case):
+    self._check_averaging(**case)
+
+  def _check_averaging(self, num_towers, layers, reduction):
     expected = _train(1, layers, reduction, every_tower=True)
     actual = _train(num_towers, layers, reduction, every_tower=True)
     harness.assert_close_nests(actual, expected)
 
-  @parameterized.product(
-      num_towers=[2, 4], layers=["v1", "keras", "total_loss"])
-  def test_sum_counts_the_penalty_once(self, num_towers, layers):
+  @parameterized.parameters(*_SUM[0])
+  def test_sum_counts_the_penalty_once(self, **case):
+    self._check_sum(**case)
+
+  @parameterized.parameters(*_SUM[1])
+  @pytest.mark.wide
+  def test_sum_counts_the_penalty_once_wide(self, **case):
+    self._check_sum(**case)
+
+  def _check_sum(self, num_towers, layers):
     expected = _train(1, layers, Reduction.SUM, every_tower=True)
     actual = _train(num_towers, layers, Reduction.SUM, every_tower=True)
     harness.assert_close_nests(actual, expected)
@@ -117,9 +149,16 @@ class HeadRegularizationTest(parameterized.TestCase):
   """Eval loss, the head's metrics ('regularization_loss' too) and training
   of a v2 head with regularization_losses, 7 rows (uneven) per batch."""
 
-  @parameterized.product(
-      num_towers=[2, 4], reduction=["sum", "sum_over_batch_size"])
-  def test_train_and_eval_match_one_device(self, num_towers, reduction):
+  @parameterized.parameters(*_HEAD[0])
+  def test_train_and_eval_match_one_device(self, **case):
+    self._check_head(**case)
+
+  @parameterized.parameters(*_HEAD[1])
+  @pytest.mark.wide
+  def test_train_and_eval_match_one_device_wide(self, **case):
+    self._check_head(**case)
+
+  def _check_head(self, num_towers, reduction):
     rng = np.random.RandomState(2)
     data = ({
         "x": rng.randn(14, 3).astype(np.float32)

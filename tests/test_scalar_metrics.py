@@ -16,6 +16,7 @@ import pytest
 import tensorflow as tf
 
 import replicate
+from tests import harness
 
 NUM_EXAMPLES, BATCH = 7, 5
 EVAL = tf.estimator.ModeKeys.EVAL
@@ -112,11 +113,16 @@ SUM = tf.keras.losses.Reduction.SUM
 MEAN = tf.keras.losses.Reduction.SUM_OVER_BATCH_SIZE
 
 
-@pytest.mark.parametrize("num_towers", [2, 4])
-@pytest.mark.parametrize("model_fn, reduction",
-                         [(_scalar_metrics_model_fn, None),
-                          (_multi_head_model_fn, MEAN),
-                          (_multi_head_model_fn, SUM)])
+# The default run: the averaging heads on 4 towers (phantom rows), the
+# summing ones on 2.
+@pytest.mark.parametrize("model_fn, reduction, num_towers", [
+    (_scalar_metrics_model_fn, None, 4),
+    (_multi_head_model_fn, MEAN, 4),
+    (_multi_head_model_fn, SUM, 2),
+    harness.wide(_scalar_metrics_model_fn, None, 2),
+    harness.wide(_multi_head_model_fn, MEAN, 2),
+    harness.wide(_multi_head_model_fn, SUM, 4),
+])
 def test_metrics_of_per_batch_scalars_are_one_devices(model_fn, reduction,
                                                       num_towers):
   expected = _evaluate(model_fn, None, reduction)
@@ -144,7 +150,7 @@ def _max_model_fn(features, labels, mode):
       })
 
 
-@pytest.mark.parametrize("num_towers", [2, 4])
+@pytest.mark.parametrize("num_towers", [harness.wide(2), 4])
 def test_metric_of_per_batch_maximum_is_one_devices(num_towers):
   # The batch's maximum is the whole batch's in every tower.
   expected = _evaluate(_max_model_fn, None)
@@ -180,7 +186,7 @@ def _loss_through_a_reduction_model_fn(features, labels, mode):
       })
 
 
-@pytest.mark.parametrize("num_towers", [2, 4])
+@pytest.mark.parametrize("num_towers", [harness.wide(2), 4])
 def test_loss_computed_through_a_reduction_stays_the_models(num_towers):
   expected = _evaluate(_loss_through_a_reduction_model_fn, None)
   actual = _evaluate(_loss_through_a_reduction_model_fn, num_towers)

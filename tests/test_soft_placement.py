@@ -142,10 +142,18 @@ LOOKUPS = [
 ]
 
 # Each lookup on 2 and on 4 towers, the placements swapped by turns: every
-# layout meets two lookups.
-_LOOKUP_LAYOUTS = [(lookup,) + layout
-                   for index, lookup in enumerate(LOOKUPS)
-                   for layout in (LAYOUTS[index % 2], LAYOUTS[3 - index % 2])]
+# layout meets two lookups. The default run keeps one case of each lookup,
+# the first two on 4 towers, the others on 2: every layout meets one.
+_LOOKUP_LAYOUTS = [
+    (pytest.param if (towers == 4) == (index < 2) else harness.wide)(
+        lookup,
+        towers,
+        placement,
+        batch,
+        id=f"{lookup}-{towers}-{placement}-{batch}")
+    for index, lookup in enumerate(LOOKUPS)
+    for towers, placement, batch in (LAYOUTS[index % 2], LAYOUTS[3 - index % 2])
+]
 
 
 @pytest.mark.parametrize("lookup,towers,placement,batch", _LOOKUP_LAYOUTS)
@@ -159,8 +167,12 @@ def test_lookups_place_without_soft_placement_with_one_devices_values(
 
 # A loop (keras_lstm) is left out, as for ROUND_ROBIN below: its body's ops
 # were placed on tower 0's device when it was built, and only soft
-# placement moves them to the copy its tower reads.
-@pytest.mark.parametrize("lookup", LOOKUPS)
+# placement moves them to the copy its tower reads. The default run keeps a
+# reference variable's lookup and a feature column's.
+@pytest.mark.parametrize("lookup", [
+    harness.wide("gather_resource"), "embedding_lookup_ref",
+    harness.wide("keras_embedding"), "embedding_column"
+])
 def test_mirrored_places_without_soft_placement_with_one_devices_values(lookup):
   # 10 rows on 3 towers: shards of 4, 3 and 3.
   expected = _run(lookup, None, None, 10)
@@ -172,7 +184,7 @@ def test_mirrored_places_without_soft_placement_with_one_devices_values(lookup):
 # ROUND_ROBIN is left out: the gradient of a loop reading variables on
 # several devices colocates their shapes with the loop (TensorFlow's zeros
 # for the loop's resource outputs), which only soft placement can place.
-@pytest.mark.parametrize("towers,batch", [(2, 8), (4, 10)])
+@pytest.mark.parametrize("towers,batch", [harness.wide(2, 8), (4, 10)])
 def test_a_loop_over_shared_variables_places_without_soft_placement(
     towers, batch):
   expected = _run("keras_lstm", None, None, batch)
@@ -244,9 +256,14 @@ def model_dirs(tmp_path_factory):
       lambda *run: str(tmp_path_factory.mktemp("_".join(map(str, run)))))
 
 
-@pytest.mark.parametrize("towers,placement", [(2, "shared"),
-                                              (4, "round_robin")])
-@pytest.mark.parametrize("canned", sorted(CANNED))
+# The default run keeps the linear model (its summary's cond over variables)
+# round robin; the DNN's embedding column is in the lookups' cases above.
+@pytest.mark.parametrize(
+    "canned,towers,placement",
+    [(pytest.param if (canned, towers) == ("linear", 4) else harness.wide)(
+        canned, towers, placement, id=f"{canned}-{towers}-{placement}")
+     for canned in sorted(CANNED)
+     for towers, placement in [(2, "shared"), (4, "round_robin")]])
 def test_canned_categorical_models_place_without_soft_placement(
     canned, towers, placement, model_dirs):
   expected = _canned_run(canned, None, None, model_dirs(canned))

@@ -111,6 +111,27 @@ _SHAPES = (dict(num_towers=2, batch=8,
                 static=False), dict(num_towers=4, batch=8, static=True))
 
 
+def _in_turns(forms, shapes=_SHAPES, start=0):
+  """(default, wide) cases: each form on one shape, the shapes in turn; and
+  every other combination."""
+  default, wide = [], []
+  for i, form in enumerate(forms):
+    for j, shape in enumerate(shapes):
+      turn = j == (i + start) % len(shapes)
+      (default if turn else wide).append({**shape, **form})
+  return default, wide
+
+
+_BATCH_NORM_CASES = _in_turns([
+    dict(layers=layers, fused=fused)
+    for layers in ("v1", "keras")
+    for fused in (False, True)
+])
+_SYNCHRONISED_CASES = _in_turns(
+    [dict(fused=False), dict(fused=True)],
+    [dict(num_towers=4), dict(num_towers=2)])
+
+
 def _four_d(x):
   """[B, 5] -> [B, 2, 2, 5]: four values per row and channel (fused kernels)."""
   return tf.reshape(tf.concat([x, x * x, 0.5 * x, 1.0 - x], 1), [-1, 2, 2, 5])
@@ -161,9 +182,21 @@ def _expected_moving_statistics(num_towers, batch, steps, fused=False):
 
 class BatchNormTest(parameterized.TestCase):
 
-  @parameterized.product(_SHAPES, layers=("v1", "keras"), fused=(False, True))
+  @parameterized.parameters(*_BATCH_NORM_CASES[0])
   def test_moving_statistics_are_one_devices(self, num_towers, batch, static,
                                              layers, fused):
+    self._assert_moving_statistics_are_one_devices(num_towers, batch, static,
+                                                   layers, fused)
+
+  @parameterized.parameters(*_BATCH_NORM_CASES[1])
+  @pytest.mark.wide
+  def test_moving_statistics_are_one_devices_wide(self, num_towers, batch,
+                                                  static, layers, fused):
+    self._assert_moving_statistics_are_one_devices(num_towers, batch, static,
+                                                   layers, fused)
+
+  def _assert_moving_statistics_are_one_devices(self, num_towers, batch, static,
+                                                layers, fused):
     steps = 3
     params = {"layers": layers, "fused": fused}
     _, values = harness.train(
@@ -190,9 +223,18 @@ class BatchNormTest(parameterized.TestCase):
                expected["bn/moving_variance"]).max(), 1e-2)
     self.assertEqual(sorted(values), sorted(plain))  # same variables, names
 
-  @parameterized.product(fused=(False, True), num_towers=(2, 4))
+  @parameterized.parameters(*_SYNCHRONISED_CASES[0])
   def test_synchronised_moving_statistics_are_tower_zeros_writes(
       self, fused, num_towers):
+    self._assert_synchronised_statistics_are_tower_zeros(fused, num_towers)
+
+  @parameterized.parameters(*_SYNCHRONISED_CASES[1])
+  @pytest.mark.wide
+  def test_synchronised_moving_statistics_are_tower_zeros_writes_wide(
+      self, fused, num_towers):
+    self._assert_synchronised_statistics_are_tower_zeros(fused, num_towers)
+
+  def _assert_synchronised_statistics_are_tower_zeros(self, fused, num_towers):
     # Every tower writes the hub's statistics: nothing to combine. Per-tower
     # statistics are combined (weighted means, between-shard variance).
     params = {"layers": "keras", "fused": fused}
@@ -275,11 +317,26 @@ def _ref_average(weight):
   return tf.compat.v1.assign(shadow, 0.5 * shadow + 0.5 * weight)
 
 
+_EMA_CASES = _in_turns([dict(resource=True), dict(resource=False)])
+
+
 class AfterTrainOpTest(parameterized.TestCase):
 
-  @parameterized.product(_SHAPES, resource=(True, False))
+  @parameterized.parameters(*_EMA_CASES[0])
   def test_ema_shadows_equal_one_device_run_after_run(self, num_towers, batch,
                                                       static, resource):
+    self._assert_ema_shadows_equal_one_device(num_towers, batch, static,
+                                              resource)
+
+  @parameterized.parameters(*_EMA_CASES[1])
+  @pytest.mark.wide
+  def test_ema_shadows_equal_one_device_run_after_run_wide(
+      self, num_towers, batch, static, resource):
+    self._assert_ema_shadows_equal_one_device(num_towers, batch, static,
+                                              resource)
+
+  def _assert_ema_shadows_equal_one_device(self, num_towers, batch, static,
+                                           resource):
     params = {"resource": resource}
     values, expected = _assert_equal_to_one_device(_ema_model_fn, num_towers,
                                                    batch, 4, static, params)
@@ -299,9 +356,18 @@ class AfterTrainOpTest(parameterized.TestCase):
     for name in values:
       np.testing.assert_array_equal(again[name], values[name], err_msg=name)
 
-  @parameterized.parameters(2, 4)
+  @parameterized.parameters((4,))
   def test_global_step_incremented_by_hand_advances_once_per_step(
       self, num_towers):
+    self._assert_global_step_advances_once_per_step(num_towers)
+
+  @parameterized.parameters((2,))
+  @pytest.mark.wide
+  def test_global_step_incremented_by_hand_advances_once_per_step_wide(
+      self, num_towers):
+    self._assert_global_step_advances_once_per_step(num_towers)
+
+  def _assert_global_step_advances_once_per_step(self, num_towers):
 
     def model_fn(features, labels, mode, params):
       del params
@@ -404,11 +470,33 @@ def _shard_size_counter_model_fn(features, labels, mode, params):
   return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
 
 
+# The shapes AfterTrainOpTest's default cases leave out.
+_COUNTING_CASES = _in_turns(
+    [dict(resource=True), dict(resource=False)], start=2)
+_SHARD_SIZE_CASES = _in_turns(
+    [dict(size="shape"), dict(size="size")], [
+        dict(num_towers=4, static=True),
+        dict(num_towers=2, static=False),
+        dict(num_towers=4, static=False),
+        dict(num_towers=2, static=True)
+    ])
+
+
 class AggregationTest(parameterized.TestCase):
 
-  @parameterized.product(_SHAPES, resource=(True, False))
+  @parameterized.parameters(*_COUNTING_CASES[0])
   def test_sum_mean_and_none_writes_equal_one_device(self, num_towers, batch,
                                                      static, resource):
+    self._assert_counters_equal_one_device(num_towers, batch, static, resource)
+
+  @parameterized.parameters(*_COUNTING_CASES[1])
+  @pytest.mark.wide
+  def test_sum_mean_and_none_writes_equal_one_device_wide(
+      self, num_towers, batch, static, resource):
+    self._assert_counters_equal_one_device(num_towers, batch, static, resource)
+
+  def _assert_counters_equal_one_device(self, num_towers, batch, static,
+                                        resource):
     steps = 3
     values, _ = _assert_equal_to_one_device(_counting_model_fn, num_towers,
                                             batch, steps, static,
@@ -474,10 +562,18 @@ class AggregationTest(parameterized.TestCase):
         model_fn, DATA, 8, 2, tower_devices=_towers(2), static=False)
     self.assertEqual(values["examples_seen"], 16)
 
-  @parameterized.product(
-      num_towers=(2, 4), static=(True, False), size=("shape", "size"))
+  @parameterized.parameters(*_SHARD_SIZE_CASES[0])
   def test_none_counter_fed_the_shard_size_is_one_devices(
       self, num_towers, static, size):
+    self._assert_none_counter_fed_the_shard_size(num_towers, static, size)
+
+  @parameterized.parameters(*_SHARD_SIZE_CASES[1])
+  @pytest.mark.wide
+  def test_none_counter_fed_the_shard_size_is_one_devices_wide(
+      self, num_towers, static, size):
+    self._assert_none_counter_fed_the_shard_size(num_towers, static, size)
+
+  def _assert_none_counter_fed_the_shard_size(self, num_towers, static, size):
     # tf.shape() / tf.size() read as values are the whole batch's (with a
     # static batch too: they are not folded into a shard's constant).
     values, _ = _assert_equal_to_one_device(_shard_size_counter_model_fn,
@@ -487,9 +583,18 @@ class AggregationTest(parameterized.TestCase):
                                             })
     self.assertEqual(values["examples_seen"], 8)
 
-  @parameterized.parameters(*_SHAPES)
+  @parameterized.parameters([_SHAPES[1]])  # uneven, dynamic, 4 towers
   def test_counter_fed_the_shard_size_declared_sum_is_one_devices(
       self, num_towers, batch, static):
+    self._assert_declared_sum_counter(num_towers, batch, static)
+
+  @parameterized.parameters(_SHAPES[0], *_SHAPES[2:])
+  @pytest.mark.wide
+  def test_counter_fed_the_shard_size_declared_sum_is_one_devices_wide(
+      self, num_towers, batch, static):
+    self._assert_declared_sum_counter(num_towers, batch, static)
+
+  def _assert_declared_sum_counter(self, num_towers, batch, static):
     steps = 2
     for size in ("shape", "size"):
       values, _ = _assert_equal_to_one_device(_shard_size_counter_model_fn,
@@ -614,9 +719,18 @@ class InitFromCheckpointTest(parameterized.TestCase):
         ]
         return initial, losses, session.run(kernel)
 
-  @parameterized.parameters(2, 4)
+  @parameterized.parameters((4,))
   def test_towers_start_from_the_checkpoint_and_train_like_one_device(
       self, num_towers):
+    self._assert_towers_start_from_the_checkpoint(num_towers)
+
+  @parameterized.parameters((2,))
+  @pytest.mark.wide
+  def test_towers_start_from_the_checkpoint_and_train_like_one_device_wide(
+      self, num_towers):
+    self._assert_towers_start_from_the_checkpoint(num_towers)
+
+  def _assert_towers_start_from_the_checkpoint(self, num_towers):
     initial, losses, trained = self._train(_towers(num_towers))
     np.testing.assert_array_equal(initial, self.kernel)
     _, expected_losses, expected = self._train(None)

@@ -13,6 +13,7 @@ import tempfile
 
 from absl.testing import parameterized
 import numpy as np
+import pytest
 import tensorflow as tf
 
 import replicate
@@ -155,25 +156,48 @@ def _batches(num_towers):
       })
 
 
-def _grid():
+# The grid's cases the default run keeps: one tower; on 2, 3 and 4 towers
+# an empty tower (B < N; static and dynamic on 4) and 3N+1 rows (shards of
+# three and four); every remainder of B mod 4; every reduction. The others
+# are `wide`.
+DEFAULT_GRID = frozenset([
+    "B4_N1_dynamic", "B1_N2_dynamic", "B7_N2_dynamic", "B2_N3_dynamic",
+    "B5_N3_static", "B10_N3_dynamic", "B2_N4_static", "B3_N4_dynamic",
+    "B4_N4_static", "B13_N4_dynamic"
+])
+
+
+def _grid(wide):
+  """The grid's cases outside DEFAULT_GRID if `wide`, else those in it."""
   reductions = itertools.cycle(REDUCTIONS)
   for num_towers in (1, 2, 3, 4):
     for batch in _batches(num_towers):
       static = (batch + num_towers) % 2 == 0
-      yield dict(
-          testcase_name=f"B{batch}_N{num_towers}_"
-          f"{'static' if static else 'dynamic'}",
-          num_towers=num_towers,
-          batch=batch,
-          static=static,
-          reduction=next(reductions))
+      name = f"B{batch}_N{num_towers}_{'static' if static else 'dynamic'}"
+      reduction = next(reductions)
+      if (name not in DEFAULT_GRID) == wide:
+        yield dict(
+            testcase_name=name,
+            num_towers=num_towers,
+            batch=batch,
+            static=static,
+            reduction=reduction)
 
 
 class UnevenBatchTest(parameterized.TestCase):
 
-  @parameterized.named_parameters(*_grid())
+  @parameterized.named_parameters(*_grid(wide=False))
   def test_train_eval_predict_match_one_device(self, num_towers, batch, static,
                                                reduction):
+    self._assert_matches_one_device(num_towers, batch, static, reduction)
+
+  @parameterized.named_parameters(*_grid(wide=True))
+  @pytest.mark.wide
+  def test_train_eval_predict_match_one_device_wide(self, num_towers, batch,
+                                                    static, reduction):
+    self._assert_matches_one_device(num_towers, batch, static, reduction)
+
+  def _assert_matches_one_device(self, num_towers, batch, static, reduction):
     devices = harness.devices(harness.VIRTUAL_CPUS, num_towers)
     for mode in (tf.estimator.ModeKeys.TRAIN, tf.estimator.ModeKeys.EVAL):
       expected = _single_device(mode, batch, reduction, static)
@@ -267,8 +291,15 @@ class WeightedLossTest(parameterized.TestCase):
 
 class EstimatorUnevenTest(parameterized.TestCase):
 
-  @parameterized.parameters(3, 4)
-  def test_numpy_input_evaluate_and_predict_match_one_device(self, num_towers):
+  def test_numpy_input_evaluate_and_predict_match_one_device(self):
+    # 4 towers: the last batch (3 of 23 rows at 5 a batch) leaves one empty.
+    self._assert_numpy_input_matches_one_device(4)
+
+  @pytest.mark.wide
+  def test_numpy_input_evaluate_and_predict_match_one_device_on_3(self):
+    self._assert_numpy_input_matches_one_device(3)
+
+  def _assert_numpy_input_matches_one_device(self, num_towers):
     features, labels = _examples(23)
     features = {"x": features["x"], "row": features["row"]}
     labels = labels["class"]
@@ -348,12 +379,29 @@ def _float64_model_fn(features, labels, mode, params):
       train_op=optimizer.minimize(loss, tf.compat.v1.train.get_global_step()))
 
 
+# (num_towers, static, loss): each loss on one of the product's (towers,
+# static) pairs; the product's others are `wide`.
+FLOAT64_DEFAULT = ((2, True, "reduce_mean"), (4, False, "keras"))
+
+
 class Float64UnevenTest(parameterized.TestCase):
   """The towers' shares are float64-exact: 7 rows on 2 and 4 towers."""
 
-  @parameterized.product(
-      num_towers=[2, 4], static=[True, False], loss=["reduce_mean", "keras"])
+  @parameterized.parameters(*FLOAT64_DEFAULT)
   def test_match_one_device_to_float64_rounding(self, num_towers, static, loss):
+    self._assert_matches_to_float64_rounding(num_towers, static, loss)
+
+  @parameterized.parameters(*[
+      case for case in itertools.product([2, 4], [True, False],
+                                         ["reduce_mean", "keras"])
+      if case not in FLOAT64_DEFAULT
+  ])
+  @pytest.mark.wide
+  def test_match_one_device_to_float64_rounding_wide(self, num_towers, static,
+                                                     loss):
+    self._assert_matches_to_float64_rounding(num_towers, static, loss)
+
+  def _assert_matches_to_float64_rounding(self, num_towers, static, loss):
     rng = np.random.RandomState(4)
     data = ({"x": rng.randn(14, 2)}, rng.randn(14, 1))
     run = functools.partial(

@@ -101,7 +101,7 @@ def warm_checkpoint(tmp_path_factory):
   return str(model_dir)
 
 
-@pytest.mark.parametrize("num_towers", [1, 2, 4])
+@pytest.mark.parametrize("num_towers", [harness.wide(1), harness.wide(2), 4])
 def test_canned_warm_start_from_is_kept(warm_checkpoint, num_towers, tmp_path):
   _dnn(tmp_path / "plain", 1, warm_checkpoint).train(_input_fn, steps=STEPS)
   _replicated(_dnn(tmp_path / "towers", 1, warm_checkpoint), num_towers).train(
@@ -155,7 +155,7 @@ def _keras_estimator(model_dir):
         keras_model=model, config=_config(model_dir, seed=1))
 
 
-@pytest.mark.parametrize("num_towers", [1, 2])
+@pytest.mark.parametrize("num_towers", [harness.wide(1), 2])
 def test_keras_model_weights_are_the_start(num_towers, tmp_path):
   _keras_estimator(tmp_path / "plain").train(_input_fn, steps=STEPS)
   _replicated(_keras_estimator(tmp_path / "towers"), num_towers).train(

@@ -40,6 +40,26 @@ def _shape_ids(shapes):
 SHAPE_IDS = _shape_ids(SHAPES)
 
 
+def _cases(forms, form_ids, shapes, kept):
+  """pytest.params of every form on every shape, ids `form-shape`.
+
+  A form is one value or a tuple of values. The default run keeps the
+  (form index, shape index) pairs in `kept`; the other cases are `wide`.
+  """
+  for i, (form, form_id) in enumerate(zip(forms, form_ids)):
+    values = form if isinstance(form, tuple) else (form,)
+    for j, (shape, shape_id) in enumerate(zip(shapes, _shape_ids(shapes))):
+      param = pytest.param if (i, j) in kept else harness.wide
+      yield param(*values, *shape, id=f"{form_id}-{shape_id}")
+
+
+def _in_turns(forms, form_ids, shapes, first=0):
+  """_cases keeping each form on one shape, the shapes taken in turn from
+  `shapes[first]`, so that each shape meets a form if there are enough."""
+  kept = {(i, (i + first) % len(shapes)) for i in range(len(forms))}
+  return list(_cases(forms, form_ids, shapes, kept))
+
+
 def _data(batch, num_batches=STEPS, image=False):
   """Rows, labels, a mask far from proportional to the shards, row positions.
 
@@ -138,8 +158,12 @@ def _masked_model_fn(features, labels, mode, params):
   return _spec(mode, loss)
 
 
-@pytest.mark.parametrize("towers,batch,static", SHAPES, ids=SHAPE_IDS)
-@pytest.mark.parametrize("kind", ["nonzero", "mean", "nonzero+l2", "batch_sum"])
+MASKED_LOSSES = ["nonzero", "mean", "nonzero+l2", "batch_sum"]
+
+
+# From SHAPES[1]: the even 2-tower split is left to the wide run.
+@pytest.mark.parametrize("kind,towers,batch,static",
+                         _in_turns(MASKED_LOSSES, MASKED_LOSSES, SHAPES, 1))
 def test_masked_losses_are_one_devices(kind, towers, batch, static):
   reduction = Reduction.SUM if kind == "batch_sum" else (
       Reduction.SUM_BY_NONZERO_WEIGHTS)
@@ -199,10 +223,13 @@ def _normalised_model_fn(features, labels, mode, params):
                tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits))
 
 
-@pytest.mark.parametrize("towers,batch,static", SHAPES, ids=SHAPE_IDS)
+# In-batch negatives with an empty tower (its phantom row is no one's
+# negative), the hand-made normalisation on uneven shards.
 @pytest.mark.parametrize(
-    "model_fn", [_contrastive_model_fn, _normalised_model_fn],
-    ids=["contrastive", "normalised"])
+    "model_fn,towers,batch,static",
+    list(
+        _cases([_contrastive_model_fn, _normalised_model_fn],
+               ["contrastive", "normalised"], SHAPES, {(0, 4), (1, 1)})))
 def test_batch_sum_and_concat_models_are_one_devices(model_fn, towers, batch,
                                                      static):
   _assert_one_devices(model_fn, towers, batch, static)
@@ -319,15 +346,18 @@ def _rotated(forms, ids):
   """Each form's cases: three of SHAPES.
 
   The last (4 towers, 3 rows: an empty tower) for every form, and two of
-  the others in turn, so that every shape meets several forms.
+  the others in turn, so that every shape meets several forms. The default
+  run keeps one of each form's three, in turn: every shape meets a form.
   """
   rest = SHAPES[:-1]
   for index, (form, form_id) in enumerate(zip(forms, ids)):
     shapes = [
         rest[index % len(rest)], rest[(index + 1) % len(rest)], SHAPES[-1]
     ]
-    for shape, shape_id in zip(shapes, _shape_ids(shapes)):
-      yield pytest.param(form, *shape, id=f"{form_id}-{shape_id}")
+    for position, (shape,
+                   shape_id) in enumerate(zip(shapes, _shape_ids(shapes))):
+      param = pytest.param if position == index % 3 else harness.wide
+      yield param(form, *shape, id=f"{form_id}-{shape_id}")
 
 
 @pytest.mark.parametrize(
@@ -527,7 +557,9 @@ def _through_the_hub_cases():
   """Each fused form on the static phantom row and two of SHAPES, in turn.
 
   As in the tests above (the concatenating route), every shape meets
-  several forms rather than all of them: the layers share their code.
+  several forms rather than all of them: the layers share their code. The
+  default run keeps one case of each form: the first forms on SHAPES in
+  turn, the others on the static phantom row.
   """
   for index, ((kind, params),
               form_id) in enumerate(zip(FUSED_FORMS, FUSED_FORM_IDS)):
@@ -535,8 +567,11 @@ def _through_the_hub_cases():
         STATIC_PHANTOM, SHAPES[index % len(SHAPES)],
         SHAPES[(index + 2) % len(SHAPES)]
     ]
-    for shape, shape_id in zip(shapes, _shape_ids(shapes)):
-      yield pytest.param(kind, params, *shape, id=f"{form_id}-{shape_id}")
+    kept = 1 if index < len(SHAPES) else 0
+    for position, (shape,
+                   shape_id) in enumerate(zip(shapes, _shape_ids(shapes))):
+      param = pytest.param if position == kept else harness.wide
+      yield param(kind, params, *shape, id=f"{form_id}-{shape_id}")
 
 
 @pytest.mark.parametrize("kind,params,towers,batch,static",
@@ -573,7 +608,7 @@ def _training_kernels(device_kind, towers):
           if op.type == "FusedBatchNormV3" and op.get_attr("is_training")]
 
 
-@pytest.mark.parametrize("towers", [2, 4])
+@pytest.mark.parametrize("towers", [harness.wide(2), 4])
 def test_fused_batch_norm_on_one_hosts_cpus_runs_once_on_the_batch(towers):
   # Virtual CPUs share one memory: one training kernel, on the hub, reads
   # the towers' shards concatenated.
@@ -606,8 +641,8 @@ ACTIVATION_SHAPES = [(2, 8, True), (4, 10, False), (4, 3, True), (4, 3, False)]
 
 
 @pytest.mark.parametrize(
-    "towers,batch,static", ACTIVATION_SHAPES, ids=_shape_ids(ACTIVATION_SHAPES))
-@pytest.mark.parametrize("kind,params", ACTIVATIONS, ids=ACTIVATION_IDS)
+    "kind,params,towers,batch,static",
+    _in_turns(ACTIVATIONS, ACTIVATION_IDS, ACTIVATION_SHAPES))
 def test_relu_after_a_concatenated_layer_is_one_devices(kind, params, towers,
                                                         batch, static):
   _assert_fused_is_one_devices(kind, params, towers, batch, static)
@@ -629,7 +664,7 @@ def _relus(device_kind, towers, activation):
           if op.type == "Relu"], graph
 
 
-@pytest.mark.parametrize("towers", [2, 4])
+@pytest.mark.parametrize("towers", [harness.wide(2), 4])
 def test_relu_after_a_concatenated_layer_runs_once_on_the_batch(towers):
   # One ReLU runs, on the hub, reading the kernel (grappler fuses the two);
   # each tower reads its rows of it.
@@ -753,8 +788,13 @@ def _per_example_statistics_model_fn(features, labels, mode, params):
                tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits))
 
 
-@pytest.mark.parametrize("towers,batch,static", SHAPES, ids=SHAPE_IDS)
-@pytest.mark.parametrize("form", ["layer_norm", "time_major"])
+# Each form on a static batch (where the hub is checked too), time_major
+# also on a dynamic one with an empty tower.
+@pytest.mark.parametrize(
+    "form,towers,batch,static",
+    list(
+        _cases(["layer_norm", "time_major"], ["layer_norm", "time_major"],
+               SHAPES, {(0, 3), (1, 0), (1, 4)})))
 def test_statistics_of_each_example_do_not_meet(form, towers, batch, static):
   _assert_one_devices(
       _per_example_statistics_model_fn,
@@ -766,7 +806,11 @@ def test_statistics_of_each_example_do_not_meet(form, towers, batch, static):
     assert not _hub_ops(_per_example_statistics_model_fn, {"form": form})
 
 
-@pytest.mark.parametrize("towers,batch,static", SHAPES, ids=SHAPE_IDS)
+# The dynamic batches on 4 towers: uneven shards, and an empty tower.
+@pytest.mark.parametrize(
+    "towers,batch,static",
+    [(pytest.param if shape in (SHAPES[1], SHAPES[4]) else harness.wide)(
+        *shape, id=shape_id) for shape, shape_id in zip(SHAPES, SHAPE_IDS)])
 def test_time_major_batch_statistics_are_one_devices(towers, batch, static):
   params = {"form": "time_major_batch"}
   _assert_one_devices(
@@ -782,7 +826,8 @@ def _moments_in_a_cond(x, mode):
   return (x - mean) * tf.math.rsqrt(variance + 1e-3)
 
 
-@pytest.mark.parametrize("towers,batch,static", [(2, 7, False), (4, 3, True)])
+@pytest.mark.parametrize("towers,batch,static",
+                         [harness.wide(2, 7, False), (4, 3, True)])
 def test_tf_nn_moments_in_a_cond_run_once_on_the_whole_batch(
     towers, batch, static):
   # A tf.cond whose branch reduces the rows runs once, on every tower's
@@ -820,7 +865,7 @@ def _half_precision_gradient_model_fn(features, labels, mode, params):
       mode, predictions={"grad": tf.cast(grad, tf.float32)})
 
 
-@pytest.mark.parametrize("towers", [2, 4])
+@pytest.mark.parametrize("towers", [harness.wide(2), 4])
 def test_half_precision_fused_batch_norm_gradient_is_one_devices(towers):
   # One device's kernel adds the gradient's terms in float32 and rounds
   # once (values up to 8e-5 with the seeded gamma, float16 steps 6e-8
@@ -855,9 +900,12 @@ def _graph_ops(model_fn, towers, params, **replicate_kwargs):
     return len(graph.get_operations())
 
 
-@pytest.mark.parametrize("towers", [2, 4])
-@pytest.mark.parametrize(
-    "params", [BATCH_NORMS[3], BATCH_NORMS[4]], ids=["fused", "unfused"])
+@pytest.mark.parametrize("params,towers", [
+    pytest.param(BATCH_NORMS[3], 4, id="fused-4"),
+    harness.wide(BATCH_NORMS[3], 2, id="fused-2"),
+    pytest.param(BATCH_NORMS[4], 2, id="unfused-2"),
+    harness.wide(BATCH_NORMS[4], 4, id="unfused-4"),
+])
 def test_synchronised_batch_norm_adds_few_ops(params, towers):
   # A conv, one batch-norm layer, a dense head. Whole-batch statistics take
   # one meeting per layer: on these virtual CPUs a fused layer's kernel runs
@@ -899,7 +947,7 @@ def _wide_batch_norm_model_fn(features, labels, mode, params):
   return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
 
 
-@pytest.mark.parametrize("static", [True, False])
+@pytest.mark.parametrize("static", [harness.wide(True), False])
 def test_fused_batch_norm_on_wider_maps_is_one_devices(static):
   # 1,600 values per channel and shard (the unit tests' maps have 4): the
   # size at which TensorFlow's CPU kernels (oneDNN on x86) take their
@@ -947,8 +995,9 @@ def _keras_model_fn(features, labels, mode, params):
   return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
 
 
-@pytest.mark.parametrize("towers,batch,static", SHAPES[:2], ids=SHAPE_IDS[:2])
-@pytest.mark.parametrize("form", ["tape", "callables"])
+@pytest.mark.parametrize(
+    "form,towers,batch,static",
+    _in_turns(["tape", "callables"], ["tape", "callables"], SHAPES[:2], 1))
 def test_keras_minimize_is_one_devices(form, towers, batch, static):
   expected_losses, _ = _assert_one_devices(
       _keras_model_fn, towers, batch, static, params={"form": form})
