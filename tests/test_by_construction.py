@@ -391,6 +391,9 @@ def test_keras_minimize_of_callables(towers):
       _keras_minimize_model_fn, _data(), 8, 5, towers, params={"ordered": True})
 
 
+# Four replicated estimators trained first (tens of seconds): in the wide
+# run; test_long_run checks every patch set is undone after each call.
+@pytest.mark.wide
 def test_an_unwrapped_baseline_trains_after_replicated_ones(tmp_path):
   """Nothing of one replicated graph leaks into the next (a one-shot
   iterator's initializer, a routed optimizer): four canned Baseline

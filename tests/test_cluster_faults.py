@@ -27,7 +27,9 @@ pytest.importorskip("sklearn", reason="the digits example needs scikit-learn")
 import cluster_task  # pylint: disable=g-import-not-at-top,wrong-import-position
 import digits_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
 
-pytestmark = pytest.mark.slow
+# One cluster, killed task by task (tens of seconds): in the wide run; the
+# default run's clusters are test_cluster_sync's and test_cluster_traffic's.
+pytestmark = [pytest.mark.slow, pytest.mark.wide]
 
 STEPS = 200
 ACCURACY = 0.9  # the digits MLP gets about 0.97 after 200 steps

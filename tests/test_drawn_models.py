@@ -37,7 +37,7 @@ FEATURES = 3
 CLASSES = 3
 STEPS = 2
 # Examples per test in the default run, and under `-m drawn`.
-_EXAMPLES = {"train": 40, "eval": 20, "predict": 15}
+_EXAMPLES = {"train": 16, "eval": 8, "predict": 6}
 _MANY = 1000
 
 

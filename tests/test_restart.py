@@ -21,7 +21,8 @@ from tests import cluster_harness
 pytest.importorskip("sklearn", reason="the digits example needs scikit-learn")
 import cluster_task  # pylint: disable=g-import-not-at-top,wrong-import-position
 
-pytestmark = pytest.mark.slow
+# A process killed mid-training (tens of seconds): in the wide run.
+pytestmark = [pytest.mark.slow, pytest.mark.wide]
 
 STEPS = 60
 KILL_AFTER_STEP = 20

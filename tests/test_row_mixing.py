@@ -138,10 +138,13 @@ def _assert_same(run, model_fn, towers, batch):
   harness.assert_close_nests(actual, expected, rtol=1e-10, atol=1e-12)
 
 
-# Each form on two of the cases, the cases taking turns.
-_FORM_CASES = [(form, *CASES[(index + shift) % len(CASES)])
-               for index, form in enumerate(sorted(FORMS))
-               for shift in (0, 1)]
+# Each form on two of the cases, the cases taking turns; the second in the
+# wide run.
+_FORM_CASES = [(form, *CASES[index % len(CASES)])
+               for index, form in enumerate(sorted(FORMS))] + [
+                   harness.wide(form, *CASES[(index + 1) % len(CASES)])
+                   for index, form in enumerate(sorted(FORMS))
+               ]
 
 
 @pytest.mark.parametrize("form,towers,batch", _FORM_CASES)
