@@ -47,7 +47,7 @@ import report
 
 VARIANTS = common.VARIANTS
 WORKLOADS = ("mlp", "cnn", "cnn_bn", "resnet50", "mlp_top_k",
-             "mlp_top_k_by_hand")
+             "mlp_top_k_by_hand", "mlp_clipped_before_use")
 DEFAULT_WORKLOADS = ("mlp", "cnn")
 
 FLAGS = flags.FLAGS

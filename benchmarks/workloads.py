@@ -17,7 +17,7 @@ NUM_CLASSES = 10
 IMAGE_SHAPE = (28, 28, 1)
 NUM_INPUTS = 28 * 28
 WORKLOADS = ("mlp", "cnn", "cnn_bn", "resnet50", "mlp_top_k",
-             "mlp_top_k_by_hand")
+             "mlp_top_k_by_hand", "mlp_clipped_before_use")
 
 Arrays = Tuple[np.ndarray, np.ndarray]
 
@@ -70,6 +70,23 @@ def mlp_logits(x: tf.Tensor, training: bool) -> tf.Tensor:
   """784-512-512-10 with ReLU."""
   del training
   h = _dense(x, 512, "hidden1", 1, tf.nn.relu)
+  h = _dense(h, 512, "hidden2", 2, tf.nn.relu)
+  return _dense(h, NUM_CLASSES, "logits", 3)
+
+
+def mlp_clipped_before_use_logits(x: tf.Tensor, training: bool) -> tf.Tensor:
+  """The mlp, its first kernel clipped at the start of each step (a write
+  outside the optimizer's update, before the forward pass reads it: what
+  MIRRORED does not copy)."""
+  del training
+  with tf.compat.v1.variable_scope("hidden1"):
+    kernel = tf.compat.v1.get_variable(
+        "kernel", [NUM_INPUTS, 512], initializer=_initializer(1))
+    bias = tf.compat.v1.get_variable(
+        "bias", [512], initializer=tf.compat.v1.zeros_initializer())
+    clip = kernel.assign(tf.clip_by_value(kernel, -0.05, 0.05))
+    with tf.control_dependencies([clip]):
+      h = tf.nn.relu(tf.matmul(x, kernel.read_value()) + bias)
   h = _dense(h, 512, "hidden2", 2, tf.nn.relu)
   return _dense(h, NUM_CLASSES, "logits", 3)
 
@@ -182,6 +199,7 @@ _LOGITS = {
     "mlp": mlp_logits,
     "mlp_top_k": mlp_logits,
     "mlp_top_k_by_hand": mlp_logits,
+    "mlp_clipped_before_use": mlp_clipped_before_use_logits,
     "cnn": cnn_logits,
     "cnn_bn": cnn_bn_logits,
     "resnet50": resnet50_logits
