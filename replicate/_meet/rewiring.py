@@ -11,7 +11,8 @@ terms, masked means, a loss, a metric's update) is then one device's in every
 tower, whatever its algebraic form: nothing is recognised by pattern.
 
 So are the other events `_batch.rows` reports: a shard's size read as a value
-gets the whole batch's size (its arithmetic copied onto it); an op that
+gets the whole batch's size, positions of the tower's rows read as values
+the whole batch's positions (both built by `_meet.whole_counts`); an op that
 mixes rows and cannot be split (`tf.py_func`) runs once on the towers'
 rows concatenated; batch normalization's kernel in training normalises
 with the whole batch's statistics (`_batch_norm.whole_batch`).
@@ -37,6 +38,7 @@ from replicate._batch import row_kinds
 from replicate._batch import rows as _rows
 from replicate._batch_norm import whole_batch
 from replicate._meet import combining
+from replicate._meet import whole_counts
 
 _SUFFIX = re.compile(r"_\d+$")
 
@@ -68,8 +70,8 @@ class Rewiring:
         collections.defaultdict(dict))
     self._tensors: Dict[int, Dict[Any, Any]] = collections.defaultdict(dict)
     self._handled: Dict[int, Set[Any]] = collections.defaultdict(set)
-    self._sizes: Dict[Any, tf.Tensor] = {}
-    self._positions: Dict[Any, tf.Tensor] = {}
+    self._counts = whole_counts.WholeCounts(replication, self.kind,
+                                            self.counterpart, self._copy)
     # Other towers' tensors given a replacement: ref -> what readers read.
     self._substituted: Dict[Any, tf.Tensor] = {}
     self._done0 = 0
@@ -380,7 +382,7 @@ class Rewiring:
   def _size_use(self, event: row_kinds.SizeUse) -> None:
     op0, position = event.op, event.index
     tensor0 = op0.inputs[position]
-    whole = self.whole_size(tensor0)
+    whole = self._counts.size(tensor0)
     if op0.inputs[position] is not tensor0:
       return
     _tf.update_input(op0, position, whole)
@@ -394,7 +396,7 @@ class Rewiring:
     op0, position = event.op, event.index
     tensor0 = op0.inputs[position]
     wholes = [
-        self.whole_positions(tensor0, index)
+        self._counts.positions(tensor0, index)
         for index in range(self._replication.num_towers)
     ]
     _tf.update_input(op0, position, wholes[0])
@@ -405,117 +407,9 @@ class Rewiring:
       if op is not None:
         _tf.update_input(op, position, wholes[index])
 
-  def whole_positions(self, tensor0: tf.Tensor, index: int) -> tf.Tensor:
-    """Tower `index`'s rows of one device's positions for tower 0's
-    positions tensor `tensor0` (`_batch.rows`: a range of a count of rows,
-    or integer values computed from one): the tower's own plus the rows of
-    the towers before it."""
-    key = (tensor0.ref(), index)
-    if key in self._positions:
-      return self._positions[key]
-    replication = self._replication
-    op0 = tensor0.op
-    own = self.counterpart(tensor0, index)
-    with tf.name_scope(_scope(op0, "whole_batch")), tf.device(
-        replication.placed[index]):
-      if op0.type == "Range":
-        before = [
-            tf.size(self.counterpart(tensor0, other), out_type=tensor0.dtype)
-            for other in range(index)
-        ]
-        whole = own if not before else own + combining.combine(
-            "sum", before, replication.validity[:index])
-        valid = replication.is_valid(index)
-        if valid is not True:
-          # A phantom row is a copy of the batch's last row: its position.
-          last = whole - tf.size(own, out_type=tensor0.dtype)
-          whole = last if valid is False else tf.where(valid, whole, last)
-      else:
-        inputs = []
-        for t in op0.inputs:
-          kind = self.kind(t)
-          if isinstance(kind, row_kinds.Positions):
-            inputs.append(self.whole_positions(t, index))
-          elif isinstance(kind, row_kinds.Size):
-            inputs.append(self.whole_size(t))
-          else:
-            inputs.append(self.counterpart(t, index))
-        whole = self._copy(
-            op0,
-            inputs,
-            replication.placed[index],
-            name=op0.name.replace("/", "_") +
-            f"_whole_{index}").outputs[tensor0.value_index]
-    self._positions[key] = whole
-    return whole
-
   def whole_size(self, tensor0: tf.Tensor) -> tf.Tensor:
     """The whole batch's value of tower 0's shard-size tensor `tensor0`."""
-    key = tensor0.ref()
-    if key in self._sizes:
-      return self._sizes[key]
-    replication = self._replication
-    op = tensor0.op
-    kind = self.kind(tensor0)
-    with tf.name_scope(_scope(op, "whole_batch")):
-      if op.type in ("Shape", "ShapeN", "Size") and isinstance(
-          self.kind(
-              op.inputs[tensor0.value_index if op.type == "ShapeN" else 0]),
-          (row_kinds.Rows, row_kinds.Listed)):
-        whole = self._whole_shape(op, tensor0)
-      elif not op.inputs or not any(
-          isinstance(self.kind(t), row_kinds.Size) for t in op.inputs):
-        whole = self._whole_source_size(tensor0, kind)
-      else:
-        inputs = [
-            self.whole_size(t)
-            if isinstance(self.kind(t), row_kinds.Size) else t
-            for t in op.inputs
-        ]
-        whole = self._copy(
-            op,
-            inputs,
-            replication.meeting_device,
-            name=op.name.replace("/", "_") +
-            "_whole").outputs[tensor0.value_index]
-    self._sizes[key] = whole
-    return whole
-
-  def _whole_shape(self, op: tf.Operation, tensor0: tf.Tensor) -> tf.Tensor:
-    replication = self._replication
-    x0 = op.inputs[tensor0.value_index if op.type == "ShapeN" else 0]
-    rows = self.kind(x0)
-    dtype = tensor0.dtype
-    parts = []
-    for index in range(replication.num_towers):
-      x = self.counterpart(x0, index)
-      with tf.device(replication.placed[index]):
-        if op.type == "Size":
-          parts.append(tf.size(x, out_type=dtype))
-        else:
-          parts.append(tf.shape(x, out_type=dtype)[rows.axis])
-    total = combining.combine("sum", parts, replication.validity)
-    if op.type == "Size":
-      return total
-    shape = tf.shape(x0, out_type=dtype)
-    return tf.concat([shape[:rows.axis], [total], shape[rows.axis + 1:]], 0)
-
-  def _whole_source_size(self, tensor0: tf.Tensor, kind: Any) -> tf.Tensor:
-    """A size the tower was handed: a sparse shard's dense shape."""
-    replication = self._replication
-    if not isinstance(kind, row_kinds.Size) or kind.scalar or (kind.entries
-                                                               != frozenset([0
-                                                                            ])):
-      raise ValueError(
-          f"{tensor0.name} is computed from the tower's shard size in a way "
-          "replicate cannot make the whole batch's; compute counts with "
-          "tf.shape / tf.size of the batch's tensors.")
-    parts = [
-        self.counterpart(tensor0, index)[0]
-        for index in range(replication.num_towers)
-    ]
-    total = combining.combine("sum", parts, replication.validity)
-    return tf.concat([[total], tensor0[1:]], 0)
+    return self._counts.size(tensor0)
 
   def _mixing(self, event: row_kinds.Mixing) -> None:
     """The op runs once, on every tower's rows concatenated in order."""
@@ -534,7 +428,7 @@ class Rewiring:
         place = place or placing
         inputs.append(whole)
       elif isinstance(kind, row_kinds.Size):
-        inputs.append(self.whole_size(tensor))
+        inputs.append(self._counts.size(tensor))
       elif row_kinds.shares_value(kind):
         inputs.append(tensor)
       else:
