@@ -45,7 +45,7 @@ from replicate._merge import state
 from replicate._merge import tpu
 from replicate._prepare import cluster
 from replicate._prepare import devices as _devices
-from replicate._prepare import source
+from replicate._prepare import origin
 from replicate._prepare import split as _split
 from replicate._towers import build
 from replicate._towers import lookups
@@ -151,7 +151,7 @@ def replicate_model_fn(
                        _devices.default_placement(tower_devices),
                        sync_batch_norm)
 
-  warm_start = source.warm_starter(model_fn)
+  warm_start = origin.warm_starter(model_fn)
 
   def replicated_model_fn(
       features: Any,

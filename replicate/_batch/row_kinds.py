@@ -112,7 +112,7 @@ class Like(NamedTuple):
 Kind = Union[_Whole, _Shard, Rows, Size, Positions, Coordinates, Local, Listed]
 
 # What a tensor the tower did not compute may be declared (`rows.TowerRows`).
-Source = Union[Kind, Like]
+Declared = Union[Kind, Like]
 
 
 class Reduction(NamedTuple):

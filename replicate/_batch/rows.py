@@ -550,22 +550,22 @@ class TowerRows:
   """The kinds of one tower's tensors, found op by op in creation order.
 
   Args:
-    sources: kinds of tensors the tower did not compute (its inputs, the
+    declared: kinds of tensors the tower did not compute (its inputs, the
       stand-ins and results of meetings), by `tensor.ref()`.
     per_tower: whether an op's statistics are asked to stay the tower's
       (`sync_batch_norm=False`).
   """
 
   def __init__(self,
-               sources: Mapping[Any, row_kinds.Source],
+               declared: Mapping[Any, row_kinds.Declared],
                per_tower: Callable[[tf.Operation], bool] = lambda op: False):
-    self._kinds: Dict[Any, row_kinds.Source] = dict(sources)
+    self._kinds: Dict[Any, row_kinds.Declared] = dict(declared)
     self._per_tower = per_tower
     self._done: Set[tf.Operation] = set()
     self.events: List[row_kinds.Event] = []
 
-  def add_sources(self, sources: Mapping[Any, row_kinds.Source]) -> None:
-    self._kinds.update(sources)
+  def declare(self, declared: Mapping[Any, row_kinds.Declared]) -> None:
+    self._kinds.update(declared)
 
   def kind(self, tensor: Optional[tf.Tensor]) -> row_kinds.Kind:
     """The kind of `tensor` (WHOLE for a tensor the tower did not build)."""
@@ -670,21 +670,21 @@ def _body_kinds(
   return outputs, ctx.needs_towers
 
 
-def sources_of_inputs(shards: Any) -> Dict[Any, row_kinds.Kind]:
+def declared_inputs(shards: Any) -> Dict[Any, row_kinds.Kind]:
   """Kinds of a tower's input tensors: rows; a sparse shape holds a size."""
-  sources: Dict[Any, row_kinds.Kind] = {}
+  kinds: Dict[Any, row_kinds.Kind] = {}
   for leaf in tf.nest.flatten(shards, expand_composites=False):
     if leaf is None:
       continue
     if isinstance(leaf, tf.SparseTensor):
-      sources[leaf.indices.ref()] = row_kinds.Coordinates()
-      sources[leaf.values.ref()] = row_kinds.Rows(0)
-      sources[leaf.dense_shape.ref()] = row_kinds.Size(False, frozenset([0]))
+      kinds[leaf.indices.ref()] = row_kinds.Coordinates()
+      kinds[leaf.values.ref()] = row_kinds.Rows(0)
+      kinds[leaf.dense_shape.ref()] = row_kinds.Size(False, frozenset([0]))
     elif isinstance(leaf, tf.RaggedTensor):
-      sources[leaf.flat_values.ref()] = row_kinds.Rows(0)
+      kinds[leaf.flat_values.ref()] = row_kinds.Rows(0)
       # Offsets into the tower's own values.
       for splits in leaf.nested_row_splits:
-        sources[splits.ref()] = row_kinds.Positions(0, False)
+        kinds[splits.ref()] = row_kinds.Positions(0, False)
     elif isinstance(leaf, tf.Tensor):
-      sources[leaf.ref()] = row_kinds.Rows(0)
-  return sources
+      kinds[leaf.ref()] = row_kinds.Rows(0)
+  return kinds

@@ -118,7 +118,7 @@ class Rewiring:
 
   def declare(self, tensor: tf.Tensor, kind: Any, index: int = 0) -> None:
     """Records the kind of a meeting's result handed to tower `index`."""
-    self._analysis(index).add_sources({tensor.ref(): kind})
+    self._analysis(index).declare({tensor.ref(): kind})
 
   def pair(self, tensor0: tf.Tensor, index: int, tensor: tf.Tensor) -> None:
     """Records that tower `index`'s `tensor` is tower 0's `tensor0`'s."""
@@ -127,11 +127,12 @@ class Rewiring:
   def _analysis(self, index: int) -> _rows.TowerRows:
     if index not in self._analyses:
       replication = self._replication
-      sources = _rows.sources_of_inputs(replication.inputs[index] if index <
-                                        len(replication.inputs) else ())
+      declared = _rows.declared_inputs(replication.inputs[index] if index <
+                                       len(replication.inputs) else ())
       if replication.meetings is not None:
-        sources.update(replication.meetings.standin_kinds(index))
-      self._analyses[index] = _rows.TowerRows(sources, replication.is_per_tower)
+        declared.update(replication.meetings.standin_kinds(index))
+      self._analyses[index] = _rows.TowerRows(declared,
+                                              replication.is_per_tower)
     return self._analyses[index]
 
   def _start(self) -> None:

@@ -99,7 +99,7 @@ class WholeCounts:
         whole = self._shape(op, tensor0)
       elif not op.inputs or not any(
           isinstance(self._kind(t), row_kinds.Size) for t in op.inputs):
-        whole = self._source_size(tensor0, kind)
+        whole = self._handed_size(tensor0, kind)
       else:
         inputs = [
             self.size(t) if isinstance(self._kind(t), row_kinds.Size) else t
@@ -130,7 +130,7 @@ class WholeCounts:
     shape = tf.shape(x0, out_type=dtype)
     return tf.concat([shape[:rows.axis], [total], shape[rows.axis + 1:]], 0)
 
-  def _source_size(self, tensor0: tf.Tensor, kind: Any) -> tf.Tensor:
+  def _handed_size(self, tensor0: tf.Tensor, kind: Any) -> tf.Tensor:
     """A size the tower was handed: a sparse shard's dense shape."""
     replication = self._replication
     if not isinstance(kind, row_kinds.Size) or kind.scalar or (kind.entries
