@@ -199,3 +199,14 @@ def wide(*values, **kwargs):
   """A parameter set the default run skips (`-m wide` runs it): a case
   beside the one kept for the same behaviour."""
   return pytest.param(*values, marks=pytest.mark.wide, **kwargs)
+
+
+def in_turns(cases, variants, kept):
+  """(default, wide) parameter dicts for absl's `parameterized`: each case
+  (a dict) merged with each variant (a dict: a shape, a tower count);
+  `kept(i, j)` says whether case i with variant j is in the default run."""
+  default, wide = [], []
+  for i, case in enumerate(cases):
+    for j, variant in enumerate(variants):
+      (default if kept(i, j) else wide).append({**variant, **case})
+  return default, wide

@@ -41,12 +41,9 @@ def _turns(cases):
   """(default, wide): each case (a dict of parameters) with each of
   _SHAPES; the default run takes a case with one shape, in staggered turns
   from the uneven one."""
-  default, wide = [], []
-  for i, case in enumerate(cases):
-    for j, shape in enumerate(_SHAPES):
-      kept = j == (1 + i + i // len(_SHAPES)) % len(_SHAPES)
-      (default if kept else wide).append(dict(shape, **case))
-  return default, wide
+  return harness.in_turns(
+      cases, _SHAPES, lambda i, j: j ==
+      (1 + i + i // len(_SHAPES)) % len(_SHAPES))
 
 
 def _replicated(model_fn, num_towers):

@@ -62,12 +62,11 @@ def _spec(mode, loss):
 def _turns(cases):
   """(default, wide): each case (a dict of parameters) on 4 and 2 towers;
   the default run takes a case on one count, in staggered turns from 4."""
-  default, wide = [], []
-  for i, case in enumerate(cases):
-    for j, num_towers in enumerate((4, 2)):
-      kept = j == (i + i // 2) % 2
-      (default if kept else wide).append(dict(case, num_towers=num_towers))
-  return default, wide
+  return harness.in_turns(cases, [{
+      "num_towers": 4
+  }, {
+      "num_towers": 2
+  }], lambda i, j: j == (i + i // 2) % 2)
 
 
 _AVERAGING = _turns([

@@ -114,12 +114,8 @@ _SHAPES = (dict(num_towers=2, batch=8,
 def _in_turns(forms, shapes=_SHAPES, start=0):
   """(default, wide) cases: each form on one shape, the shapes in turn; and
   every other combination."""
-  default, wide = [], []
-  for i, form in enumerate(forms):
-    for j, shape in enumerate(shapes):
-      turn = j == (i + start) % len(shapes)
-      (default if turn else wide).append({**shape, **form})
-  return default, wide
+  return harness.in_turns(forms, shapes, lambda i, j: j ==
+                          (i + start) % len(shapes))
 
 
 _BATCH_NORM_CASES = _in_turns([
