@@ -157,10 +157,8 @@ def permutes_rows(tensor: tf.Tensor) -> bool:
   """Whether `tensor` is a permutation of a vector's rows: the positions a
   sort of all of them gives (`tf.argsort` of a vector is `top_k`'s indices
   with k its length)."""
+  tensor = _graph.look_through(tensor, _SAME_VALUE)
   op = tensor.op
-  while op.type in _SAME_VALUE and op.inputs:
-    tensor = op.inputs[0]
-    op = tensor.op
   return (op.type == "TopKV2" and tensor is op.outputs[1] and
           rank_of(op.inputs[0]) == 1 and counts_rows(op.inputs[1]))
 
