@@ -66,10 +66,11 @@ def _ctr_columns():
   return linear, dnn
 
 
-# DeepFM on both tower counts; the other two (the same penalties through
-# the same DeepCTR code, other networks) on one each, in the wide run.
+# DeepFM on 2 towers; on 4, and the other two (the same penalties through
+# the same DeepCTR code, other networks) on one count each, in the wide run.
 @pytest.mark.parametrize("name,towers",
-                         [("DeepFMEstimator", TOWERS),
+                         [("DeepFMEstimator", TOWERS[:1]),
+                          harness.wide("DeepFMEstimator", TOWERS[1:]),
                           harness.wide("DCNEstimator", TOWERS[1:]),
                           harness.wide("WDLEstimator", TOWERS[:1])])
 def test_deepctr_with_weight_penalties_replicates(name, towers):
@@ -290,9 +291,10 @@ def adanet_one_device(tmp_path_factory):
   return _adanet_run(one)
 
 
-# AdaNet's two iterations take tens of seconds a run: 4 towers in the wide
-# run.
-@pytest.mark.parametrize("num_towers", [TOWERS[0], harness.wide(TOWERS[1])])
+# AdaNet's two iterations take tens of seconds a run: the wide run has them.
+# The default run has its pattern (moving averages of tensors a tower
+# computes) in test_drawn_graph_state and test_graph_views.
+@pytest.mark.parametrize("num_towers", [harness.wide(n) for n in TOWERS])
 def test_adanet_estimator_trains_replicated_through_its_model_fn(
     num_towers, tmp_path, adanet_one_device):
   adanet = _adanet()
@@ -380,7 +382,7 @@ def _cifar_model_fn(features, labels, mode):
       })
 
 
-@pytest.mark.parametrize("placement", ["shared", "mirrored"])
+@pytest.mark.parametrize("placement", [harness.wide("shared"), "mirrored"])
 def test_cifar10_tutorial_model_replicates(placement):
   rng = np.random.RandomState(4)
   images = rng.randn(ROWS, 6, 6, 2).astype(np.float32)

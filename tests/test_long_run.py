@@ -20,7 +20,7 @@ from replicate import _tf
 from tests import harness
 from tests import test_estimator
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.wide]
 
 # Train steps, checkpoints and evaluations (e.g. 30 to watch memory longer).
 ROUNDS = int(os.environ.get("REPLICATE_LONG_RUN_ROUNDS", "10"))
