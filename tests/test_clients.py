@@ -7,7 +7,9 @@ name scopes, AdaNet's moving averages of tensors and its variables picked
 by a marker, the CIFAR-10 tutorial's 'losses' collection and moving
 averages. Wrapped with the README's one line, each trains, evaluates and
 predicts on 2 and 4 towers (uneven batches of 9 rows) as on one device
-from the same checkpoint (`replicate.testing.assert_replicates`).
+from the same checkpoint (`replicate.testing.assert_replicates`). The
+default run keeps one case of each library but AdaNet; the other cases,
+AdaNet's among them, are `wide`.
 
 The libraries are installed without their dependencies (`tests/clients.txt`,
 README): their own pins predate TensorFlow 2.13. A test is skipped where its
