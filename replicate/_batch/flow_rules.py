@@ -244,7 +244,9 @@ PER_ROW_COLLECTION = "replicate_per_row_op_types"
 _ROW_PARTITIONED = ("Ragged",)
 
 
-def _declared_per_row(op: tf.Operation) -> bool:
+def declared_per_row(op: tf.Operation) -> bool:
+  """Whether the user declared `op`'s type to compute each row from its own
+  row (`PER_ROW_COLLECTION`)."""
   return op.type in op.graph.get_collection(PER_ROW_COLLECTION)
 
 
@@ -255,8 +257,8 @@ def unknown(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
 
   Its outputs are taken to hold the rows where they keep an unknown
   extent on the first input's rows axis (as the shards' are), else to be
-  one whole value; a wrong guess fails when the graph runs (a split that
-  does not add up, shapes that do not match), never silently.
+  one whole value (`row_kinds.rows_by_shape`); the run checks the guess
+  and a wrong one fails with an error naming the op, never silently.
   """
   settled = row_kinds.without_rows(op, kinds)
   if settled is not None:
@@ -271,7 +273,7 @@ def unknown(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
             op.name, f"is a {op.type} op, whose effect on rows replicate "
             "does not know"))
   axis = rows[0].axis
-  if (_declared_per_row(op) or op.type.startswith(_ROW_PARTITIONED)) and all(
+  if (declared_per_row(op) or op.type.startswith(_ROW_PARTITIONED)) and all(
       k.axis == 0 for k in rows):
     return [
         row_kinds.Rows(0) if t.shape.rank != 0 else row_kinds.Local(
@@ -285,9 +287,8 @@ def unknown(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
         "batch's rows (gathered on one device); if it computes each row "
         "from the same row, add its type to the graph collection %r", op.type,
         PER_ROW_COLLECTION)
-  outputs: List[row_kinds.Kind] = [
-      row_kinds.Rows(axis) if t.shape.rank is not None and
-      t.shape.rank > axis and t.shape[axis] is None else row_kinds.WHOLE
-      for t in op.outputs
-  ]
-  return ctx.whole_batch(op, outputs, f"is a {op.type} op no rule knows")
+  return ctx.whole_batch(
+      op,
+      row_kinds.rows_by_shape(op, axis),
+      f"is a {op.type} op no rule knows",
+      guessed=True)

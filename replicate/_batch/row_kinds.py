@@ -142,10 +142,13 @@ class Mixing(NamedTuple):
   """`op` mixes rows and cannot be split: it runs once on the whole batch.
 
   `kinds`: its outputs' kinds when it does (rows are handed back to the
-  towers, other values are the whole batch's).
+  towers, other values are the whole batch's). `guessed`: the kinds come
+  from the outputs' shapes, not from a rule proven against the op, so the
+  run checks them (a row per example where rows are handed back).
   """
   op: tf.Operation
   kinds: Tuple[Any, ...] = ()
+  guessed: bool = False
 
 
 class FusedNorm(NamedTuple):
@@ -172,10 +175,14 @@ class Context(Protocol):
   def reduce(self, op: tf.Operation, combine: str, axis: int) -> Kind:
     """A batch reduction: the whole batch's value once rewired."""
 
-  def whole_batch(self, op: tf.Operation, outputs: Sequence[Kind],
-                  why: str) -> List[Kind]:
+  def whole_batch(self,
+                  op: tf.Operation,
+                  outputs: Sequence[Kind],
+                  why: str,
+                  guessed: bool = False) -> List[Kind]:
     """An op mixing rows, run once on the whole batch: its outputs' kinds
-    (rows handed back to each tower where an output keeps the rows)."""
+    (rows handed back to each tower where an output keeps the rows);
+    `guessed`: kinds read off the outputs' shapes (see `Mixing`)."""
 
   def function_kinds(self, op: tf.Operation,
                      kinds: Sequence[Kind]) -> Optional[List[Kind]]:
@@ -261,3 +268,25 @@ def any_local(kinds: Iterable[Kind]) -> Optional[Local]:
 
 def same_for_outputs(op: tf.Operation, kind: Kind) -> List[Kind]:
   return [kind] * len(op.outputs)
+
+
+def rows_by_shape(op: tf.Operation, axis: int) -> List[Kind]:
+  """The kinds of the outputs of an op with no rule, run once on the whole
+  batch: rows where an output has an unknown extent on the rows `axis` (as
+  the shards have), else one whole value. An unknown rank is taken to be
+  a whole value; the run checks that it holds no row per example."""
+  return [
+      Rows(axis) if t.shape.rank is not None and t.shape.rank > axis and
+      t.shape[axis] is None else WHOLE for t in op.outputs
+  ]
+
+
+# Why an output of Unique is the tower's own: its distinct values, which
+# its rows' indices (the other output) point into.
+TOWER_SET = "is the set of the tower's values"
+
+
+def is_tower_set(kind: Any) -> bool:
+  """Whether `kind` is the tower's own distinct values (or a value looked
+  up by them), which the tower's rows' indices pick from as rows."""
+  return isinstance(kind, Local) and kind.why == TOWER_SET

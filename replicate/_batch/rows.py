@@ -97,12 +97,15 @@ class _Context:
     return self.needs_every_tower(op, row_kinds.Reduction(op, combine, axis),
                                   row_kinds.WHOLE, "reduces rows")
 
-  def whole_batch(self, op: tf.Operation, outputs: Sequence[row_kinds.Kind],
-                  why: str) -> List[row_kinds.Kind]:
+  def whole_batch(self,
+                  op: tf.Operation,
+                  outputs: Sequence[row_kinds.Kind],
+                  why: str,
+                  guessed: bool = False) -> List[row_kinds.Kind]:
     """An op mixing rows, run once on the whole batch (a `Mixing` event):
     `outputs`' kinds; in a body run per tower, Local."""
     if self.mode == TOWER:
-      self.events.append(row_kinds.Mixing(op, tuple(outputs)))
+      self.events.append(row_kinds.Mixing(op, tuple(outputs), guessed))
       return list(outputs)
     if self.mode == WHOLE_BATCH:
       return list(outputs)
@@ -543,7 +546,23 @@ def _transfer_rule(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
   if len(outputs) != len(op.outputs):
     outputs = (list(outputs) + [outputs[-1] if outputs else row_kinds.WHOLE] *
                len(op.outputs))[:len(op.outputs)]
+  if op.type not in _KEEP_TOWER_SET:
+    outputs = [
+        row_kinds.Local(op.name, "computes from the tower's own distinct "
+                        "values") if row_kinds.is_tower_set(k) else k
+        for k in outputs
+    ]
   return outputs
+
+
+# Ops whose outputs hold, for each of the tower's distinct values, what is
+# computed from that value alone (an embedding looked up by it, its
+# partition): the tower's rows' indices may pick them back as rows.
+_KEEP_TOWER_SET = op_types.ELEMENTWISE | op_types.PASS_THROUGH | frozenset([
+    "Unique", "UniqueV2", "GatherV2", "Gather", "ResourceGather", "GatherNd",
+    "Reshape", "ExpandDims", "Squeeze", "Shape", "Size", "Range",
+    "DynamicPartition", "DynamicStitch", "ParallelDynamicStitch"
+])
 
 
 class TowerRows:

@@ -548,6 +548,10 @@ def _gather(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
     # batch (a sort's) are whole values, picked from on the whole batch.
     if isinstance(params, row_kinds.Rows) and params.axis != axis:
       return [row_kinds.Local(op.name, "gathers rows by rows")]
+    if row_kinds.is_local(params) and not row_kinds.is_tower_set(params):
+      # A value of the tower's own (its counts, say) picked per row is
+      # still the tower's own; only its distinct values are its rows'.
+      return [params]
     return [row_kinds.Rows((axis or 0) + indices.axis)]
   if isinstance(params, row_kinds.Rows):
     if params.axis == axis:
@@ -586,6 +590,8 @@ def _gather_nd(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
                ctx: row_kinds.Context) -> Sequence[row_kinds.Kind]:
   params, indices = kinds
   if isinstance(indices, row_kinds.Rows) and indices.axis == 0:
+    if row_kinds.is_local(params) and not row_kinds.is_tower_set(params):
+      return [params]
     return [row_kinds.Rows(0)]
   if isinstance(params, row_kinds.Rows):
     batch_dims = op.get_attr("batch_dims") if "batch_dims" in [

@@ -10,6 +10,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import tensorflow as tf
 
+from replicate._batch import flow_rules
 from replicate._batch import op_types
 from replicate._batch import row_kinds
 from replicate._batch import static
@@ -419,6 +420,9 @@ def _fused_norm(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
 
 def _py_func(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
              ctx: row_kinds.Context) -> Sequence[row_kinds.Kind]:
+  """Python run on the rows: once on the whole batch, its outputs rows or
+  whole by their shapes (checked when it runs), unless its type is
+  declared per-row."""
   if all(not isinstance(k, (row_kinds.Rows, row_kinds.Local, row_kinds.Size,
                             row_kinds.Listed)) and k is not row_kinds.SHARD
          for k in kinds):
@@ -426,27 +430,61 @@ def _py_func(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
   local = row_kinds.any_local(kinds)
   if local:
     return row_kinds.same_for_outputs(op, local)
-  return row_kinds.same_for_outputs(
+  rows = row_kinds.first_rows(kinds)
+  axis = 0 if rows is None else rows.axis
+  if flow_rules.declared_per_row(op) and axis == 0:
+    return row_kinds.same_for_outputs(op, row_kinds.Rows(0))
+  return ctx.whole_batch(
       op,
-      ctx.needs_every_tower(
-          op, row_kinds.Mixing(op, tuple([row_kinds.WHOLE] * len(op.outputs))),
-          row_kinds.WHOLE, "runs Python on the rows"))
+      row_kinds.rows_by_shape(op, axis),
+      "runs Python on the rows",
+      guessed=True)
 
 
 def _unique(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
             ctx: row_kinds.Context) -> Sequence[row_kinds.Kind]:
+  """Distinct values of rows and each row's index into them.
+
+  Counted (`unique_with_counts`), or with no row reading its index
+  (`tf.size(tf.unique(x)[0])`), it runs on the whole batch: one device's
+  set, counts and indices. Otherwise the tower's own distinct values index
+  its own rows (an embedding lookup of unique ids gathers them back by
+  row, as `is_tower_set` lets a gather do); as values they are refused.
+  """
   kind = kinds[0]
   if not isinstance(kind, row_kinds.Rows):
     return row_kinds.same_for_outputs(
         op, kind if row_kinds.is_local(kind) else row_kinds.WHOLE)
-  # The tower's own distinct values index its rows (an embedding lookup of
-  # unique ids gathers them back by row); as values they are the tower's.
-  outputs: List[row_kinds.Kind] = [
-      row_kinds.Local(op.name, "is the set of the tower's values"), kind
-  ]
-  outputs += [row_kinds.Local(op.name, "counts the tower's values")] * (
-      len(op.outputs) - 2)
-  return outputs
+  axes = static.static_ints(op.inputs[1]) if op.type.endswith("V2") else [0]
+  along_rows = axes is not None and static.axis_in(
+      axes[0], static.rank_of(op.inputs[0])) == kind.axis
+  if not along_rows:
+    return row_kinds.same_for_outputs(
+        op, row_kinds.Local(op.name, "finds distinct values across the rows"))
+  counted = len(op.outputs) > 2
+  if counted or not op.outputs[1].consumers():
+    outputs: List[row_kinds.Kind] = [row_kinds.WHOLE, row_kinds.Rows(0)]
+    outputs += [row_kinds.WHOLE] * (len(op.outputs) - 2)
+    return ctx.whole_batch(op, outputs, "finds the distinct values of rows")
+  return [row_kinds.Local(op.name, row_kinds.TOWER_SET), row_kinds.Rows(0)]
+
+
+def _bincount(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
+              ctx: row_kinds.Context) -> Sequence[row_kinds.Kind]:
+  """Counts of values (`tf.math.bincount`): of one row each where the
+  input is a matrix counted along its last axis, else of the whole batch's
+  rows, run once on the whole batch."""
+  data, weights = kinds[0], kinds[2]
+  settled = row_kinds.without_rows(op, [data, weights])
+  if settled is not None:
+    return settled
+  rows = row_kinds.first_rows([data, weights])
+  if rows is None:
+    return row_kinds.same_for_outputs(op, row_kinds.SHARD)
+  if (op.type != "Bincount" and static.rank_of(op.inputs[0]) == 2 and
+      rows.axis == 0):
+    return [row_kinds.Rows(0)]
+  return ctx.whole_batch(op, [row_kinds.WHOLE], "counts the rows' values")
 
 
 def _dynamic_stitch(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
@@ -524,6 +562,8 @@ def _sparse_segment(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
   if ids is row_kinds.WHOLE and isinstance(kinds[0], row_kinds.Rows):
     return ctx.whole_batch(op, [row_kinds.WHOLE],
                            "sums rows into fixed segments")
+  if row_kinds.is_local(kinds[0]) and not row_kinds.is_tower_set(kinds[0]):
+    return [kinds[0]]
   return [row_kinds.Rows(0)]
 
 
@@ -733,6 +773,12 @@ RULES: Dict[str, row_kinds.Rule] = {
         _unique,
     "UniqueWithCounts":
         _unique,
+    "UniqueWithCountsV2":
+        _unique,
+    "Bincount":
+        _bincount,
+    "DenseBincount":
+        _bincount,
     "DynamicStitch":
         _dynamic_stitch,
     "ParallelDynamicStitch":

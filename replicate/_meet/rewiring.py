@@ -34,6 +34,7 @@ import tensorflow as tf
 from replicate import _context
 from replicate import _graph
 from replicate import _tf
+from replicate._batch import flow_rules
 from replicate._batch import row_kinds
 from replicate._batch import rows as _rows
 from replicate._batch_norm import whole_batch
@@ -417,7 +418,7 @@ class Rewiring:
     replication = self._replication
     op0 = event.op
     place: Optional[combining.Place]
-    inputs, place = [], None
+    inputs, place, extent = [], None, None
     for tensor in op0.inputs:
       kind = self.kind(tensor)
       if isinstance(kind, row_kinds.Rows):
@@ -426,7 +427,10 @@ class Rewiring:
             for index in range(replication.num_towers)
         ]
         whole, placing = combining.concatenated(replication, parts, kind.axis)
-        place = place or placing
+        if place is None:
+          place = placing
+          with tf.device(replication.meeting_device):
+            extent = tf.shape(whole, out_type=tf.int64)[kind.axis]
         inputs.append(whole)
       elif isinstance(kind, row_kinds.Size):
         inputs.append(self._counts.size(tensor))
@@ -444,6 +448,8 @@ class Rewiring:
         replication.meeting_device,
         name=op0.name.replace("/", "_") + "_whole_batch")
     for position, (output, kind) in enumerate(zip(once.outputs, event.kinds)):
+      if event.guessed and extent is not None:
+        output = _guess_checked(op0, position, output, kind, extent)
       if isinstance(kind, row_kinds.Rows) and place is not None:
         rows = place(output, kind.axis)
         original = op0.outputs[position]
@@ -493,6 +499,34 @@ class Rewiring:
         self._replace(relu.outputs[0], tower_relu)
       else:
         self._substitute(relu.outputs[0], tower_relu)
+
+
+def _guess_checked(op0: tf.Operation, position: int, output: tf.Tensor,
+                   kind: row_kinds.Kind, rows: tf.Tensor) -> tf.Tensor:
+  """`output` of an op with no rule, run once on the whole batch of `rows`
+  rows, once the run has checked the kind its shape suggested: a row per
+  example where it is handed back as rows; where it is taken whole (its
+  rank unknown), no row per example on its first axis."""
+  shape = tf.concat([tf.shape(output, out_type=tf.int64), [-1]], 0)
+  fix = ("give the output a static shape that says which it is "
+         "(Tensor.set_shape or tf.ensure_shape), or, if the op computes each "
+         "row from the same row, add its type to the graph collection "
+         f"{flow_rules.PER_ROW_COLLECTION!r}")
+  if isinstance(kind, row_kinds.Rows):
+    ok = tf.equal(shape[kind.axis], rows)
+    what = (f"took it to hold a row per example on axis {kind.axis}, as its "
+            "shape suggests, but it holds another number")
+  else:
+    ok = tf.logical_not(
+        tf.logical_and(tf.greater(rows, 1), tf.equal(shape[0], rows)))
+    what = ("took it to be one value, its rank being unknown, but it holds "
+            "a row per example")
+  message = (f"replicate ran {op0.type} op {op0.name!r} once on the whole "
+             f"batch (no rule says how it treats rows) and {what} of its "
+             f"output {position} (extents, rows):")
+  check = tf.debugging.Assert(ok, [message, shape, rows, "Fix:", fix])
+  with tf.control_dependencies([check]):
+    return tf.identity(output)
 
 
 def substitute(tensor: tf.Tensor,

@@ -398,6 +398,33 @@ case(
     _ints(high=2),
     rows_axes=(0, 0))
 
+# Distinct values: counted, or their set read as a value, on the whole
+# batch; indices into the tower's own set gather it back as its rows.
+case("UniqueWithCounts", tf.unique_with_counts, _ints())
+case("Unique", lambda x: tf.size(tf.unique(x)[0]), _ints())
+
+
+def _unique_gathered_back(x):
+  values, indices = tf.unique(x)
+  return tf.gather(values * 2 + 1, indices)
+
+
+case("Unique", _unique_gathered_back, _ints())
+# Counts of the rows' values: on the whole batch; of each row's own values
+# (a matrix counted along its last axis), rows.
+case("DenseBincount", lambda x: tf.math.bincount(x, minlength=5), _ints())
+case(
+    "DenseBincount",
+    lambda x, w: tf.math.bincount(x, weights=w, minlength=5),
+    _ints(),
+    _floats(),
+    rows_axes=(0, 0))
+case("DenseBincount", lambda x: tf.math.bincount(x, minlength=5, axis=-1),
+     _ints(3))
+case(
+    "Bincount", lambda x: tf.raw_ops.Bincount(
+        arr=tf.cast(x, tf.int32), size=5, weights=tf.constant([], F)), _ints())
+
 # --------------------------------------------------------- per row
 
 case(
@@ -641,11 +668,9 @@ _END_TO_END = frozenset(
         "RandomShuffle",
         "ResourceGather",
         "Rank",
-        # The tower's own distinct values and their indices: used to look
-        # up embeddings by row (tests/test_lookups.py), refused as values.
-        "Unique",
+        # Along another axis than the rows: refused as values.
         "UniqueV2",
-        "UniqueWithCounts",
+        "UniqueWithCountsV2",
         "BiasAddGradV1",
         "Concat",
         "ShapeN",
