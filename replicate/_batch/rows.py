@@ -415,6 +415,8 @@ def _kept_positions(op: tf.Operation,
 
 _COPIES = frozenset(["Identity", "Snapshot", "StopGradient"])
 
+_STATEFUL_CALLS = frozenset(["StatefulPartitionedCall", "PartitionedCall"])
+
 
 def _coordinates(
     op: tf.Operation,
@@ -461,7 +463,10 @@ def transfer(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
              ctx: _Context) -> Sequence[row_kinds.Kind]:
   """The kinds of `op`'s outputs given its inputs' (and the events)."""
   if not op.outputs:
-    _position_inputs(op, _size_inputs(op, kinds, ctx), ctx)
+    kinds, _ = _position_inputs(op, _size_inputs(op, kinds, ctx), ctx)
+    if op.type in _STATEFUL_CALLS:
+      # Its effect is what its body writes (a Keras metric's update).
+      _transfer_rule(op, kinds, ctx)
     return []
   kinds = _size_inputs(op, kinds, ctx)
   coordinates = _coordinates(op, kinds)

@@ -292,11 +292,13 @@ class Rewiring:
       attrs["output_shapes"] = _tf.unknown_shapes_attr(
           op.get_attr("output_shapes"))
     with tf.device(device):
-      return op.graph.create_op(
+      copy = op.graph.create_op(
           op.type,
           list(inputs), [t.dtype for t in op.outputs],
           name=name or op.name.replace("/", "_") + "_part",
           attrs=attrs)
+    _tf.copy_gradient_function(op, copy)
+    return copy
 
   # ------------------------------------------------------------ events
 
@@ -442,6 +444,10 @@ class Rewiring:
             "once on the whole batch) but reads a value of each tower's own "
             f"({tensor.name}: {kind}); compute it from the batch's rows, or "
             "run the model_fn unreplicated.")
+    if _writes_state(op0) and not any(
+        isinstance(k, row_kinds.Rows) for k in event.kinds):
+      self._whole_batch_in_place(op0, inputs)
+      return
     once = self._copy(
         op0,
         inputs,
@@ -468,6 +474,24 @@ class Rewiring:
         self._rewire_everywhere(op0, position, output)
     logging.info("replicate: %s (%s) runs once on the whole batch", op0.name,
                  op0.type)
+
+  def _whole_batch_in_place(self, op0: tf.Operation,
+                            inputs: Sequence[tf.Tensor]) -> None:
+    """A call writing model state (a Keras metric's `update_state`) runs
+    once, as tower 0's op reading the whole batch: the op the spec names
+    writes once per step, as on one device. The other towers' calls are
+    left unread (no step runs them); their readers read tower 0's."""
+    for position, (tensor, whole) in enumerate(zip(op0.inputs, inputs)):
+      if whole is not tensor:
+        _tf.update_input(op0, position, whole)
+    for index in range(1, self._replication.num_towers):
+      op = self._towers_op(op0, index)
+      if op is not None:
+        for own, output in zip(op.outputs, op0.outputs):
+          self._substitute(own, output)
+    logging.info(
+        "replicate: %s (%s) writes model state: it runs once, on the whole "
+        "batch", op0.name, op0.type)
 
   def _fused_norm(self, event: row_kinds.FusedNorm) -> None:
     replication = self._replication
@@ -499,6 +523,17 @@ class Rewiring:
         self._replace(relu.outputs[0], tower_relu)
       else:
         self._substitute(relu.outputs[0], tower_relu)
+
+
+def _writes_state(op: tf.Operation) -> bool:
+  """Whether function call `op` may write a resource it reads (an input
+  TensorFlow does not mark read-only: a variable its body assigns)."""
+  try:
+    read_only = set(op.get_attr("_read_only_resource_inputs"))
+  except ValueError:
+    return False
+  return any(t.dtype == tf.resource and i not in read_only
+             for i, t in enumerate(op.inputs))
 
 
 def _guess_checked(op0: tf.Operation, position: int, output: tf.Tensor,

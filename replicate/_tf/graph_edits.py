@@ -33,6 +33,15 @@ def remove_control_inputs(op: tf.Operation,
   op._add_control_inputs(kept)
 
 
+def copy_gradient_function(source: tf.Operation, copy: tf.Operation) -> None:
+  """Gives `copy` the gradient function `source` was built with, if any
+  (Operation._gradient_function): a tf.function's call op gets it from
+  the function, not from the gradient registry."""
+  function = getattr(source, "_gradient_function", None)
+  if function is not None:
+    copy._gradient_function = function
+
+
 def op_id(op: tf.Operation) -> int:
   """The position of `op` in its graph, in order of creation (Operation._id)."""
   return op._id
