@@ -7,8 +7,8 @@ pairwise and Gram products, row-picking selects, a padded sequence loss
 with a run-time pad), and Keras' minimize(loss_fn), whose tape leaves out
 what was built before it: float64, 2, 3 and 4 towers, uneven and one-row
 shards, every step's loss and every variable (TRAIN) or every metric
-(EVAL) equal to one device's. What has no one-device value is refused,
-with the op named: a fold carrying a value from row to row.
+(EVAL) equal to one device's. A fold or scan carrying a value from row to
+row runs on the whole batch's rows, in one device's order.
 """
 
 import numpy as np
@@ -93,6 +93,12 @@ FORMS = {
     "reverse_and_roll":
         lambda e, logits, f: tf.reduce_mean(
             tf.reverse(e, [0]) * e + tf.roll(e, 1, 0)),
+    "foldl_sum":
+        lambda e, logits, f: tf.foldl(lambda total, row: total + row, e) / tf.
+        cast(tf.size(e), D),
+    "scan_running_max":
+        lambda e, logits, f: tf.reduce_mean(
+            tf.scan(lambda top, row: tf.maximum(top, row), e) * e),
     "gather_nd_by_position":
         lambda e, logits, f: -tf.reduce_mean(
             tf.gather_nd(
@@ -208,26 +214,3 @@ def _keras_loss_fn_model_fn(features, labels, mode, params):
 def test_keras_minimize_of_a_loss_fn_leaves_out_what_the_tape_did_not_record(
     towers, batch):
   _assert_same(harness.train, _keras_loss_fn_model_fn, towers, batch)
-
-
-def test_a_fold_over_the_rows_is_refused_naming_it():
-
-  def model_fn(features, labels, mode, params):
-    del params
-    kernel = tf.compat.v1.get_variable("kernel", [5, 3], D)
-    errors = tf.nn.sparse_softmax_cross_entropy_with_logits(
-        labels=labels, logits=tf.matmul(features["x"], kernel))
-    loss = tf.foldl(lambda total, e: total + e, errors)
-    return tf.estimator.EstimatorSpec(
-        mode,
-        loss=loss,
-        train_op=tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(
-            loss, tf.compat.v1.train.get_global_step()))
-
-  with pytest.raises(ValueError, match="accumulates the tower's rows"):
-    harness.train(
-        model_fn,
-        _data(),
-        6,
-        1,
-        tower_devices=harness.devices(harness.VIRTUAL_CPUS, 2))

@@ -73,6 +73,11 @@ def _tensor_list_get(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
                      ctx: row_kinds.Context) -> Sequence[row_kinds.Kind]:
   listed = kinds[0]
   if _lists_rows(listed):
+    if ctx.mode == row_kinds.TOWER_OPS:
+      # A row taken by its position outside a loop (a scan's first row):
+      # one device's row at that position, on the whole batch.
+      return ctx.whole_batch(op, [row_kinds.WHOLE],
+                             "takes one of the rows by its position")
     return [row_kinds.one_row(op)]
   if isinstance(listed, row_kinds.Listed):
     return [row_kinds.Rows(listed.axis)]

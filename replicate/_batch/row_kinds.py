@@ -158,9 +158,15 @@ class FusedNorm(NamedTuple):
 
 Event = Union[Reduction, SizeUse, PositionUse, Mixing, FusedNorm]
 
+# The mode of a run over a tower's own ops (not a function body's).
+TOWER_OPS = "tower"
+
 
 class Context(Protocol):
   """What a rule reports to and asks of its run (`rows._Context`)."""
+
+  # TOWER_OPS for the tower's own ops; else a function body's.
+  mode: str
 
   # Whether an op's statistics are asked to stay the tower's.
   per_tower: Callable[[tf.Operation], bool]

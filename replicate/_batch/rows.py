@@ -54,7 +54,7 @@ from replicate._batch import static
 from replicate._batch import value_rules
 
 # How a run of the transfer functions treats what needs every tower.
-TOWER = "tower"  # the tower's own ops: report events, to be rewired
+TOWER = row_kinds.TOWER_OPS  # the tower's own ops: events, to be rewired
 
 BODY = "body"  # a function body run per tower: such ops are not allowed
 
@@ -64,9 +64,16 @@ WHOLE_BATCH = "whole batch"  # a body run once on the whole batch: fine
 class _Context:
   """What one run of the transfer functions reports and knows."""
 
-  def __init__(self, mode: str, per_tower: Callable[[tf.Operation], bool]):
+  def __init__(
+      self,
+      mode: str,
+      per_tower: Callable[[tf.Operation], bool],
+      kind_of: Callable[[tf.Tensor],
+                        row_kinds.Kind] = (lambda tensor: row_kinds.WHOLE)):
     self.mode = mode
     self.per_tower = per_tower
+    # The kind of a tensor computed before the op at hand.
+    self.kind_of = kind_of
     self.events: List[row_kinds.Event] = []
     # Inside a BODY: the first op needing every tower, if any.
     self.needs_towers: Optional[tf.Operation] = None
@@ -144,15 +151,21 @@ class _Context:
     if found is None:
       return None
     outputs, inner = found
-    if inner is None:
-      return outputs
-    if self.mode == BODY:
-      if self.needs_towers is None:
-        self.needs_towers = inner
-      return outputs
     local = row_kinds.any_local(kinds)
     if local:
-      return [local] * len(op.outputs)
+      return [local] * len(op.outputs) if inner is not None else outputs
+    unread = row_kinds.any_local(outputs)
+    if inner is None and unread is None:
+      return outputs
+    if self.mode == BODY:
+      if self.needs_towers is None and inner is not None:
+        self.needs_towers = inner
+      return outputs
+    # A body that needs every tower's rows, or whose outputs are not rows
+    # of one device's nor whole values (a value carried from row to row,
+    # rows reshaped across their axis): it runs once, on the whole batch.
+    why = (f"{inner.type} op {inner.name!r}, which needs every tower's rows"
+           if inner is not None else f"{unread.op!r}, which {unread.why}")
     static = [
         t.name
         for t, k in zip(op.inputs, kinds)
@@ -164,8 +177,7 @@ class _Context:
       # run on the whole batch.
       return [
           row_kinds.Local(
-              op.name, f"has {inner.type} op {inner.name!r} in its "
-              "body, which needs every tower's rows; replicate runs "
+              op.name, f"has {why} in its body; replicate runs "
               "such a call once on the whole batch, but this one was "
               f"built for the shard's static size ({static[0]}): "
               "compute it outside the tf.cond / tf.while_loop / "
@@ -175,12 +187,17 @@ class _Context:
       ]
     found = function_kinds(op, kinds, self.per_tower, WHOLE_BATCH)
     assert found is not None  # the bodies were read above
-    whole = found[0]
+    whole, guessed = found[0], False
     if any(row_kinds.is_local(k) for k in whole):
-      return whole
-    self.events.append(row_kinds.Mixing(op, tuple(whole)))
-    logging.vlog(1, "replicate: %s runs once on the whole batch (%s %s)",
-                 op.name, inner.type, inner.name)
+      # What the body makes of the whole batch's rows, where its ops do
+      # not say: by the outputs' shapes, checked when the step runs.
+      rows = row_kinds.first_rows(kinds)
+      shaped = row_kinds.rows_by_shape(op, 0 if rows is None else rows.axis)
+      whole = [s if row_kinds.is_local(k) else k for k, s in zip(whole, shaped)]
+      guessed = True
+    self.events.append(row_kinds.Mixing(op, tuple(whole), guessed))
+    logging.vlog(1, "replicate: %s runs once on the whole batch (%s)", op.name,
+                 why)
     return whole
 
 
@@ -551,6 +568,9 @@ def _transfer_rule(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
   if len(outputs) != len(op.outputs):
     outputs = (list(outputs) + [outputs[-1] if outputs else row_kinds.WHOLE] *
                len(op.outputs))[:len(op.outputs)]
+  if _tf.custom_gradient_type(op) is not None and any(
+      isinstance(k, row_kinds.Rows) for k in kinds):
+    outputs = _custom_gradient(op, kinds, outputs, ctx)
   if op.type not in _KEEP_TOWER_SET:
     outputs = [
         row_kinds.Local(op.name, "computes from the tower's own distinct "
@@ -558,6 +578,58 @@ def _transfer_rule(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
         for k in outputs
     ]
   return outputs
+
+
+def _custom_gradient(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
+                     outputs: Sequence[row_kinds.Kind],
+                     ctx: _Context) -> List[row_kinds.Kind]:
+  """An op with a gradient of its own (`tf.custom_gradient`) on rows.
+
+  Its gradient function is read as a body, on gradients with its outputs'
+  rows: where it computes each row's gradient from the same row, the op is
+  what its rule says; where it mixes rows (a gradient normalised by the
+  batch's mean), the op runs once on the whole batch, so its gradient is
+  taken once, of the whole batch's gradients. A function that mixes rows
+  and reads the tower's own rows besides cannot be given the whole batch's.
+  """
+  name = _tf.custom_gradient_type(op)
+  traced = _tf.trace_custom_gradient(op)
+  reads_rows = False
+  if traced is not None:
+    inner = _Context(BODY, ctx.per_tower)
+    body: Dict[Any, row_kinds.Kind] = {}
+    for gradient, kind in zip(traced.gradients, outputs):
+      body[gradient.ref()] = kind
+    for outer, stand_in in traced.captures:
+      body[stand_in.ref()] = ctx.kind_of(outer)
+      reads_rows |= not row_kinds.shares_value(ctx.kind_of(outer))
+    for body_op in traced.graph.get_operations():
+      inputs = [body.get(t.ref(), row_kinds.WHOLE) for t in body_op.inputs]
+      for tensor, kind in zip(body_op.outputs, transfer(body_op, inputs,
+                                                        inner)):
+        body.setdefault(tensor.ref(), kind)
+    results = [
+        body.get(t.ref(), row_kinds.WHOLE) if t is not None else None
+        for t in traced.outputs
+    ]
+    per_row = inner.needs_towers is None and all(
+        r is None or r == k or not isinstance(k, row_kinds.Rows)
+        for r, k in zip(results, kinds))
+    if per_row:
+      return list(outputs)
+  if reads_rows:
+    return [
+        row_kinds.Local(
+            op.name, f"has a custom gradient ({name}) that mixes the batch's "
+            "rows and reads the tower's own rows besides; compute the "
+            "gradient from its upstream gradient alone, or run the "
+            "model_fn unreplicated")
+    ] * len(op.outputs)
+  logging.vlog(
+      1, "replicate: %s's custom gradient mixes rows: it runs once "
+      "on the whole batch", op.name)
+  return ctx.whole_batch(op, outputs, f"has a custom gradient ({name}) that "
+                         "mixes rows")
 
 
 # Ops whose outputs hold, for each of the tower's distinct values, what is
@@ -604,7 +676,7 @@ class TowerRows:
 
   def run(self, ops: Iterable[tf.Operation]) -> List[row_kinds.Event]:
     """Finds the kinds of `ops`' outputs (ops in creation order)."""
-    ctx = _Context(TOWER, self._per_tower)
+    ctx = _Context(TOWER, self._per_tower, self.kind)
     for op in ops:
       if op in self._done:
         continue
@@ -679,8 +751,9 @@ def _body_kinds(
     per_tower: Callable[[tf.Operation], bool],
     mode: str) -> Tuple[List[row_kinds.Kind], Optional[tf.Operation]]:
   """(the kinds of a body's outputs, its first op needing every tower)."""
-  ctx = _Context(mode, per_tower)
   kinds: Dict[Any, row_kinds.Kind] = {}
+  ctx = _Context(mode, per_tower,
+                 lambda tensor: kinds.get(tensor.ref(), row_kinds.WHOLE))
   for tensor, kind in zip(body.inputs, arguments):
     kinds[tensor.ref()] = kind
   for op in body.get_operations():

@@ -422,9 +422,17 @@ def _tile(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
     return [data]
   if isinstance(data, row_kinds.Rows):
     value = _entry(op.inputs[1], data.axis)
-    if value == 1:
+    counted = isinstance(
+        multiples, row_kinds.Size) and (multiples.entries is None or
+                                        bool(multiples.entries - {data.axis}))
+    if value == 1 and not counted:
       return [data]
-    return [row_kinds.Local(op.name, "repeats the rows")]
+    if value == 1:
+      # Rows repeated along another axis as many times as the batch has
+      # rows (pairs of rows): one device's count, on the whole batch.
+      return ctx.whole_batch(op, [data], "repeats rows as often as the "
+                             "batch has rows")
+    return ctx.whole_batch(op, [row_kinds.WHOLE], "repeats the rows")
   if isinstance(multiples, row_kinds.Size):
     entries = multiples.entries
     return [row_kinds.Rows(min(entries) if entries else 0)]

@@ -438,6 +438,15 @@ class Rewiring:
         inputs.append(self._counts.size(tensor))
       elif row_kinds.shares_value(kind):
         inputs.append(tensor)
+      elif _lists_rows(kind) and _list_source(tensor) is not None:
+        whole, placing = self._whole_list(tensor)
+        if placing is not None:
+          if place is None:
+            place = placing
+            with tf.device(replication.meeting_device):
+              extent = tf.shape(whole, out_type=tf.int64)[0]
+          whole = self._list_of(tensor, whole)
+        inputs.append(whole)
       else:
         raise ValueError(
             f"{op0.type} op {op0.name!r} mixes the batch's rows (it runs "
@@ -454,9 +463,15 @@ class Rewiring:
         replication.meeting_device,
         name=op0.name.replace("/", "_") + "_whole_batch")
     for position, (output, kind) in enumerate(zip(once.outputs, event.kinds)):
-      if event.guessed and extent is not None:
+      if event.guessed and extent is not None and output.dtype != tf.variant:
         output = _guess_checked(op0, position, output, kind, extent)
-      if isinstance(kind, row_kinds.Rows) and place is not None:
+      # A loop's list of rows comes out where it went in.
+      carried = op0.type in ("While", "StatelessWhile") and _lists_rows(
+          self.kind(op0.inputs[position]))
+      source = _list_source(op0.inputs[position]) if carried else None
+      if place is not None and source is not None:
+        self._place_list(op0, position, output, source, place)
+      elif isinstance(kind, row_kinds.Rows) and place is not None:
         rows = place(output, kind.axis)
         original = op0.outputs[position]
         self._replace(original, rows[0])
@@ -474,6 +489,73 @@ class Rewiring:
         self._rewire_everywhere(op0, position, output)
     logging.info("replicate: %s (%s) runs once on the whole batch", op0.name,
                  op0.type)
+
+  def _whole_list(
+      self, tensor0: tf.Tensor) -> Tuple[tf.Tensor, Optional[combining.Place]]:
+    """The whole batch's version of tower 0's list of its rows (a loop's
+    elements or its accumulator, `_list_source`): for a list made from the
+    rows, the rows concatenated (and how to hand them back); for one
+    reserved for as many elements as rows, the list for the whole batch."""
+    replication = self._replication
+    maker = _graph.look_through(tensor0).op
+    if maker.type == "TensorListSetItem":
+      # An element set before the loop (a scan's initial value): the whole
+      # batch's list with that element set.
+      base, place = self._whole_list(maker.inputs[0])
+      if place is not None:
+        base = self._list_of(maker.inputs[0], base)
+      if not row_kinds.shares_value(self.kind(maker.inputs[2])):
+        raise ValueError(
+            f"{maker.name!r} sets an element of a list of the rows to a value "
+            f"of each tower's own ({maker.inputs[2].name}); compute it from "
+            "the batch's rows, or run the model_fn unreplicated.")
+      with tf.device(replication.meeting_device):
+        return tf.raw_ops.TensorListSetItem(
+            input_handle=base, index=maker.inputs[1],
+            item=maker.inputs[2]), None
+    if maker.type == "TensorListFromTensor":
+      parts = [
+          self.counterpart(maker.inputs[0], index)
+          for index in range(replication.num_towers)
+      ]
+      whole, place = combining.concatenated(replication, parts, 0)
+      return whole, place
+    with tf.device(replication.meeting_device):
+      return tf.raw_ops.TensorListReserve(
+          element_shape=maker.inputs[0],
+          num_elements=tf.cast(self._counts.size(maker.inputs[1]), tf.int32),
+          element_dtype=maker.get_attr("element_dtype")), None
+
+  def _list_of(self, tensor0: tf.Tensor, rows: tf.Tensor) -> tf.Tensor:
+    """A list of `rows`, made as tower 0's list of its rows was made."""
+    maker = _list_source(tensor0)
+    assert maker is not None
+    with tf.device(self._replication.meeting_device):
+      return tf.raw_ops.TensorListFromTensor(
+          tensor=rows, element_shape=maker.inputs[1])
+
+  def _place_list(self, op0: tf.Operation, position: int, output: tf.Tensor,
+                  maker: tf.Operation, place: combining.Place) -> None:
+    """Each tower's readers of a loop's list of rows (`op0`'s output
+    `position`, run once on the whole batch) read a list of its own rows."""
+    element_shape = maker.inputs[1] if maker.type == (
+        "TensorListFromTensor") else maker.inputs[0]
+    with tf.device(self._replication.meeting_device):
+      stacked = tf.raw_ops.TensorListStack(
+          input_handle=output,
+          element_shape=element_shape,
+          element_dtype=maker.get_attr("element_dtype"))
+    for index, rows in enumerate(place(stacked, 0)):
+      with tf.device(self._replication.placed[index]):
+        listed = tf.raw_ops.TensorListFromTensor(
+            tensor=rows, element_shape=element_shape)
+      if index == 0:
+        self._replace(op0.outputs[position], listed)
+        continue
+      op = self._towers_op(op0, index)
+      if op is not None:
+        self._substitute(op.outputs[position], listed)
+      self._tensors[index][op0.outputs[position].ref()] = listed
 
   def _whole_batch_in_place(self, op0: tf.Operation,
                             inputs: Sequence[tf.Tensor]) -> None:
@@ -523,6 +605,23 @@ class Rewiring:
         self._replace(relu.outputs[0], tower_relu)
       else:
         self._substitute(relu.outputs[0], tower_relu)
+
+
+def _lists_rows(kind: row_kinds.Kind) -> bool:
+  return isinstance(kind,
+                    row_kinds.Listed) and kind.axis == row_kinds.ROWS_LISTED
+
+
+def _list_source(tensor: tf.Tensor) -> Optional[tf.Operation]:
+  """The op that made the list of rows `tensor` (through copies and
+  elements set): one from the rows (`TensorListFromTensor`) or reserved for
+  as many elements as the rows (`TensorListReserve`), or None."""
+  op = _graph.look_through(tensor).op
+  while op.type == "TensorListSetItem":
+    op = _graph.look_through(op.inputs[0]).op
+  if op.type in ("TensorListFromTensor", "TensorListReserve"):
+    return op
+  return None
 
 
 def _writes_state(op: tf.Operation) -> bool:

@@ -25,9 +25,12 @@ their names for the library's modules.
 """
 
 from replicate._tf.checkpoints import TracksWrapped
+from replicate._tf.functions import TracedGradient
 from replicate._tf.functions import called_functions
+from replicate._tf.functions import custom_gradient_type
 from replicate._tf.functions import function_bodies
 from replicate._tf.functions import function_on_device
+from replicate._tf.functions import trace_custom_gradient
 from replicate._tf.graph_edits import add_control_input
 from replicate._tf.graph_edits import control_outputs
 from replicate._tf.graph_edits import copy_gradient_function
@@ -72,16 +75,17 @@ from replicate._tf.tower_scopes import without_segment
 
 __all__ = [
     "NN_IMPL", "NameCounters", "PartitionedVariable", "Patched", "Patches",
-    "TracksWrapped", "active_control_inputs", "add_control_input",
-    "called_functions", "canned_optimizer", "canned_optimizer_v2",
-    "collections", "control_outputs", "copy_gradient_function",
-    "function_bodies", "function_on_device", "gradient_terms_summed_by",
-    "graph_store", "in_v1_control_flow", "install_gradient_terms",
-    "install_tower_roots", "install_unfolded_shapes", "keras_compute_gradients",
-    "keras_iterations", "names_in_use", "op_id", "op_in_v1_control_flow",
-    "optimizer_name", "patch", "rebind", "remove_control_inputs",
-    "replace_colocation", "rewire", "set_collections", "set_device",
-    "set_store_contents", "share_variable", "store_contents",
-    "top_level_name_scopes", "tower_root", "unknown_shapes_attr",
-    "update_input", "variable_store", "warm_start_settings", "without_segment"
+    "TracedGradient", "TracksWrapped", "active_control_inputs",
+    "add_control_input", "called_functions", "canned_optimizer",
+    "canned_optimizer_v2", "collections", "control_outputs",
+    "custom_gradient_type", "copy_gradient_function", "function_bodies",
+    "function_on_device", "gradient_terms_summed_by", "graph_store",
+    "in_v1_control_flow", "install_gradient_terms", "install_tower_roots",
+    "install_unfolded_shapes", "keras_compute_gradients", "keras_iterations",
+    "names_in_use", "op_id", "op_in_v1_control_flow", "optimizer_name", "patch",
+    "rebind", "remove_control_inputs", "replace_colocation", "rewire",
+    "set_collections", "set_device", "set_store_contents", "share_variable",
+    "store_contents", "top_level_name_scopes", "trace_custom_gradient",
+    "tower_root", "unknown_shapes_attr", "update_input", "variable_store",
+    "warm_start_settings", "without_segment"
 ]

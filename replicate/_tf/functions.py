@@ -5,7 +5,7 @@ While, PartitionedCall, ...) runs, nor to copy a library function with
 its ops on another device.
 """
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import tensorflow as tf
 
@@ -102,3 +102,69 @@ def called_functions(op: tf.Operation) -> Dict[str, Any]:
       if name in _CALL_ATTRIBUTES and
       (value.HasField("func") or value.list.func)
   }
+
+
+class TracedGradient(NamedTuple):
+  """A custom gradient function traced on stand-ins for its gradients.
+
+  `graph`: the FuncGraph holding its ops; `gradients`: the stand-ins, one
+  per output of the op; `captures`: (outer tensor, its stand-in inside) for
+  each tensor of the model the function reads; `outputs`: the gradients it
+  returns for the op's inputs (None where it gives none).
+  """
+  graph: Any
+  gradients: List[tf.Tensor]
+  captures: List[Tuple[tf.Tensor, tf.Tensor]]
+  outputs: List[Optional[tf.Tensor]]
+
+
+def custom_gradient_type(op: tf.Operation) -> Optional[str]:
+  """The name `op`'s gradient is registered under when it is not its
+  type's own (`tf.custom_gradient`'s IdentityN: `_gradient_op_type`)."""
+  try:
+    name = op.get_attr("_gradient_op_type")
+  except ValueError:
+    return None
+  return name.decode() if isinstance(name, bytes) else name
+
+
+def trace_custom_gradient(op: tf.Operation) -> Optional[TracedGradient]:
+  """`op`'s registered gradient function called once in a scratch
+  FuncGraph on placeholders shaped as `op`'s outputs, so its ops can be
+  read as a function body's; None where it cannot be called so.
+
+  Looks the function up in the gradient registry
+  (`ops.get_gradient_function`) and traces it in a `func_graph.FuncGraph`,
+  which captures what it reads of the model's graph.
+  """
+  from tensorflow.python.framework import func_graph
+  from tensorflow.python.framework import ops
+  try:
+    function = ops.get_gradient_function(op)
+  except LookupError:
+    return None
+  if function is None:
+    return None
+  scratch = func_graph.FuncGraph(f"replicate_gradient_of_{op.name}")
+  with scratch.as_default():
+    gradients = [
+        tf.compat.v1.placeholder(t.dtype, t.shape, name=f"gradient_{i}")
+        for i, t in enumerate(op.outputs)
+    ]
+    try:
+      outputs = function(op, *gradients)
+    except Exception:  # pylint: disable=broad-except
+      # What it reads (a shape, a Python value) cannot be had here: the
+      # caller then takes the gradient to mix rows.
+      return None
+  if not isinstance(outputs, (list, tuple)):
+    outputs = [outputs]
+  return TracedGradient(scratch, gradients, list(scratch.captures),
+                        [_dense(o) for o in outputs])
+
+
+def _dense(value: Any) -> Optional[tf.Tensor]:
+  """A gradient's tensor of values (an IndexedSlices' values), or None."""
+  if isinstance(value, tf.IndexedSlices):
+    return value.values
+  return value if isinstance(value, tf.Tensor) else None
