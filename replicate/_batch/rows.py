@@ -164,8 +164,11 @@ class _Context:
     # A body that needs every tower's rows, or whose outputs are not rows
     # of one device's nor whole values (a value carried from row to row,
     # rows reshaped across their axis): it runs once, on the whole batch.
-    why = (f"{inner.type} op {inner.name!r}, which needs every tower's rows"
-           if inner is not None else f"{unread.op!r}, which {unread.why}")
+    if inner is not None:
+      why = f"{inner.type} op {inner.name!r}, which needs every tower's rows"
+    else:
+      assert unread is not None
+      why = f"{unread.op!r}, which {unread.why}"
     static = [
         t.name
         for t, k in zip(op.inputs, kinds)

@@ -439,14 +439,14 @@ class Rewiring:
       elif row_kinds.shares_value(kind):
         inputs.append(tensor)
       elif _lists_rows(kind) and _list_source(tensor) is not None:
-        whole, placing = self._whole_list(tensor)
-        if placing is not None:
+        rows, listed = self._whole_list(tensor)
+        if listed is not None:
           if place is None:
-            place = placing
+            place = listed
             with tf.device(replication.meeting_device):
-              extent = tf.shape(whole, out_type=tf.int64)[0]
-          whole = self._list_of(tensor, whole)
-        inputs.append(whole)
+              extent = tf.shape(rows, out_type=tf.int64)[0]
+          rows = self._list_of(tensor, rows)
+        inputs.append(rows)
       else:
         raise ValueError(
             f"{op0.type} op {op0.name!r} mixes the batch's rows (it runs "
