@@ -48,7 +48,10 @@ def _tower_scope(
   with contextlib.ExitStack() as stack:
     if index > 0:
       segment = f"tower_{index}"
-      scope = stack.enter_context(graph.name_scope(segment))
+      # The same scope in every replication of the graph (a model_fn called
+      # twice: adversarial regularization), so the calls' names agree.
+      scope = stack.enter_context(
+          graph.name_scope(replication.tower_prefix(index)))
       stack.enter_context(
           _tf.tower_root(graph, scope.rstrip("/"), segment,
                          replication.views.read))

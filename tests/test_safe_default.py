@@ -1,0 +1,349 @@
+"""Code with no proven row rule gives one device's value on the towers.
+
+What real model_fns call and no rule reads op by op: counts and distinct
+values of the batch's labels (class-balanced weights), Python ops, helpers
+wrapped in a `tf.function`, custom gradients, tiles of rows, folds, scans
+and while_loops over the rows, Keras metric subclasses, and a model_fn
+called twice in one graph (adversarial regularization). Each runs once on
+the whole batch where it mixes rows: float64, 2, 3 and 4 towers, uneven and
+one-row shards, every step's loss and every variable (TRAIN) or every
+metric (EVAL) equal to one device's. What cannot be one device's value is
+refused naming the op and the fix: a custom gradient that mixes rows and
+reads the tower's own rows, a Python op whose output says nothing of its
+rows.
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import replicate
+from tests import harness
+
+D = tf.float64
+CASES = [(2, 9), (3, 7), (4, 5), (3, 2)]
+
+
+def _data():
+  rng = np.random.RandomState(0)
+  return {"x": rng.randn(45, 5)}, rng.randint(0, 3, 45).astype(np.int64)
+
+
+def _class_weights(labels):
+  _, index, counts = tf.unique_with_counts(labels)
+  return 1.0 / tf.cast(tf.gather(counts, index), D)
+
+
+def _python_weights(x):
+  weights = tf.numpy_function(
+      lambda a: (np.abs(a[:, 0]) + 1.0) / (np.abs(a[:, 0]).sum() + 1.0), [x], D)
+  weights.set_shape([None])
+  return weights
+
+
+def _eager_python_weights(x):
+  weights = tf.py_function(
+      lambda a: tf.nn.softmax(a[:, 0]) * tf.cast(tf.size(a[:, 0]), D), [x], D)
+  weights.set_shape([None])
+  return weights
+
+
+@tf.function
+def _mean_square(t):
+  return tf.reduce_mean(tf.square(t))
+
+
+@tf.function
+def _column_pairs(t):
+  # Rows reshaped across their axis: no rule reads it.
+  flat = tf.reshape(tf.transpose(t), [-1, 1])
+  return tf.reduce_sum(flat * tf.reverse(flat, [0]))
+
+
+@tf.custom_gradient
+def _normalised_gradient(t):
+
+  def gradient(dy):
+    return dy / (tf.reduce_mean(tf.abs(dy)) + 1e-3)
+
+  return tf.identity(t), gradient
+
+
+@tf.custom_gradient
+def _clipped_gradient(t):
+  return tf.identity(t), lambda dy: tf.clip_by_value(dy, -0.05, 0.05)
+
+
+def _pairwise_by_tile(logits):
+  count = tf.shape(logits)[0]
+  left = tf.tile(logits[None], [count, 1, 1])
+  return tf.reduce_mean(
+      tf.reduce_sum(tf.square(left - tf.transpose(left, [1, 0, 2])), -1))
+
+
+def _rows_by_while_loop(e):
+  count = tf.shape(e)[0]
+
+  def body(i, running, written):
+    running = 0.5 * running + e[i]
+    return i + 1, running, written.write(i, running)
+
+  _, _, written = tf.while_loop(
+      lambda i, running, written: i < count, body,
+      [0, tf.constant(0.0, D),
+       tf.TensorArray(D, size=count)])
+  return written.stack()
+
+
+FORMS = {
+    "unique_with_counts_weights":
+        lambda e, logits, x, y: tf.reduce_sum(e * _class_weights(y)) / tf.
+        reduce_sum(_class_weights(y)),
+    "distinct_classes":
+        lambda e, logits, x, y: tf.reduce_mean(e) * tf.cast(
+            tf.size(tf.unique(y)[0]), D),
+    "bincount_weights":
+        lambda e, logits, x, y: tf.reduce_mean(e * tf.gather(
+            1.0 / (tf.math.bincount(tf.cast(y, tf.int32), minlength=3, dtype=D)
+                   + 1.0), y)),
+    "numpy_function_weights":
+        lambda e, logits, x, y: tf.reduce_sum(e * _python_weights(x)),
+    "py_function_weights":
+        lambda e, logits, x, y: tf.reduce_mean(e * _eager_python_weights(x)),
+    "tf_function_mean":
+        lambda e, logits, x, y: tf.reduce_mean(e) + _mean_square(logits),
+    "tf_function_reshaped_rows":
+        lambda e, logits, x, y: tf.reduce_mean(e) + 0.01 * _column_pairs(logits
+                                                                        ),
+    "custom_gradient_normalised":
+        lambda e, logits, x, y: tf.reduce_mean(
+            tf.nn.sparse_softmax_cross_entropy_with_logits(
+                labels=y, logits=_normalised_gradient(logits))),
+    "custom_gradient_per_row":
+        lambda e, logits, x, y: tf.reduce_mean(
+            tf.nn.sparse_softmax_cross_entropy_with_logits(
+                labels=y, logits=_clipped_gradient(logits))),
+    "tile_pairwise":
+        lambda e, logits, x, y: tf.reduce_mean(e) + 0.01 * _pairwise_by_tile(
+            logits),
+    "scan_ema":
+        lambda e, logits, x, y: tf.reduce_mean(
+            tf.scan(
+                lambda a, r: 0.9 * a + 0.1 * r,
+                e,
+                initializer=tf.constant(0.0, D)) * e),
+    "foldl_max":
+        lambda e, logits, x, y: tf.reduce_mean(e) + 0.1 * tf.foldl(
+            tf.maximum, e, initializer=tf.constant(-1e9, D)),
+    "while_loop_tensor_array":
+        lambda e, logits, x, y: tf.reduce_mean(_rows_by_while_loop(e) * e),
+}
+
+
+def _model_fn(form):
+
+  def model_fn(features, labels, mode, params):
+    del params
+    kernel = tf.compat.v1.get_variable("kernel", [5, 3], D)
+    logits = tf.matmul(features["x"], kernel)
+    errors = tf.nn.sparse_softmax_cross_entropy_with_logits(
+        labels=labels, logits=logits)
+    loss = FORMS[form](errors, logits, features["x"], labels)
+    if mode == harness.EVAL:
+      return tf.estimator.EstimatorSpec(
+          mode,
+          loss=tf.reduce_mean(errors),
+          eval_metric_ops={"form": tf.compat.v1.metrics.mean(loss)})
+    optimizer = tf.compat.v1.train.GradientDescentOptimizer(0.2)
+    return tf.estimator.EstimatorSpec(
+        mode,
+        loss=loss,
+        train_op=optimizer.minimize(loss, tf.compat.v1.train.get_global_step()))
+
+  return model_fn
+
+
+def _assert_same(run, model_fn, towers, batch):
+  expected = run(model_fn, _data(), batch, 3, static=False)
+  actual = run(
+      model_fn,
+      _data(),
+      batch,
+      3,
+      tower_devices=harness.devices(harness.VIRTUAL_CPUS, towers),
+      static=False)
+  harness.assert_close_nests(actual, expected, rtol=1e-10, atol=1e-12)
+
+
+_FORM_CASES = [(form, *CASES[index % len(CASES)])
+               for index, form in enumerate(sorted(FORMS))] + [
+                   harness.wide(form, *CASES[(index + 1) % len(CASES)])
+                   for index, form in enumerate(sorted(FORMS))
+               ]
+
+
+@pytest.mark.parametrize("form,towers,batch", _FORM_CASES)
+def test_form_trains_as_one_device(form, towers, batch):
+  _assert_same(harness.train, _model_fn(form), towers, batch)
+
+
+@pytest.mark.parametrize("form", [
+    "unique_with_counts_weights", "scan_ema", "tf_function_reshaped_rows",
+    harness.wide("numpy_function_weights")
+])
+def test_form_in_a_metric_evaluates_as_one_device(form):
+  _assert_same(harness.evaluate, _model_fn(form), 3, 7)
+
+
+class _MeanAbsolute(tf.keras.metrics.Metric):
+  """A user's own Keras metric: Keras runs its update_state as a
+  tf.function that writes the metric's variables."""
+
+  def __init__(self):
+    super().__init__(name="mean_absolute", dtype=D)
+    self.total = self.add_weight("total", initializer="zeros", dtype=D)
+    self.count = self.add_weight("count", initializer="zeros", dtype=D)
+
+  def update_state(self, values):
+    self.total.assign_add(tf.reduce_sum(tf.abs(values)))
+    self.count.assign_add(tf.cast(tf.size(values), D))
+
+  def result(self):
+    return self.total / self.count
+
+
+class _LargestBatchMean(tf.keras.metrics.Metric):
+  """The largest batch mean seen: written with assign, not added."""
+
+  def __init__(self):
+    super().__init__(name="largest_batch_mean", dtype=D)
+    self.largest = self.add_weight(
+        "largest", initializer=tf.keras.initializers.Constant(-1e9), dtype=D)
+
+  def update_state(self, values):
+    self.largest.assign(tf.maximum(self.largest, tf.reduce_mean(values)))
+
+  def result(self):
+    return tf.identity(self.largest)
+
+
+def _keras_metrics_model_fn(features, labels, mode, params):
+  del params
+  kernel = tf.compat.v1.get_variable("kernel", [5, 3], D)
+  logits = tf.matmul(features["x"], kernel)
+  errors = tf.nn.sparse_softmax_cross_entropy_with_logits(
+      labels=labels, logits=logits)
+  metrics = {}
+  for metric in (_MeanAbsolute(), _LargestBatchMean()):
+    metric.update_state(errors)
+    metrics[metric.name] = metric
+  return tf.estimator.EstimatorSpec(
+      mode, loss=tf.reduce_mean(errors), eval_metric_ops=metrics)
+
+
+@pytest.mark.parametrize(
+    "towers,batch",
+    [CASES[1], harness.wide(*CASES[2]),
+     harness.wide(*CASES[3])])
+def test_keras_metric_subclasses_evaluate_as_one_device(towers, batch):
+  _assert_same(harness.evaluate, _keras_metrics_model_fn, towers, batch)
+
+
+def _adversarial_train(model_fn, towers, batch, steps=3):
+  """As Neural Structured Learning's estimator wrapper: the (replicated)
+  model_fn called twice in one graph, on the batch and on a perturbation
+  of it made from the first call's gradient, one optimizer outside."""
+  if towers:
+    model_fn = replicate.replicate_model_fn(
+        model_fn, devices=harness.devices(harness.VIRTUAL_CPUS, towers))
+  with tf.Graph().as_default():
+    tf.compat.v1.train.create_global_step()
+    features, labels = harness.batches(_data(), batch, static=False)
+    with tf.compat.v1.variable_scope(
+        tf.compat.v1.get_variable_scope(),
+        reuse=tf.compat.v1.AUTO_REUSE,
+        auxiliary_name_scope=False):
+      first = model_fn(features, labels, harness.TRAIN, {})
+      gradient = tf.gradients(first.loss, features["x"])[0]
+      perturbed = {"x": features["x"] + 0.05 * tf.sign(gradient)}
+      second = model_fn(perturbed, labels, harness.TRAIN, {})
+    loss = first.loss + 0.2 * second.loss
+    train_op = tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(
+        loss, tf.compat.v1.train.get_global_step())
+    spec = tf.estimator.EstimatorSpec(
+        harness.TRAIN, loss=loss, train_op=train_op)
+    with tf.compat.v1.Session(config=harness.session_config()) as session:
+      return harness.run_training(session, spec, steps)
+
+
+@pytest.mark.parametrize("towers,batch", [CASES[0], harness.wide(*CASES[2])])
+def test_a_model_fn_called_twice_trains_as_one_device(towers, batch):
+  model_fn = _model_fn("unique_with_counts_weights")
+  expected = _adversarial_train(model_fn, 0, batch)
+  actual = _adversarial_train(model_fn, towers, batch)
+  harness.assert_close_nests(actual, expected, rtol=1e-10, atol=1e-12)
+
+
+def _refused_model_fn(loss_of):
+
+  def model_fn(features, labels, mode, params):
+    del params
+    kernel = tf.compat.v1.get_variable("kernel", [5, 3], D)
+    logits = tf.matmul(features["x"], kernel)
+    loss = loss_of(logits, labels)
+    return tf.estimator.EstimatorSpec(
+        mode,
+        loss=loss,
+        train_op=tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(
+            loss, tf.compat.v1.train.get_global_step()))
+
+  return model_fn
+
+
+def _mixing_gradient_reading_rows(logits, labels):
+
+  @tf.custom_gradient
+  def scaled(t):
+    return tf.identity(t), lambda dy: dy * t / tf.reduce_mean(tf.abs(t))
+
+  return tf.reduce_mean(
+      tf.nn.sparse_softmax_cross_entropy_with_logits(
+          labels=labels, logits=scaled(logits)))
+
+
+def test_a_custom_gradient_mixing_rows_and_reading_the_towers_is_refused():
+  with pytest.raises(ValueError, match="custom gradient .* reads the tower's"):
+    harness.train(
+        _refused_model_fn(_mixing_gradient_reading_rows),
+        _data(),
+        6,
+        1,
+        tower_devices=harness.devices(harness.VIRTUAL_CPUS, 2))
+
+
+def _unranked_python_weights(logits, labels):
+  weights = tf.numpy_function(lambda a: np.abs(a[:, 0]) + 1.0, [logits], D)
+  return tf.reduce_mean(weights) * tf.reduce_mean(
+      tf.nn.sparse_softmax_cross_entropy_with_logits(
+          labels=labels, logits=logits))
+
+
+def _miscounted_python_rows(logits, labels):
+  # A row per class, not per example, though the shape says rows.
+  counts = tf.numpy_function(lambda a: np.abs(a).sum(0), [logits], D)
+  counts.set_shape([None])
+  return tf.reduce_sum(counts) * tf.reduce_mean(logits)
+
+
+@pytest.mark.parametrize("loss_of,expected", [
+    (_unranked_python_weights, "rank being unknown, but it holds a row per"),
+    (_miscounted_python_rows, "hold a row per example on axis 0"),
+])
+def test_a_python_op_whose_shape_misleads_fails_naming_it(loss_of, expected):
+  with pytest.raises(tf.errors.InvalidArgumentError, match=expected):
+    harness.train(
+        _refused_model_fn(loss_of),
+        _data(),
+        6,
+        1,
+        tower_devices=harness.devices(harness.VIRTUAL_CPUS, 2))
