@@ -181,16 +181,43 @@ def _texts():
   }, rng.randint(0, 3, ROWS).astype(np.int64))
 
 
-def test_hub_text_embedding_column_in_a_canned_estimator_replicates():
+def _hub_text_spec(hub):
+  """As TF Hub's text modules embed: sentences split into words, each
+  word's embedding looked up and combined per sentence."""
+
+  def module_fn():
+    sentences = tf.compat.v1.placeholder(tf.string, [None])
+    words = tf.compat.v1.string_split(sentences)
+    ids = tf.SparseTensor(words.indices,
+                          tf.strings.to_hash_bucket_fast(words.values, 16),
+                          words.dense_shape)
+    table = tf.compat.v1.get_variable("embeddings", [16, 3])
+    hub.add_signature(
+        inputs=sentences,
+        outputs=tf.nn.embedding_lookup_sparse(
+            table, ids, None, combiner="sqrtn"))
+
+  return hub.create_module_spec(module_fn)
+
+
+@pytest.mark.parametrize("towers,batch", [(2, 9), harness.wide(4, 10)])
+def test_hub_text_embedding_column_in_a_canned_estimator_replicates(
+    towers, batch):
   hub = pytest.importorskip("tensorflow_hub")
-  column = hub.text_embedding_column("text", _hub_spec(hub), trainable=True)
+  column = hub.text_embedding_column(
+      "text", _hub_text_spec(hub), trainable=True)
   canned = tf.compat.v1.estimator.DNNClassifier(
       hidden_units=[4],
       feature_columns=[column],
       n_classes=3,
       optimizer=tf.compat.v1.train.AdagradOptimizer(0.1))
+  texts = _texts()
+
+  def input_fn():
+    return tf.data.Dataset.from_tensor_slices(texts).repeat().batch(batch)
+
   summary = replicate.testing.assert_replicates(
-      canned.model_fn, _dataset(*_texts()), towers=TOWERS)
+      canned.model_fn, input_fn, towers=(towers,))
   assert "accuracy" in summary.metrics
 
 

@@ -469,6 +469,23 @@ def _unique(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
   return [row_kinds.Local(op.name, row_kinds.TOWER_SET), row_kinds.Rows(0)]
 
 
+def _string_split(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
+                  ctx: row_kinds.Context) -> Sequence[row_kinds.Kind]:
+  """Strings split into a sparse tensor of their pieces, a row of pieces
+  per string: coordinates, values and a shape of the tower's rows."""
+  kind = kinds[0]
+  if not isinstance(kind, row_kinds.Rows):
+    return row_kinds.same_for_outputs(op, row_kinds.non_row(kind))
+  if kind.axis != 0 or static.rank_of(op.inputs[0]) != 1:
+    return row_kinds.same_for_outputs(
+        op, row_kinds.Local(op.name, "splits strings of rows of unknown rank"))
+  return [
+      row_kinds.Coordinates(),
+      row_kinds.Rows(0),
+      row_kinds.Size(False, frozenset([0]))
+  ]
+
+
 def _bincount(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
               ctx: row_kinds.Context) -> Sequence[row_kinds.Kind]:
   """Counts of values (`tf.math.bincount`): of one row each where the
@@ -777,6 +794,10 @@ RULES: Dict[str, row_kinds.Rule] = {
         _unique,
     "Bincount":
         _bincount,
+    "StringSplit":
+        _string_split,
+    "StringSplitV2":
+        _string_split,
     "DenseBincount":
         _bincount,
     "DynamicStitch":
