@@ -1,7 +1,8 @@
 """Code with no proven row rule gives one device's value on the towers.
 
 What real model_fns call and no rule reads op by op: counts and distinct
-values of the batch's labels (class-balanced weights), Python ops, helpers
+values of the batch's labels (class-balanced weights), sets of each row's
+classes, v1 metrics at k, Python ops, helpers
 wrapped in a `tf.function`, custom gradients, tiles of rows, folds, scans
 and while_loops over the rows, Keras metric subclasses, and a model_fn
 called twice in one graph (adversarial regularization). Each runs once on
@@ -135,6 +136,12 @@ FORMS = {
     "foldl_max":
         lambda e, logits, x, y: tf.reduce_mean(e) + 0.1 * tf.foldl(
             tf.maximum, e, initializer=tf.constant(-1e9, D)),
+    "sets_per_row":
+        lambda e, logits, x, y: tf.reduce_mean(e * tf.cast(
+            tf.sets.size(
+                tf.sets.difference(
+                    tf.math.top_k(logits, 2).indices,
+                    tf.cast(y[:, None], tf.int32))), D)),
     "while_loop_tensor_array":
         lambda e, logits, x, y: tf.reduce_mean(_rows_by_while_loop(e) * e),
 }
@@ -247,6 +254,33 @@ def _keras_metrics_model_fn(features, labels, mode, params):
      harness.wide(*CASES[3])])
 def test_keras_metric_subclasses_evaluate_as_one_device(towers, batch):
   _assert_same(harness.evaluate, _keras_metrics_model_fn, towers, batch)
+
+
+def _metrics_at_k_model_fn(features, labels, mode, params):
+  del params
+  kernel = tf.compat.v1.get_variable("kernel", [5, 3], D)
+  logits = tf.matmul(features["x"], kernel)
+  top = tf.math.top_k(logits, 2).indices
+  return tf.estimator.EstimatorSpec(
+      mode,
+      loss=tf.reduce_mean(
+          tf.nn.sparse_softmax_cross_entropy_with_logits(
+              labels=labels, logits=logits)),
+      eval_metric_ops={
+          "precision_at_2":
+              tf.compat.v1.metrics.precision_at_k(labels, logits, 2),
+          "recall_at_2":
+              tf.compat.v1.metrics.recall_at_k(labels, logits, 2),
+          "precision_at_top_2":
+              tf.compat.v1.metrics.precision_at_top_k(labels, top),
+      })
+
+
+@pytest.mark.parametrize("towers,batch", [CASES[2], harness.wide(*CASES[0])])
+def test_v1_metrics_at_k_evaluate_as_one_device(towers, batch):
+  # Each names its variables by the name scope it opened (`tower_1/...`
+  # in a tower) and takes sets of each row's labels and top classes.
+  _assert_same(harness.evaluate, _metrics_at_k_model_fn, towers, batch)
 
 
 def _adversarial_train(model_fn, towers, batch, steps=3):

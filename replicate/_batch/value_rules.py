@@ -486,6 +486,40 @@ def _string_split(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
   ]
 
 
+def _set_operation(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
+                   ctx: row_kinds.Context) -> Sequence[row_kinds.Kind]:
+  """A set operation on sets along the last axis (`tf.sets`), a row's set
+  with the same row's: a sparse tensor of the tower's rows. Sets along the
+  rows axis itself (rank 1) mix rows: on the whole batch."""
+  settled = row_kinds.without_rows(op, kinds)
+  if settled is not None:
+    return settled
+  rows = [k for k in kinds if isinstance(k, row_kinds.Rows)]
+  dense = op.inputs[:2] if op.type == "DenseToDenseSetOperation" else (
+      op.inputs[:1])
+  if all(k.axis == 0 for k in rows) and all(
+      (static.rank_of(t) or 0) >= 2 for t in dense):
+    return [
+        row_kinds.Coordinates(),
+        row_kinds.Rows(0),
+        row_kinds.Size(False, frozenset([0]))
+    ]
+  return ctx.whole_batch(op, row_kinds.same_for_outputs(op, row_kinds.WHOLE),
+                         "takes sets across the rows")
+
+
+def _set_size(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
+              ctx: row_kinds.Context) -> Sequence[row_kinds.Kind]:
+  """The size of each set of a sparse tensor's last axis: a count per row
+  where its coordinates are the tower's rows'."""
+  settled = row_kinds.without_rows(op, kinds[:3])
+  if settled is not None:
+    return settled
+  if isinstance(kinds[2], row_kinds.Size) and 0 in (kinds[2].entries or ()):
+    return [row_kinds.Rows(0)]
+  return ctx.whole_batch(op, [row_kinds.WHOLE], "counts sets across the rows")
+
+
 def _bincount(op: tf.Operation, kinds: Sequence[row_kinds.Kind],
               ctx: row_kinds.Context) -> Sequence[row_kinds.Kind]:
   """Counts of values (`tf.math.bincount`): of one row each where the
@@ -796,6 +830,12 @@ RULES: Dict[str, row_kinds.Rule] = {
         _bincount,
     "StringSplit":
         _string_split,
+    "DenseToDenseSetOperation":
+        _set_operation,
+    "DenseToSparseSetOperation":
+        _set_operation,
+    "SetSize":
+        _set_size,
     "StringSplitV2":
         _string_split,
     "DenseBincount":

@@ -131,7 +131,9 @@ def _name_parts(graph: tf.Graph, name: str,
   `_towers.views`); a name ending in '/' is absolute, taken as it is.
   """
   if name.endswith("/"):
-    return name, name
+    # Named by a name scope the tower opened (v1 metrics' `name=scope`).
+    towerless = _tf.without_segment(name, segment) if segment else name
+    return towerless, towerless
   scope = graph.get_name_scope()
   asked = f"{scope}/{name}" if scope else name
   unique = graph.unique_name(name)

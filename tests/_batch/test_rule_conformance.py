@@ -674,6 +674,10 @@ _END_TO_END = frozenset(
         # text module) and tests/test_inputs.py.
         "StringSplit",
         "StringSplitV2",
+        # Sets of each row, sparse: tests/test_safe_default.py.
+        "DenseToDenseSetOperation",
+        "DenseToSparseSetOperation",
+        "SetSize",
         # Along another axis than the rows: refused as values.
         "UniqueV2",
         "UniqueWithCountsV2",
