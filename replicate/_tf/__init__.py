@@ -22,8 +22,8 @@ device's names in a tower's call), `library_internals` (Keras optimizers',
 Estimators' and tensorflow_estimator's unexported attributes), `patches`
 (installing and restoring routes; the gradient terms' route),
 `checkpoints` (an optimizer wrapper's dependencies), `estimator_compat`
-(tf.estimator on TensorFlow 2.16+, applied first by `replicate/__init__`). This package exports
-their names for the library's modules.
+(tf.estimator on TensorFlow 2.16+, applied first by `replicate/__init__`).
+This package exports their names for the library's modules.
 """
 
 from replicate._tf.checkpoints import TracksWrapped

@@ -185,3 +185,4 @@ def test_a_missing_internal_is_refused_and_undone():
            'api._v2.estimator"] = None\n')
   message = _refusal(_run(block + _LEFT))
   assert "pip install \"tensorflow<2." in message
+
