@@ -81,8 +81,14 @@ def ensure_estimator() -> None:
     logging.info("tf.estimator is already set on TensorFlow %s: kept.",
                  tf.__version__)
   else:
+    setting = os.environ.get("TF_USE_LEGACY_KERAS")
     _check_keras()
-    _supply()
+    try:
+      _supply()
+    except ImportError:
+      if setting is None:  # Keras 2 was selected for nothing.
+        del os.environ["TF_USE_LEGACY_KERAS"]
+      raise
   _done = True
 
 
