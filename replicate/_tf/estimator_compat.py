@@ -17,6 +17,8 @@ on TensorFlow 2.13 to 2.15 changes nothing. What it supplies:
   with `use_tpu=False`); TPU embeddings and TPU training raise.
 - `tf_export.ESTIMATOR_API_NAME` and its attribute names, the API name
   tensorflow_estimator exports its symbols under.
+- tf-keras 2.16's seed draw after `tf.keras.utils.set_random_seed`, whose
+  float bound Python 3.12 refuses, with an int bound.
 - `tf.estimator`, `tf.compat.v1.estimator` and `tf.compat.v2.estimator`,
   set from tensorflow_estimator's generated API modules.
 
@@ -28,7 +30,9 @@ the cause and the fix, having undone what it changed.
 import functools
 import importlib
 import importlib.metadata
+import inspect
 import os
+import random
 import sys
 import types
 from typing import Any, Callable, Dict, List, NoReturn, Optional, Tuple
@@ -282,6 +286,33 @@ def _api_name(undo: _Undo) -> None:
     undo.steps.append(functools.partial(table.pop, "estimator", None))
 
 
+def _seed_fix(undo: _Undo) -> None:
+  """tf-keras 2.16 draws a layer's seed after `tf.keras.utils.set_random_seed`
+  as `randint(1, 1e9)`, a float bound Python 3.12 refuses
+  (`RandomGenerator._create_seed`); where its source has that call, the
+  same draw with an int bound takes its place."""
+  backend = importlib.import_module("tf_keras.src.backend")
+  generator = backend.RandomGenerator
+  try:
+    source = inspect.getsource(generator._create_seed)
+  except (OSError, TypeError):  # No source: nothing to tell.
+    return
+  if "randint(1, 1e9)" not in source:
+    return
+
+  def create_seed(self: Any, user_specified_seed: Any) -> Any:
+    del self  # The draw is the module's, as in tf-keras.
+    if user_specified_seed is not None:
+      return user_specified_seed
+    seeded = getattr(backend._SEED_GENERATOR, "generator", None)
+    return (seeded or random).randint(1, int(1e9))
+
+  undo.set(generator, "_create_seed", create_seed)
+  logging.info(
+      "tf-keras %s's seed draw given an int bound (its float bound "
+      "fails on Python 3.12+).", _tf_keras_version())
+
+
 def _supply() -> None:
   """Supplies the internals, imports tensorflow_estimator and sets
   `tf.estimator`; undoes it all on the first failure."""
@@ -299,6 +330,7 @@ def _supply() -> None:
     if not (tf.keras.__name__.startswith("tf_keras") and
             hasattr(tf.keras.optimizers, "legacy")):
       raise ImportError(f"tf.keras is {tf.keras.__name__}, not Keras 2")
+    _seed_fix(undo)
   except (ImportError, AttributeError) as e:
     undo()
     _refuse(

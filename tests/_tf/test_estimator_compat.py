@@ -61,6 +61,15 @@ def test_the_estimator_api_users_write_is_there():
                                                 if _NEW_LINE else "keras")
 
 
+def test_keras_layers_draw_seeds_after_set_random_seed():
+  # tf-keras 2.16 drew them with a float bound, which Python 3.12 refuses.
+  tf.keras.utils.set_random_seed(3)
+  with tf.Graph().as_default():
+    dense = tf.keras.layers.Dense(2)
+    dense(tf.zeros([1, 2]))
+  assert dense.kernel.shape == (2, 2)
+
+
 def test_a_local_distribution_strategy_still_configures():
   strategy = tf.distribute.OneDeviceStrategy("/cpu:0")
   config = tf.estimator.RunConfig(train_distribute=strategy)
