@@ -434,8 +434,10 @@ def test_cifar10_tutorial_model_replicates(placement):
 
 
 def _tfa():
-  # TF Addons 0.23 is the last release (TensorFlow 2.13-2.15).
-  return pytest.importorskip("tensorflow_addons")
+  return pytest.importorskip(
+      "tensorflow_addons",
+      reason="TF Addons 0.23, its last release, installs on Python 3.9-3.11 "
+      "and TensorFlow 2.13-2.15 only")
 
 
 def _embedding_data():
@@ -572,7 +574,8 @@ def _dp_model_fn(features, labels, mode, params):
   whose microbatches' gradients are clipped one by one (no noise, so the
   run is deterministic; the clipping is active)."""
   dp_optimizer = pytest.importorskip(
-      "tensorflow_privacy.privacy.optimizers.dp_optimizer")
+      "tensorflow_privacy.privacy.optimizers.dp_optimizer",
+      reason="TF Privacy 0.9.0 installs on Python 3.9-3.11 only")
   logits = tf.compat.v1.layers.dense(features["x"], 3, name="logits")
   vector_loss = tf.nn.sparse_softmax_cross_entropy_with_logits(
       labels=labels, logits=logits)

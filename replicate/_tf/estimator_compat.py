@@ -15,8 +15,14 @@ on TensorFlow 2.13 to 2.15 changes nothing. What it supplies:
 - `tensorflow.python.tpu.session_support`, `tpu_embedding` and
   `tpu_embedding_gradient`: names only, so TPUEstimator imports (it runs
   with `use_tpu=False`); TPU embeddings and TPU training raise.
+- `tensorflow.python.estimator.*`, the module names TensorFlow 2.15
+  shipped as aliases of tensorflow_estimator's (DeepCTR imports its heads
+  and optimizers from there).
 - `tf_export.ESTIMATOR_API_NAME` and its attribute names, the API name
   tensorflow_estimator exports its symbols under.
+- `tensorflow.keras` (and `tensorflow.compat.v1.keras`, `.layers`, ...) as
+  import paths: TensorFlow points them at Keras 3 when it is imported
+  without `TF_USE_LEGACY_KERAS`; they are pointed at tf-keras's.
 - tf-keras 2.16's seed draw after `tf.keras.utils.set_random_seed`, whose
   float bound Python 3.12 refuses, with an int bound.
 - `tf.estimator`, `tf.compat.v1.estimator` and `tf.compat.v2.estimator`,
@@ -29,7 +35,10 @@ the cause and the fix, having undone what it changed.
 
 import functools
 import importlib
+import importlib.abc
+import importlib.machinery
 import importlib.metadata
+import importlib.util
 import inspect
 import os
 import random
@@ -273,6 +282,62 @@ def _tpu_modules(undo: _Undo) -> None:
         __getattr__=missing)
 
 
+_OLD_ESTIMATOR = "tensorflow.python.estimator"
+_ESTIMATOR = "tensorflow_estimator.python.estimator"
+
+
+def _is_old_module_name(name: str) -> bool:
+  return name == _OLD_ESTIMATOR or name.startswith(_OLD_ESTIMATOR + ".")
+
+
+class _EstimatorAliases(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+  """`tensorflow.python.estimator[.x]` as tensorflow_estimator's module
+  `tensorflow_estimator.python.estimator[.x]`, the alias TensorFlow 2.15
+  shipped (each of its 31 modules re-exported every name, private ones
+  too)."""
+
+  def find_spec(self,
+                fullname: str,
+                path: Any = None,
+                target: Any = None) -> Optional[importlib.machinery.ModuleSpec]:
+    del path, target  # The alias is found by name alone.
+    if not _is_old_module_name(fullname):
+      return None
+    target_name = _ESTIMATOR + fullname[len(_OLD_ESTIMATOR):]
+    if importlib.util.find_spec(target_name) is None:
+      return None
+    return importlib.machinery.ModuleSpec(fullname, self)
+
+  def create_module(self, spec: importlib.machinery.ModuleSpec) -> Any:
+    return importlib.import_module(_ESTIMATOR + spec.name[len(_OLD_ESTIMATOR):])
+
+  def exec_module(self, module: Any) -> None:
+    del module  # tensorflow_estimator's import ran it.
+
+
+def _forget_old_module_names() -> None:
+  for name in list(sys.modules):
+    if _is_old_module_name(name):
+      del sys.modules[name]
+
+
+def _old_module_names(undo: _Undo) -> None:
+  """`tensorflow.python.estimator.*`, which TensorFlow 2.16 dropped."""
+  try:
+    importlib.import_module(_OLD_ESTIMATOR)
+    return
+  except ImportError:
+    pass
+  finder = _EstimatorAliases()
+  # First: the path finder would load tensorflow_estimator's files again
+  # under the old names, as modules apart from tensorflow_estimator's.
+  sys.meta_path.insert(0, finder)
+  undo.steps.append(functools.partial(sys.meta_path.remove, finder))
+  undo.steps.append(_forget_old_module_names)
+  undo.steps.append(
+      lambda: vars(sys.modules["tensorflow.python"]).pop("estimator", None))
+
+
 def _api_name(undo: _Undo) -> None:
   """tf_export's `estimator` API, which TensorFlow 2.16 dropped."""
   if hasattr(_tf_export, "ESTIMATOR_API_NAME"):
@@ -284,6 +349,29 @@ def _api_name(undo: _Undo) -> None:
     table["estimator"] = attributes(f"_estimator_api_names{suffix}",
                                     f"_estimator_api_constants{suffix}")
     undo.steps.append(functools.partial(table.pop, "estimator", None))
+
+
+def _keras_import_paths(undo: _Undo) -> None:
+  """`from tensorflow.keras.layers import Dense` and the like find Keras 2.
+
+  TensorFlow puts Keras's API folders first in its packages' `__path__`
+  when it is imported, Keras 3's unless `TF_USE_LEGACY_KERAS` was set
+  then; tf-keras's folders go before them (as TensorFlow puts them when
+  the variable is set first)."""
+  spec = importlib.util.find_spec("tf_keras")
+  if spec is None or not spec.submodule_search_locations:
+    raise ImportError("tf_keras has no package folder")
+  api = os.path.join(spec.submodule_search_locations[0], "api")
+  legacy = os.path.join(api, "_v1", "keras", "__internal__", "legacy")
+  v1 = tf.compat.v1
+  for module, folder in ((tf, os.path.join(api,
+                                           "_v2")), (tf.compat.v2,
+                                                     os.path.join(api, "_v2")),
+                         (v1, os.path.join(api, "_v1")), (v1, legacy),
+                         (v1.nn, legacy)):
+    path = list(module.__path__)
+    if path[:1] != [folder]:
+      undo.set(module, "__path__", [folder] + path)
 
 
 def _seed_fix(undo: _Undo) -> None:
@@ -322,6 +410,7 @@ def _supply() -> None:
             "The local parts of estimator_training (replicate).",
             **_estimator_training())
     _tpu_modules(undo)
+    _old_module_names(undo)
     _api_name(undo)
     v2 = importlib.import_module(_ESTIMATOR_API + "._v2.estimator")
     v1 = importlib.import_module(_ESTIMATOR_API + "._v1.estimator")
@@ -330,6 +419,7 @@ def _supply() -> None:
     if not (tf.keras.__name__.startswith("tf_keras") and
             hasattr(tf.keras.optimizers, "legacy")):
       raise ImportError(f"tf.keras is {tf.keras.__name__}, not Keras 2")
+    _keras_import_paths(undo)
     _seed_fix(undo)
   except (ImportError, AttributeError) as e:
     undo()

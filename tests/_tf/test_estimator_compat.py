@@ -115,6 +115,42 @@ def test_keras_2_and_the_supplied_internals_on_2_16_and_later():
 
 
 @_new_line_only
+def test_keras_import_paths_find_keras_2_after_tensorflow_was_imported():
+  # TensorFlow imported first (TF_USE_LEGACY_KERAS unset then) points
+  # `tensorflow.keras` at Keras 3; user code imports its layers that way.
+  result = _run("""
+      import tensorflow as tf
+      import replicate
+      from tensorflow.keras import backend
+      from tensorflow.keras.layers import Dense
+      from tensorflow.compat.v1.keras.layers import Dense as DenseV1
+      import tensorflow.compat.v1.layers as layers_v1
+      print(Dense.__module__.split(".")[0], DenseV1 is Dense,
+            tf.keras.layers.Dense is Dense, backend.__name__.split(".")[0],
+            layers_v1.dense is tf.compat.v1.layers.dense,
+            layers_v1.dense.__module__.split(".")[0])
+      """)
+  assert result.returncode == 0, result.stderr
+  assert result.stdout.split() == [
+      "tf_keras", "True", "True", "tf_keras", "True", "tf_keras"
+  ], result.stdout
+
+
+@_new_line_only
+def test_tensorflow_python_estimator_names_tensorflow_estimators_modules():
+  # TensorFlow 2.15's aliases, which DeepCTR imports its head from.
+  result = _run("""
+      import replicate
+      from tensorflow.python.estimator.canned.head import _Head
+      from tensorflow.python.estimator.canned import head
+      from tensorflow_estimator.python.estimator.canned import head as real
+      print(head is real, _Head is real._Head)
+      """)
+  assert result.returncode == 0, result.stderr
+  assert result.stdout.split() == ["True", "True"], result.stdout
+
+
+@_new_line_only
 def test_the_distribute_coordinator_is_refused_naming_the_clusters():
   strategy = tf.distribute.OneDeviceStrategy("/cpu:0")
   cluster = ('{"cluster": {"worker": ["localhost:1", "localhost:2"]}, '
@@ -161,6 +197,15 @@ def test_keras_3_touched_first_is_refused_naming_the_fix():
   assert "tf.keras was touched before `import replicate` and is Keras 3" in (
       message)
   assert "Import replicate before anything uses tf.keras" in message
+
+
+@_new_line_only
+def test_keras_3_imported_by_module_path_first_is_refused():
+  result = _run("from tensorflow.keras import layers\n" + _LEFT)
+  message = _refusal(result)
+  # The import set tf.keras to Keras 3's module.
+  assert "tf.keras was touched before `import replicate` and is Keras 3" in (
+      message)
 
 
 @_new_line_only
