@@ -24,3 +24,5 @@ _.disable_meta_optimizer  # testing: a RewriterConfig field set on a proto
 Meets  # _context: a Protocol named in string annotations ("Meets")
 Rewires  # _context: the same
 Views  # _context: the same
+_.create_module  # estimator_compat: importlib's Loader API, called by imports
+_.exec_module  # estimator_compat: the same
