@@ -24,3 +24,4 @@ _.disable_meta_optimizer  # testing: a RewriterConfig field set on a proto
 Meets  # _context: a Protocol named in string annotations ("Meets")
 Rewires  # _context: the same
 Views  # _context: the same
+_.collective_group_leader  # _tf.servers: a ConfigProto field set on a proto

@@ -48,7 +48,8 @@ _SAME_IDS = frozenset(["Identity", "Cast"])
 def replicated() -> Optional[_context.Replication]:
   """The current replication if a tower of several is being built."""
   replication = _context.current_replication()
-  if (replication is None or replication.num_towers == 1 or
+  if (replication is None or
+      (replication.num_towers == 1 and replication.trainers is None) or
       replication.tower is None or replication.meeting_depth):
     return None
   return replication
@@ -261,12 +262,23 @@ def whole_batch_gradients(loss: Any,
     whole = whole_batch_loss(replication, [v for v in values], call)
     with meeting_scope(replication, pure=True):
       result = compute(whole, True)
+      if replication.trainers is not None:
+        result = among_trainers(replication.trainers, result, pairs)
     return [result] * len(values)
 
   def spec(value: Any) -> List[Any]:
     return gradient_spec(value, listed, pairs)
 
   return replication.meetings.meet(call, loss, build, spec, signature=names)
+
+
+def among_trainers(trainers: Any, result: Any, pairs: bool) -> Any:
+  """One device's gradients on the global batch from this trainer's."""
+  if pairs:
+    result = list(result)
+    grads = trainers.gradients([g for g, _ in result])
+    return [(g, v) for g, (_, v) in zip(grads, result)]
+  return trainers.gradients(list(result))
 
 
 def _trainable_variables() -> List[tf.Variable]:

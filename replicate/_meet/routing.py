@@ -324,14 +324,20 @@ def _v1_compute_gradients(original: Callable[..., Any], optimizer: Any,
 def _v1_compute_pass(original: Callable[..., Any], optimizer: Any,
                      args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
   if not _colocates():
-    return original(optimizer, *args, **kwargs)
-  return optimizer_calls.one_device_slices(
-      call_with_loss(
-          functools.partial(original, optimizer),
-          args,
-          kwargs,
-          args[0] if args else kwargs.get("loss"),
-          colocate_gradients_with_ops=True))
+    pairs = original(optimizer, *args, **kwargs)
+  else:
+    pairs = optimizer_calls.one_device_slices(
+        call_with_loss(
+            functools.partial(original, optimizer),
+            args,
+            kwargs,
+            args[0] if args else kwargs.get("loss"),
+            colocate_gradients_with_ops=True))
+  # Inside a meeting (a routed minimize): the gradients it applies.
+  replication = _context.current_replication()
+  if replication is None or replication.trainers is None:
+    return pairs
+  return optimizer_calls.among_trainers(replication.trainers, pairs, True)
 
 
 def _apply_gradients(original: Callable[..., Any], optimizer: Any,

@@ -1,0 +1,239 @@
+"""A cluster of trainers only: one device's step on the global batch.
+
+On a `TF_CONFIG` cluster without a `ps` job each trainer keeps its own copy
+of every variable (Estimator places them on its own task). Every batch
+reduction a trainer's towers combine (`_meet.combining.combine`: sums,
+counts, extrema) is all-reduced among the trainers as well, so that each
+trainer's loss, model-state writes and summaries are the global batch's
+(the trainers' batches in task order), and the gradients of that loss are
+summed among them; every trainer then applies the same update. The
+collectives are TensorFlow's own (`CollectiveReduceV2`, ring, over the
+servers' gRPC runtime), with keys given in build order, the same on every
+trainer that builds the same graph. The gradient of an all-reduced value
+all-reduces the gradient flowing into it (every trainer's rows read it),
+so each trainer's gradient is W times its share of one device's plus the
+terms that read no rows: the summed gradients are divided by W.
+
+At session start (`start_op`) the trainers compare a fingerprint of their
+graphs' collectives and cluster, then the chief broadcasts every global
+variable (initialised or restored from a checkpoint) to the others.
+"""
+
+import hashlib
+import json
+from typing import Any, Callable, List, Optional, Sequence, Set
+
+from absl import logging
+import tensorflow as tf
+
+_GROUP_KEY = 48
+# Seconds a step's collective waits for the other trainers before failing.
+STEP_TIMEOUT_SECS = 600.0
+_MERGE = {
+    "sum": "Add",
+    "norm": "Add",
+    "max": "Max",
+    "min": "Min",
+    "prod": "Mul",
+    "all": "Min",
+    "any": "Max"
+}
+
+
+class Trainers:
+  """The trainers of one cluster, as one graph on one of them sees them.
+
+  Args:
+    tasks: the trainers' task names ('chief:0', 'worker:0', ...), in order.
+    rank: this trainer's position in `tasks`.
+    cluster: the cluster spec, as a dict, for the fingerprint.
+    timeout_secs: how long a step's collective waits for the others.
+  """
+
+  def __init__(self,
+               tasks: Sequence[str],
+               rank: int,
+               cluster: Any,
+               timeout_secs: float = STEP_TIMEOUT_SECS) -> None:
+    self.tasks = list(tasks)
+    self.rank = rank
+    self.size = len(tasks)
+    self._cluster = json.dumps(cluster, sort_keys=True)
+    self._timeout = timeout_secs
+    job, index = tasks[rank].split(":")
+    self.device = f"/job:{job}/replica:0/task:{index}/device:CPU:0"
+    self._key = 0
+    self._built: List[str] = []
+    # Gradients already all-reduced (a routed call inside another).
+    self._reduced: Set[Any] = set()
+
+  @property
+  def is_chief(self) -> bool:
+    return self.rank == 0
+
+  def _next_key(self, what: str) -> int:
+    self._key += 1
+    self._built.append(what)
+    return self._key
+
+  def _reduce(self, value: tf.Tensor, merge: str, what: str) -> tf.Tensor:
+    key = self._next_key(f"{what}:{merge}:{value.dtype.name}")
+    with tf.device(self.device):
+      return tf.raw_ops.CollectiveReduceV2(
+          input=value,
+          group_size=self.size,
+          group_key=_GROUP_KEY,
+          instance_key=key,
+          ordering_token=[],
+          merge_op=merge,
+          final_op="Id",
+          communication_hint="ring",
+          timeout_seconds=self._timeout)
+
+  def combine(self, how: str, value: tf.Tensor) -> tf.Tensor:
+    """This trainer's combination of its towers' partials (`how`, as in
+    `_meet.combining.combine`) combined with the other trainers'."""
+    merge = _MERGE[how]
+    if value.dtype == tf.bool:
+      as_int = self._reduce(tf.cast(value, tf.int32), merge, how)
+      return tf.cast(as_int, tf.bool)
+    if not value.dtype.is_floating:
+      return self._reduce(value, merge, how)
+    return self._differentiable(how, merge)(value)
+
+  def _differentiable(self, how: str,
+                      merge: str) -> Callable[[tf.Tensor], tf.Tensor]:
+
+    @tf.custom_gradient
+    def reduced(value: tf.Tensor) -> Any:
+      whole = self._reduce(value, merge, how)
+
+      def grad(upstream: tf.Tensor) -> tf.Tensor:
+        # Every trainer's rows read `whole`: their gradients all flow here.
+        summed = self._reduce(upstream, "Add", f"d{how}")
+        if merge == "Add":
+          return summed
+        if merge == "Mul":
+          return summed * tf.math.divide_no_nan(whole, value)
+        return summed * tf.cast(tf.equal(value, whole), summed.dtype)
+
+      return whole, grad
+
+    return reduced
+
+  def gradients(self, grads: Sequence[Any]) -> List[Any]:
+    """One device's gradients from each trainer's: summed, over W."""
+    reduced = []
+    for grad in grads:
+      if grad is None or grad.ref() in self._reduced:
+        reduced.append(grad)
+        continue
+      dense = tf.convert_to_tensor(grad)
+      summed = self._reduce(dense, "Add", "gradient")
+      with tf.device(self.device):
+        mean = summed / tf.cast(self.size, summed.dtype)
+      self._reduced.add(mean.ref())
+      reduced.append(mean)
+    logging.info("replicate: %d gradients all-reduced among %d trainers (ring)",
+                 len([g for g in grads if g is not None]), self.size)
+    return reduced
+
+  def fingerprint(self) -> int:
+    """The collectives built so far and the cluster, as 48 bits."""
+    text = "|".join([self._cluster] + self._built)
+    return int(hashlib.sha256(text.encode()).hexdigest()[:12], 16)
+
+  def start_op(self, variables: Sequence[tf.Variable]) -> tf.Operation:
+    """At session start: compare fingerprints, then the chief's values of
+    `variables` (initialised or restored) become every trainer's."""
+    with tf.name_scope("replicate_trainers_start"), tf.device(self.device):
+      mine = float(self.fingerprint())
+      both = tf.constant([mine, -mine], tf.float64)
+      key = self._next_key("fingerprint")
+      agreed = tf.raw_ops.CollectiveReduceV2(
+          input=both,
+          group_size=self.size,
+          group_key=_GROUP_KEY,
+          instance_key=key,
+          ordering_token=[],
+          merge_op="Max",
+          final_op="Id",
+          communication_hint="ring",
+          timeout_seconds=self._timeout)
+      check = tf.debugging.Assert(
+          tf.logical_and(tf.equal(agreed[0], mine), tf.equal(-agreed[1], mine)),
+          [
+              "replicate: the trainers of this TF_CONFIG cluster built "
+              "different training graphs or name different clusters "
+              f"(this trainer, {self.tasks[self.rank]}: {mine:.0f}); "
+              "give every trainer the same TF_CONFIG cluster, the same "
+              "model_fn, params and replicate_model_fn arguments.", agreed
+          ])
+      copies = []
+      with tf.control_dependencies([check]):
+        for variable in variables:
+          copies.append(self._broadcast(variable))
+      return tf.group(*copies)
+
+  def _broadcast(self, variable: tf.Variable) -> tf.Operation:
+    key = self._next_key("broadcast")
+    if self.is_chief:
+      return tf.raw_ops.CollectiveBcastSendV2(
+          input=variable.read_value(),
+          group_size=self.size,
+          group_key=_GROUP_KEY,
+          instance_key=key,
+          communication_hint="ring").op
+    value = tf.raw_ops.CollectiveBcastRecvV2(
+        group_size=self.size,
+        group_key=_GROUP_KEY,
+        instance_key=key,
+        shape=variable.shape.as_list(),
+        T=variable.dtype.base_dtype,
+        communication_hint="ring")
+    return variable.assign(value, read_value=False)
+
+
+def from_config(config: Optional[tf.estimator.RunConfig],
+                mode: str) -> Optional[Trainers]:
+  """The trainers of `config`'s cluster when it has no `ps` job, this task is
+  one of two or more trainers and `mode` trains; else None."""
+  if config is None or mode != tf.estimator.ModeKeys.TRAIN:
+    return None
+  spec = config.cluster_spec.as_dict() if config.cluster_spec else {}
+  if not spec or "ps" in spec or config.task_type not in ("chief", "worker"):
+    return None
+  tasks = [
+      f"{job}:{i}" for job in ("chief", "worker")
+      for i in range(len(spec.get(job, [])))
+  ]
+  if len(tasks) < 2:
+    return None
+  rank = tasks.index(f"{config.task_type}:{config.task_id}")
+  logging.info(
+      "replicate: trainers only (no ps): %s is trainer %d of %d, gradients "
+      "and batch reductions all-reduced among them", tasks[rank], rank,
+      len(tasks))
+  return Trainers(tasks, rank, spec)
+
+
+def started(spec: Any, trainers: Trainers) -> Any:
+  """`spec` whose scaffold, at session start, makes the trainers' variables
+  the chief's (`Trainers.start_op`) once each has its own initialised (the
+  chief) or not (the others, which never run the init op: they are ready
+  for it at once)."""
+  scaffold = spec.scaffold or tf.compat.v1.train.Scaffold()
+  own = scaffold.local_init_op
+  if own is None:
+    own = tf.compat.v1.train.Scaffold.default_local_init_op()
+  start = trainers.start_op(tf.compat.v1.global_variables())
+  with tf.control_dependencies([own]):
+    local_init = tf.group(start, name="replicate_local_init")
+  logging.info(
+      "replicate: %s starts from the chief's variables (broadcast at session "
+      "start)", trainers.tasks[trainers.rank])
+  return spec._replace(
+      scaffold=tf.compat.v1.train.Scaffold(
+          copy_from_scaffold=scaffold,
+          local_init_op=local_init,
+          ready_for_local_init_op=tf.constant([], tf.string)))
