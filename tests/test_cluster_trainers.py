@@ -1,0 +1,135 @@
+"""A TF_CONFIG cluster of trainers only (no ps job), as real processes.
+
+Each trainer (`tests/trainers_task.py`) reads its own part of every step's
+global batch, replicates over its own virtual CPU towers and all-reduces
+its batch reductions and gradients with the others; every trainer's
+variables (Adam's slots, batch-norm statistics and the global step
+included) and losses must equal one device's trained on the global batch
+(the parts in task order), in float64.
+"""
+
+import json
+import pathlib
+import subprocess
+import sys
+from typing import List, Optional, Sequence
+
+import numpy as np
+import pytest
+
+from tests import cluster_harness
+
+pytestmark = pytest.mark.slow
+
+TASK = pathlib.Path(__file__).resolve().parent / "trainers_task.py"
+TIMEOUT_SECS = 240
+
+
+def _start(tf_config: Optional[dict], args: List[str],
+           log: pathlib.Path) -> subprocess.Popen:
+  with open(log, "w") as out:
+    return subprocess.Popen(
+        [sys.executable, str(TASK)] + args,
+        env=cluster_harness.example_env(tf_config),
+        cwd=cluster_harness.ROOT,
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        start_new_session=True)
+
+
+def _run(tmp_path: pathlib.Path,
+         towers: Sequence[int],
+         parts: str,
+         last: str = "",
+         steps: int = 4) -> pathlib.Path:
+  """Trains the cluster (one trainer per entry of `towers`) and one device;
+  returns the folder of their results."""
+  out = tmp_path / "out"
+  out.mkdir()
+  ports = cluster_harness.free_ports(len(towers))
+  cluster = {
+      "chief": [f"localhost:{ports[0]}"],
+      "worker": [f"localhost:{p}" for p in ports[1:]]
+  }
+  common = [f"--out={out}", f"--parts={parts}", f"--steps={steps}"]
+  common += [f"--last={last}"] if last else []
+  processes = []
+  for rank, count in enumerate(towers):
+    task = ({
+        "type": "chief",
+        "index": 0
+    } if rank == 0 else {
+        "type": "worker",
+        "index": rank - 1
+    })
+    processes.append(
+        _start({
+            "cluster": cluster,
+            "task": task
+        }, common + [f"--model_dir={tmp_path / 'model'}", f"--towers={count}"],
+               tmp_path / f"trainer{rank}.log"))
+  processes.append(
+      _start(None, common + [f"--model_dir={tmp_path / 'one'}", "--towers=1"],
+             tmp_path / "one.log"))
+  try:
+    for process in processes:
+      process.wait(timeout=TIMEOUT_SECS)
+  finally:
+    for process in processes:
+      if process.poll() is None:
+        process.kill()
+        process.wait()
+  logs = "\n".join(f"--- {p.name}:\n{p.read_text()[-3000:]}"
+                   for p in sorted(tmp_path.glob("*.log")))
+  assert all(p.returncode == 0 for p in processes), logs
+  return out
+
+
+def _assert_one_device(out: pathlib.Path, trainers: int) -> None:
+  one = np.load(out / "one_device.npz")
+  labels = ["chief0"] + [f"worker{i}" for i in range(trainers - 1)]
+  for label in labels:
+    got = np.load(out / f"{label}.npz")
+    assert sorted(got.files) == sorted(one.files), label
+    for name in one.files:
+      # The recorded losses are float32 summaries; variables are float64.
+      tolerance = 1e-6 if name == "losses" else 1e-7
+      np.testing.assert_allclose(
+          got[name],
+          one[name],
+          rtol=tolerance,
+          atol=tolerance,
+          err_msg=f"{label}: {name}")
+
+
+def test_two_trainers_of_two_towers_equal_one_device(tmp_path):
+  out = _run(tmp_path, [2, 2], "5,5")
+  _assert_one_device(out, 2)
+
+
+@pytest.mark.wide
+def test_three_trainers_uneven_parts_and_one_without_rows(tmp_path):
+  # Tower counts differ (2, 1, 2): they do not change the result.
+  out = _run(tmp_path, [2, 1, 2], "4,3,2", last="2,0,1")
+  _assert_one_device(out, 3)
+
+
+def test_trainers_only_config_is_recognised():
+  """The model_fn's cluster test without processes: ps means ps mode."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+
+  from replicate._meet import trainers  # pylint: disable=g-import-not-at-top
+
+  def config(cluster, task_type, index):
+    env = {"cluster": cluster, "task": {"type": task_type, "index": index}}
+    with pytest.MonkeyPatch.context() as patch:
+      patch.setenv("TF_CONFIG", json.dumps(env))
+      return tf.estimator.RunConfig()
+
+  two = {"chief": ["h0:1"], "worker": ["h1:1"]}
+  found = trainers.from_config(config(two, "worker", 0), "train")
+  assert (found.size, found.rank) == (2, 1)
+  assert found.device == "/job:worker/replica:0/task:0/device:CPU:0"
+  assert trainers.from_config(config(two, "worker", 0), "eval") is None
+  with_ps = dict(two, ps=["h2:1"])
+  assert trainers.from_config(config(with_ps, "chief", 0), "train") is None
