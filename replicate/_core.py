@@ -147,9 +147,13 @@ def replicate_model_fn(
     if given:
       _devices.check_local_devices(given, config)
     trainers = _trainers.from_config(config, mode)
-    if len(tower_devices) == 1 and trainers is None:
-      return _run_on_one_device(model_fn, features, labels, arguments,
-                                tower_devices[0])
+    if len(tower_devices) == 1:
+      if trainers is None:
+        return _run_on_one_device(model_fn, features, labels, arguments,
+                                  tower_devices[0])
+      # The towers' meetings are where the trainers meet: two on the one
+      # device compute what it would.
+      tower_devices = tower_devices * 2
     return _run_towers(model_fn, features, labels, mode, arguments,
                        tower_devices, placement or
                        _devices.default_placement(tower_devices),

@@ -183,14 +183,16 @@ class Trainers:
           group_size=self.size,
           group_key=_GROUP_KEY,
           instance_key=key,
-          communication_hint="ring").op
+          communication_hint="ring",
+          timeout_seconds=self._timeout).op
     value = tf.raw_ops.CollectiveBcastRecvV2(
         group_size=self.size,
         group_key=_GROUP_KEY,
         instance_key=key,
         shape=variable.shape.as_list(),
         T=variable.dtype.base_dtype,
-        communication_hint="ring")
+        communication_hint="ring",
+        timeout_seconds=self._timeout)
     return variable.assign(value, read_value=False)
 
 
