@@ -250,7 +250,8 @@ def launch_cluster() -> int:
   cluster = make_cluster(FLAGS.ps, FLAGS.workers)
   print(
       f"cluster {json.dumps(cluster)}; "
-      f"{'synchronous' if FLAGS.sync else 'asynchronous'} training, "
+      f"{'synchronous' if FLAGS.sync or not FLAGS.ps else 'asynchronous'} "
+      f"training{' (all-reduce)' if not FLAGS.ps else ''}, "
       f"{FLAGS.steps} steps; model_dir {FLAGS.model_dir}",
       flush=True)
   # SIGTERM (e.g. from a CI runner) ends the children as Ctrl-C does.
