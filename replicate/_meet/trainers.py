@@ -27,6 +27,7 @@ from absl import logging
 import tensorflow as tf
 
 _GROUP_KEY = 48
+_FINGERPRINT_KEY = 1
 # Seconds a step's collective waits for the other trainers before failing.
 STEP_TIMEOUT_SECS = 600.0
 _MERGE = {
@@ -62,7 +63,7 @@ class Trainers:
     self._timeout = timeout_secs
     job, index = tasks[rank].split(":")
     self.device = f"/job:{job}/replica:0/task:{index}/device:CPU:0"
-    self._key = 0
+    self._key = _FINGERPRINT_KEY
     self._built: List[str] = []
     # Gradients already all-reduced (a routed call inside another).
     self._reduced: Set[Any] = set()
@@ -149,7 +150,9 @@ class Trainers:
     with tf.name_scope("replicate_trainers_start"), tf.device(self.device):
       mine = float(self.fingerprint())
       both = tf.constant([mine, -mine], tf.float64)
-      key = self._next_key("fingerprint")
+      # A key no other collective takes: trainers whose graphs differ give
+      # their other collectives different keys, never this one.
+      key = _FINGERPRINT_KEY
       agreed = tf.raw_ops.CollectiveReduceV2(
           input=both,
           group_size=self.size,
