@@ -379,6 +379,7 @@ def _run_towers(model_fn: Callable[..., Any],
     _mirrored.mirror(replication)
   spec = _specs.merge_specs(mode, specs, replication)
   if trainers is not None and isinstance(spec, tf.estimator.EstimatorSpec):
+    _trainers.check_all_reduced(trainers, split, spec.train_op)
     spec = _trainers.started(spec, trainers)
   return spec
 

@@ -41,7 +41,8 @@ def _run(tmp_path: pathlib.Path,
          towers: Sequence[int],
          parts: str,
          last: str = "",
-         steps: int = 4) -> pathlib.Path:
+         steps: int = 4,
+         extra: Sequence[str] = ()) -> pathlib.Path:
   """Trains the cluster (one trainer per entry of `towers`) and one device;
   returns the folder of their results."""
   out = tmp_path / "out"
@@ -52,7 +53,7 @@ def _run(tmp_path: pathlib.Path,
       "worker": [f"localhost:{p}" for p in ports[1:]]
   }
   common = [f"--out={out}", f"--parts={parts}", f"--steps={steps}"]
-  common += [f"--last={last}"] if last else []
+  common += ([f"--last={last}"] if last else []) + list(extra)
   processes = []
   for rank, count in enumerate(towers):
     task = ({
@@ -105,6 +106,71 @@ def _assert_one_device(out: pathlib.Path, trainers: int) -> None:
 def test_two_trainers_of_two_towers_equal_one_device(tmp_path):
   out = _run(tmp_path, [2, 2], "5,5")
   _assert_one_device(out, 2)
+
+
+# Every way of computing and applying gradients replicate routes, each
+# all-reduced among the trainers (before, tf.gradients and Keras' get_updates
+# trained each trainer on its own rows, silently; a loss with rows got half
+# the gradient on 2 trainers).
+ROUTES = [
+    "v1_compute_apply", "tape", "keras_get_updates", "keras_minimize",
+    "keras_get_gradients", "tower_optimizer", "v1_rows_loss"
+]
+
+
+def test_tf_gradients_and_apply_gradients_equal_one_device(tmp_path):
+  out = _run(tmp_path, [2, 2], "5,5", extra=["--route=tf_gradients"])
+  _assert_one_device(out, 2)
+
+
+@pytest.mark.wide
+@pytest.mark.parametrize("route", ROUTES)
+def test_every_gradient_route_equals_one_device(tmp_path, route):
+  out = _run(tmp_path, [2, 1], "5,5", extra=[f"--route={route}"])
+  _assert_one_device(out, 2)
+
+
+def _build_trainer_graph(route: str, monkeypatch) -> None:
+  """The chief's TRAIN graph of a cluster of 2 trainers, in this process
+  (no servers: collectives are only built)."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+
+  import replicate  # pylint: disable=g-import-not-at-top
+  from tests import trainers_task  # pylint: disable=g-import-not-at-top
+
+  cluster = {"chief": ["localhost:1"], "worker": ["localhost:2"]}
+  monkeypatch.setenv(
+      "TF_CONFIG",
+      json.dumps({
+          "cluster": cluster,
+          "task": {
+              "type": "chief",
+              "index": 0
+          }
+      }))
+  config = tf.estimator.RunConfig()
+  model_fn = replicate.replicate_model_fn(
+      trainers_task.model_fn, devices=["/device:CPU:0", "/device:CPU:1"])
+  with tf.Graph().as_default():
+    tf.compat.v1.train.create_global_step()
+    data = tf.data.Dataset.from_tensors((np.zeros(
+        (5, trainers_task.FEATURES)), np.zeros(5))).repeat()
+    x, y = tf.compat.v1.data.make_one_shot_iterator(data).get_next()
+    model_fn({"x": x}, y, "train", {
+        "learning_rate": 0.05,
+        "route": route,
+        "loss": "float64"
+    }, config)
+
+
+def test_gradients_no_collective_passes_are_refused(monkeypatch):
+  """An optimizer that differentiates by itself (TensorFlow's internal
+  gradients function) would train each trainer on its own rows."""
+  with pytest.raises(
+      ValueError, match="without an all-reduce among the "
+      "trainers") as raised:
+    _build_trainer_graph("own_differentiation", monkeypatch)
+  assert "hidden/kernel" in str(raised.value) or "out/" in str(raised.value)
 
 
 @pytest.mark.wide

@@ -13,6 +13,7 @@ At the end the task writes its losses and every global variable to
 """
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -25,27 +26,91 @@ import tensorflow as tf  # pylint: disable=g-import-not-at-top
 FEATURES = 6
 
 
+class OwnDifferentiation(tf.compat.v1.train.AdamOptimizer):
+  """An optimizer whose minimize differentiates by TensorFlow's internal
+  gradients function, which replicate does not route."""
+
+  def minimize(self, loss, global_step=None, var_list=None, **unused):
+    # pylint: disable=g-import-not-at-top,g-direct-tensorflow-import
+    from tensorflow.python.ops import gradients_impl
+    variables = var_list or tf.compat.v1.trainable_variables()
+    grads = gradients_impl.gradients(loss, variables)
+    return self.apply_gradients(zip(grads, variables), global_step)
+
+
+def _train_op(loss, route, learning_rate, tape):
+  """The train_op of `loss` by the optimizer call `route` names."""
+  step = tf.compat.v1.train.get_global_step()
+  variables = tf.compat.v1.trainable_variables()
+  v1 = tf.compat.v1.train.AdamOptimizer(learning_rate)
+  keras = tf.keras.optimizers.legacy.Adam(learning_rate)
+  if route == "v1_minimize":
+    return v1.minimize(loss, step)
+  if route == "own_differentiation":
+    return OwnDifferentiation(learning_rate).minimize(loss, step)
+  if route == "tower_optimizer":
+    import replicate  # pylint: disable=g-import-not-at-top
+    return replicate.TowerOptimizer(v1).minimize(loss, step)
+  if route == "v1_compute_apply":
+    pairs = v1.compute_gradients(loss)
+    return v1.apply_gradients([(g * 0.5, v) for g, v in pairs], step)
+  if route == "tf_gradients":
+    grads, _ = tf.clip_by_global_norm(tf.gradients(loss, variables), 1.0)
+    return v1.apply_gradients(zip(grads, variables), step)
+  if route in ("keras_get_updates", "keras_minimize", "keras_get_gradients"):
+    if route == "keras_get_updates":
+      updates = keras.get_updates(loss, variables)
+    elif route == "keras_minimize":
+      updates = [keras.minimize(loss, variables, tape=tape)]
+    else:
+      grads = keras.get_gradients(loss, variables)
+      updates = [keras.apply_gradients(zip(grads, variables))]
+    with tf.control_dependencies(updates):
+      return tf.compat.v1.assign_add(step, 1).op
+  raise ValueError(f"unknown route {route}")
+
+
 def model_fn(features, labels, mode, params):
   """Two dense layers, a non-fused batch norm and Adam, in float64."""
-  x = features["x"]
-  init = tf.compat.v1.glorot_uniform_initializer(seed=1, dtype=tf.float64)
-  hidden = tf.compat.v1.layers.dense(
-      x, 8, activation=tf.nn.tanh, kernel_initializer=init, name="hidden")
-  hidden = tf.compat.v1.layers.batch_normalization(
-      hidden,
-      training=mode == tf.estimator.ModeKeys.TRAIN,
-      fused=False,
-      name="norm")
-  out = tf.compat.v1.layers.dense(
-      hidden, 1, kernel_initializer=init, name="out")
-  predictions = tf.squeeze(out, 1)
-  if mode == tf.estimator.ModeKeys.PREDICT:
-    return tf.estimator.EstimatorSpec(mode, predictions=predictions)
-  loss = tf.compat.v1.losses.mean_squared_error(labels, predictions)
-  optimizer = tf.compat.v1.train.AdamOptimizer(params["learning_rate"])
+  route = params["route"]
+  tape = tf.GradientTape()
+  taped = route in ("tape", "keras_minimize")
+  with tape if taped else contextlib.nullcontext():
+    x = features["x"]
+    init = tf.compat.v1.glorot_uniform_initializer(seed=1, dtype=tf.float64)
+    hidden = tf.compat.v1.layers.dense(
+        x, 8, activation=tf.nn.tanh, kernel_initializer=init, name="hidden")
+    hidden = tf.compat.v1.layers.batch_normalization(
+        hidden,
+        training=mode == tf.estimator.ModeKeys.TRAIN,
+        fused=False,
+        name="norm")
+    out = tf.compat.v1.layers.dense(
+        hidden, 1, kernel_initializer=init, name="out")
+    predictions = tf.squeeze(out, 1)
+    if mode == tf.estimator.ModeKeys.PREDICT:
+      return tf.estimator.EstimatorSpec(mode, predictions=predictions)
+    if params["loss"] == "v1":
+      # TensorFlow's v1 losses compute in float32, even of float64 values.
+      loss = tf.compat.v1.losses.mean_squared_error(labels, predictions)
+    else:
+      loss = tf.reduce_mean(tf.square(labels - predictions))
   updates = tf.compat.v1.get_collection(tf.compat.v1.GraphKeys.UPDATE_OPS)
   with tf.control_dependencies(updates):
-    train_op = optimizer.minimize(loss, tf.compat.v1.train.get_global_step())
+    if route == "tape":
+      variables = tf.compat.v1.trainable_variables()
+      optimizer = tf.compat.v1.train.AdamOptimizer(params["learning_rate"])
+      train_op = optimizer.apply_gradients(
+          zip(tape.gradient(loss, variables), variables),
+          tf.compat.v1.train.get_global_step())
+    elif route == "v1_rows_loss":
+      # A loss with rows: the optimizer differentiates their sum.
+      optimizer = tf.compat.v1.train.AdamOptimizer(params["learning_rate"])
+      train_op = optimizer.minimize(
+          tf.square(labels - predictions) / 10.0,
+          tf.compat.v1.train.get_global_step())
+    else:
+      train_op = _train_op(loss, route, params["learning_rate"], tape)
   return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
 
 
@@ -120,6 +185,8 @@ def main(argv):
   parser.add_argument("--steps", type=int, default=4)
   parser.add_argument("--towers", type=int, default=2)
   parser.add_argument("--timeout", type=float, default=150)
+  parser.add_argument("--route", default="v1_minimize")
+  parser.add_argument("--loss", default="v1", choices=["v1", "float64"])
   args = parser.parse_args(argv)
   sys.path.insert(0,
                   os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -148,7 +215,11 @@ def main(argv):
   estimator = tf.estimator.Estimator(
       replicate.replicate_model_fn(model_fn, devices=devices),
       config=config,
-      params={"learning_rate": 0.05})
+      params={
+          "learning_rate": 0.05,
+          "route": args.route,
+          "loss": args.loss
+      })
   batches = global_batches(parts, last, args.steps)
   hook = _Record(os.path.join(args.out, f"{label}.npz"))
   train = tf.estimator.TrainSpec(

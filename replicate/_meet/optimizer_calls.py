@@ -15,6 +15,7 @@ handed to an optimizer, which sums it) is the towers' rows together.
 """
 
 import contextlib
+import threading
 from typing import (
     Any,
     Callable,
@@ -106,7 +107,10 @@ def whole_batch_loss(replication: _context.Replication, losses: Sequence[Any],
     ]
     with _context.outside(replication, "whole_batch_loss"), \
         tf.device(replication.meeting_device):
-      return tf.concat(combining.real_rows(parts, replication), 0)
+      rows = tf.concat(combining.real_rows(parts, replication), 0)
+      if replication.trainers is not None:
+        rows = replication.trainers.rows_loss(rows)
+      return rows
   raise ValueError(not_whole_batch(loss, kind, f"the loss handed to {call}"))
 
 
@@ -261,9 +265,7 @@ def whole_batch_gradients(loss: Any,
   def build(values: List[Any]) -> List[Any]:
     whole = whole_batch_loss(replication, [v for v in values], call)
     with meeting_scope(replication, pure=True):
-      result = compute(whole, True)
-      if replication.trainers is not None:
-        result = among_trainers(replication.trainers, result, pairs)
+      result = among_trainers(lambda: compute(whole, True), pairs)
     return [result] * len(values)
 
   def spec(value: Any) -> List[Any]:
@@ -272,8 +274,33 @@ def whole_batch_gradients(loss: Any,
   return replication.meetings.meet(call, loss, build, spec, signature=names)
 
 
-def among_trainers(trainers: Any, result: Any, pairs: bool) -> Any:
-  """One device's gradients on the global batch from this trainer's."""
+class _Depth(threading.local):
+  """How deep this thread is inside `among_trainers`."""
+
+  def __init__(self) -> None:
+    super().__init__()
+    self.value = 0
+
+
+_depth = _Depth()
+
+
+def among_trainers(compute: Callable[[], Any], pairs: bool) -> Any:
+  """`compute()`: gradients of the whole batch's loss (`pairs`: as
+  (gradient, variable) pairs); on a cluster of trainers only, one device's
+  on the global batch, all-reduced among the trainers by the outermost
+  such call (one inside it, e.g. an override's `super()` call, leaves
+  them to it: each gradient is all-reduced once, after what the outer
+  call does to it)."""
+  _depth.value += 1
+  try:
+    result = compute()
+  finally:
+    _depth.value -= 1
+  replication = _context.current_replication()
+  if _depth.value or replication is None or replication.trainers is None:
+    return result
+  trainers = replication.trainers
   if pairs:
     result = list(result)
     grads = trainers.gradients([g for g, _ in result])

@@ -12,7 +12,19 @@ servers' gRPC runtime), with keys given in build order, the same on every
 trainer that builds the same graph. The gradient of an all-reduced value
 all-reduces the gradient flowing into it (every trainer's rows read it),
 so each trainer's gradient is W times its share of one device's plus the
-terms that read no rows: the summed gradients are divided by W.
+terms that read no rows: the summed gradients are divided by W. A loss
+with rows (a per-example loss handed to an optimizer) passes no such
+collective: its gradient is made W-fold too (`rows_loss`).
+
+Every route to gradients the towers meet at all-reduces them once, at the
+outermost call (`_meet.optimizer_calls.among_trainers`): an optimizer's
+minimize / compute_gradients / get_gradients / get_updates, Keras'
+minimize (its tape), tf.gradients and GradientTape.gradient. Whatever else
+writes a variable from this trainer's rows without passing a collective
+among the trainers (an optimizer that differentiates by TensorFlow's
+internal functions, a gradient taken inside a tf.function) would train
+each trainer on its own rows: `check_all_reduced` refuses it when the
+graph is built.
 
 At session start (`start_op`) the trainers compare a fingerprint of their
 graphs' collectives and cluster, then the chief broadcasts every global
@@ -21,10 +33,13 @@ variable (initialised or restored from a checkpoint) to the others.
 
 import hashlib
 import json
-from typing import Any, Callable, List, Optional, Sequence, Set
+import re
+from typing import Any, Callable, Iterable, List, Optional, Sequence, Set
 
 from absl import logging
 import tensorflow as tf
+
+from replicate import _graph
 
 _GROUP_KEY = 48
 _FINGERPRINT_KEY = 1
@@ -67,6 +82,8 @@ class Trainers:
     self._built: List[str] = []
     # Gradients already all-reduced (a routed call inside another).
     self._reduced: Set[Any] = set()
+    # The collectives built: where a value stops being this trainer's own.
+    self.collectives: Set[tf.Operation] = set()
 
   @property
   def is_chief(self) -> bool:
@@ -80,7 +97,7 @@ class Trainers:
   def _reduce(self, value: tf.Tensor, merge: str, what: str) -> tf.Tensor:
     key = self._next_key(f"{what}:{merge}:{value.dtype.name}")
     with tf.device(self.device):
-      return tf.raw_ops.CollectiveReduceV2(
+      reduced = tf.raw_ops.CollectiveReduceV2(
           input=value,
           group_size=self.size,
           group_key=_GROUP_KEY,
@@ -90,6 +107,8 @@ class Trainers:
           final_op="Id",
           communication_hint="ring",
           timeout_seconds=self._timeout)
+    self.collectives.add(reduced.op)
+    return reduced
 
   def combine(self, how: str, value: tf.Tensor) -> tf.Tensor:
     """This trainer's combination of its towers' partials (`how`, as in
@@ -138,6 +157,31 @@ class Trainers:
     logging.info("replicate: %d gradients all-reduced among %d trainers (ring)",
                  len([g for g in grads if g is not None]), self.size)
     return reduced
+
+  def rows_loss(self, loss: tf.Tensor) -> tf.Tensor:
+    """`loss`, a loss with rows (this trainer's), whose gradient is W times
+    its own, as a loss of the global batch's value gets (see above)."""
+
+    @tf.custom_gradient
+    def rows(value: tf.Tensor) -> Any:
+
+      def grad(upstream: tf.Tensor) -> tf.Tensor:
+        return upstream * tf.cast(self.size, upstream.dtype)
+
+      return tf.identity(value), grad
+
+    return rows(loss)
+
+  def own_rows_gradient(self, grad: Any) -> Any:
+    """One device's gradient of a tensor of this trainer's rows (an
+    activation, an input), from the W-fold one it computed."""
+    if grad is None:
+      return None
+    if isinstance(grad, tf.IndexedSlices):
+      return tf.IndexedSlices(
+          grad.values / tf.cast(self.size, grad.values.dtype), grad.indices,
+          grad.dense_shape)
+    return grad / tf.cast(self.size, grad.dtype)
 
   def fingerprint(self) -> int:
     """The collectives built so far and the cluster, as 48 bits."""
@@ -197,6 +241,71 @@ class Trainers:
         communication_hint="ring",
         timeout_seconds=self._timeout)
     return variable.assign(value, read_value=False)
+
+
+def check_all_reduced(trainers: Trainers, batch: Iterable[tf.Operation],
+                      train_op: Any) -> None:
+  """Raises ValueError if the train_op writes a variable from this trainer's
+  rows (`batch`: the ops of its input) by a way that no collective among the
+  trainers passes: that variable would train on this trainer's rows alone
+  and drift from the other trainers' copies."""
+  own = _own_rows(trainers, batch)
+  if not own:
+    return
+  start = [getattr(t, "op", t) for t in tf.nest.flatten(train_op)]
+  for op in _graph.walk([op for op in start if op is not None],
+                        _graph.input_and_control_ops):
+    if not _WRITES.match(op.type):
+      continue
+    tainted = [t for t in op.inputs[1:] if t.ref() in own]
+    if tainted:
+      raise ValueError(_not_reduced(op, tainted[0]))
+
+
+# Ops that write their first input, a variable.
+_WRITES = re.compile(r"^(Resource)?(Sparse)?Apply|^Assign|^(Resource)?Scatter|"
+                     r"StridedSliceAssign$")
+
+
+def _own_rows(trainers: Trainers, batch: Iterable[tf.Operation]) -> Set[Any]:
+  """The tensors (refs) computed from this trainer's rows without passing
+  one of the trainers' collectives. An IdentityN (`tf.custom_gradient`'s,
+  as around the collectives) passes each input to its own output only."""
+  stop = trainers.collectives
+
+  def outputs(ref: Any) -> List[Any]:
+    tensor = ref.deref()
+    found: List[tf.Tensor] = []
+    for op in tensor.consumers():
+      if op in stop:
+        continue
+      if op.type == "IdentityN":
+        found.extend(op.outputs[i]
+                     for i, t in enumerate(op.inputs)
+                     if t is tensor and i < len(op.outputs))
+      else:
+        found.extend(op.outputs)
+    return [t.ref() for t in found]
+
+  start = [t.ref() for op in batch if op not in stop for t in op.outputs]
+  return set(_graph.walk(start, outputs))
+
+
+def _not_reduced(op: tf.Operation, tensor: tf.Tensor) -> str:
+  return (f"On a TF_CONFIG cluster of trainers only (no ps job), {op.type} op "
+          f"{op.name!r} writes variable {op.inputs[0].op.name!r} from "
+          f"{tensor.name}, which this trainer computed from its own rows "
+          "without an all-reduce among the trainers: each trainer would train "
+          "its copy on its own rows. replicate all-reduces the gradients of "
+          "the optimizer calls it routes (tf.compat.v1.train.Optimizer and "
+          "tf.keras.optimizers.legacy.Optimizer: minimize, compute_gradients, "
+          "get_gradients, get_updates, and replicate.TowerOptimizer), of "
+          "tf.gradients and GradientTape.gradient called in the model_fn, and "
+          "the batch reductions (sums, means, counts, extrema); not a gradient "
+          "taken another way (inside a tf.function, by an optimizer's own "
+          "differentiation) nor a variable the model_fn writes from its rows "
+          "by other ops. Compute the update's gradients with one of those "
+          "calls, or add a ps job to the cluster.")
 
 
 def from_config(config: Optional[tf.estimator.RunConfig],
