@@ -202,7 +202,10 @@ def with_task_hooks(model_fn, options: TaskOptions):
           TaskProgressHook(spec.loss, options.log_every,
                            options.step_delay_ms / 1000)
       ]
-      if in_cluster(config) and config.task_type == "worker":
+      if in_cluster(config) and config.task_type == "worker" and (
+          "ps" in config.cluster_spec.jobs):
+        # Trainers only wait for one another in the chief's broadcast at
+        # session start, which the chief's first checkpoint follows.
         hooks.append(WaitForCheckpointHook(options.model_dir, options.timeout))
       if options.sync and config.is_chief:
         hooks.append(CancelQueueRunnersAtEndHook())

@@ -199,3 +199,24 @@ def test_trainers_only_config_is_recognised():
   assert trainers.from_config(config(two, "worker", 0), "eval") is None
   with_ps = dict(two, ps=["h2:1"])
   assert trainers.from_config(config(with_ps, "chief", 0), "train") is None
+
+
+def test_launcher_trains_a_cluster_of_trainers_only(tmp_path):
+  """`examples/cluster.py --ps=0`: the chief and a worker train by
+  all-reduce (the worker no longer waits for a checkpoint the chief writes
+  only once the worker has joined its broadcast), the evaluator evaluates,
+  and every task exits 0."""
+  pytest.importorskip("sklearn", reason="the digits example needs scikit-learn")
+  output = cluster_harness.run_launcher([
+      "--ps=0", "--workers=1", "--steps=60", "--towers=2", "--log_every=20",
+      f"--model_dir={tmp_path / 'model'}", "--timeout=170"
+  ],
+                                        timeout_secs=200)
+  for label in ("chief", "worker0", "evaluator"):
+    lines = cluster_harness.task_lines(output, label)
+    assert lines and lines[-1][1] == "exited with status 0", output
+  # Both trainers log the same losses: one model, trained on both parts.
+  chief = [t for _, t in cluster_harness.task_lines(output, "chief")]
+  worker = [t for _, t in cluster_harness.task_lines(output, "worker0")]
+  steps = [t for t in chief if t.startswith("global step")]
+  assert steps and steps == [t for t in worker if t.startswith("global step")]
