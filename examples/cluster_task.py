@@ -260,16 +260,12 @@ def _run_config(options: TaskOptions, session_config):
       save_summary_steps=options.save_checkpoints_steps,
       log_step_count_steps=None,
       experimental_max_worker_delay_secs=0)
-  if in_cluster(config) and "ps" not in config.cluster_spec.jobs and (
-      config.task_type != "evaluator"):
-    # Trainers only: Estimator's device filters would hide the trainers
-    # from each other, and their all-reduce needs every one.
-    return config.replace(
-        session_config=tf.compat.v1.ConfigProto(allow_soft_placement=True))
   if in_cluster(config) and config.task_type != "evaluator":
     # A trainer (or ps) of a cluster keeps Estimator's session config: device
     # filters (a trainer talks to the ps tasks and itself only) and soft
-    # placement. Its towers' devices are its server's.
+    # placement. Its towers' devices are its server's. Trainers only reach
+    # one another by their collectives all the same, and a session
+    # recreated after a trainer died does not wait for it.
     return config
   return config.replace(session_config=session_config)
 

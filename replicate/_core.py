@@ -133,6 +133,7 @@ def replicate_model_fn(
   cluster.check_tf_config()
   if cluster.trainers_only():
     _tf.lead_collectives_from_chief()
+    _tf.end_on_unavailable()
 
   def build_spec(features: Any, labels: Any, mode: str, params: Any,
                  config: Optional[tf.estimator.RunConfig]) -> Any:

@@ -9,9 +9,12 @@ included) and losses must equal one device's trained on the global batch
 """
 
 import json
+import os
 import pathlib
+import signal
 import subprocess
 import sys
+import time
 from typing import List, Optional, Sequence
 
 import numpy as np
@@ -25,12 +28,17 @@ TASK = pathlib.Path(__file__).resolve().parent / "trainers_task.py"
 TIMEOUT_SECS = 240
 
 
-def _start(tf_config: Optional[dict], args: List[str],
-           log: pathlib.Path) -> subprocess.Popen:
+def _start(tf_config: Optional[dict],
+           args: List[str],
+           log: pathlib.Path,
+           timeout_secs: Optional[float] = None) -> subprocess.Popen:
+  env = cluster_harness.example_env(tf_config)
+  if timeout_secs is not None:
+    env["REPLICATE_TRAINERS_TIMEOUT_SECS"] = str(timeout_secs)
   with open(log, "w") as out:
     return subprocess.Popen(
         [sys.executable, str(TASK)] + args,
-        env=cluster_harness.example_env(tf_config),
+        env=env,
         cwd=cluster_harness.ROOT,
         stdout=out,
         stderr=subprocess.STDOUT,
@@ -142,7 +150,13 @@ def _build_trainer_graph(route: str, monkeypatch) -> None:
   import replicate  # pylint: disable=g-import-not-at-top
   from tests import trainers_task  # pylint: disable=g-import-not-at-top
 
+  # pylint: disable=g-direct-tensorflow-import
+  from tensorflow.python.training import monitored_session
+
   cluster = {"chief": ["localhost:1"], "worker": ["localhost:2"]}
+  # What the wrap changes for trainers, for this test only.
+  monkeypatch.setattr(monitored_session, "_PREEMPTION_ERRORS",
+                      monitored_session._PREEMPTION_ERRORS)
   monkeypatch.setenv(
       "TF_CONFIG",
       json.dumps({
@@ -233,3 +247,96 @@ def test_launcher_trains_a_cluster_of_trainers_only(tmp_path):
   worker = [t for _, t in cluster_harness.task_lines(output, "worker0")]
   steps = [t for t in chief if t.startswith("global step")]
   assert steps and steps == [t for t in worker if t.startswith("global step")]
+
+
+# How long the trainers' collectives wait in the killed-trainer test.
+KILLED_TIMEOUT_SECS = 15
+
+
+@pytest.mark.wide
+def test_killed_trainer_fails_the_others_then_all_resume(tmp_path):
+  """A worker SIGKILLed mid-run: the chief's step fails within the
+  collectives' timeout (DeadlineExceededError, or UnavailableError at once
+  when a transfer from the worker was in flight) naming the all-reduce: it
+  does not wait forever; every trainer restarted with the same command
+  resumes from the last checkpoint, with the chief's values."""
+  (tmp_path / "out").mkdir()
+  ports = cluster_harness.free_ports(2)
+  cluster = {
+      "chief": [f"localhost:{ports[0]}"],
+      "worker": [f"localhost:{ports[1]}"]
+  }
+  args = [
+      f"--out={tmp_path / 'out'}", "--parts=5,5", "--steps=60",
+      "--save_steps=20", "--step_delay=0.1", "--towers=1",
+      f"--model_dir={tmp_path / 'model'}"
+  ]
+  tasks = [("chief", {
+      "type": "chief",
+      "index": 0
+  }), ("worker", {
+      "type": "worker",
+      "index": 0
+  })]
+
+  def start(run: int) -> List[subprocess.Popen]:
+    return [
+        _start({
+            "cluster": cluster,
+            "task": task
+        },
+               args,
+               tmp_path / f"{label}{run}.log",
+               timeout_secs=KILLED_TIMEOUT_SECS) for label, task in tasks
+    ]
+
+  chief, worker = start(0)
+  try:
+    deadline = time.monotonic() + TIMEOUT_SECS
+    while not cluster_harness.latest_step(tmp_path / "model"):
+      assert time.monotonic() < deadline, (tmp_path / "chief0.log").read_text()
+      assert chief.poll() is None, (tmp_path / "chief0.log").read_text()
+      time.sleep(0.2)
+    os.killpg(worker.pid, signal.SIGKILL)
+    killed = time.monotonic()
+    try:
+      chief.wait(timeout=KILLED_TIMEOUT_SECS + 60)
+    except subprocess.TimeoutExpired:
+      os.kill(chief.pid, signal.SIGUSR1)  # its stacks, into its log
+      time.sleep(2)
+      raise
+    waited = time.monotonic() - killed
+  finally:
+    for process in (chief, worker):
+      if process.poll() is None:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+  log = (tmp_path / "chief0.log").read_text()
+  assert chief.returncode != 0, log
+  # Timed out waiting for the worker, or (a transfer from it in flight)
+  # aborted at once: either ends the chief, naming the all-reduce.
+  assert ("Collective has timed out" in log or
+          "Collective ops is aborted by" in log), log
+  assert "among_trainers" in log, log
+  assert waited < KILLED_TIMEOUT_SECS + 30, waited
+  last = cluster_harness.latest_step(tmp_path / "model")
+  assert 20 <= last < 60
+
+  processes = start(1)
+  try:
+    for process in processes:
+      process.wait(timeout=TIMEOUT_SECS)
+  finally:
+    for process in processes:
+      if process.poll() is None:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+  logs = {label: (tmp_path / f"{label}1.log").read_text() for label, _ in tasks}
+  assert all(p.returncode == 0 for p in processes), logs
+  for label, _ in tasks:
+    assert f"session created at global step {last}\n" in logs[label], logs
+  chief_values = np.load(tmp_path / "out" / "chief0.npz")
+  worker_values = np.load(tmp_path / "out" / "worker0.npz")
+  for name in chief_values.files:
+    np.testing.assert_array_equal(worker_values[name], chief_values[name])
+  assert int(chief_values["v:global_step"]) == 60

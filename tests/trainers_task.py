@@ -14,9 +14,12 @@ At the end the task writes its losses and every global variable to
 
 import argparse
 import contextlib
+import faulthandler
 import json
 import os
+import signal
 import sys
+import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -158,6 +161,10 @@ class _Record(tf.estimator.SessionRunHook):
     self._path = path
     self._losses = []
 
+  def after_create_session(self, session, coord):
+    step = session.run(tf.compat.v1.train.get_global_step())
+    print(f"session created at global step {step}", flush=True)
+
   def before_run(self, run_context):
     loss = tf.compat.v1.get_collection(tf.compat.v1.GraphKeys.LOSSES)[-1]
     return tf.estimator.SessionRunArgs(loss)
@@ -176,7 +183,18 @@ class _Record(tf.estimator.SessionRunHook):
         })
 
 
+class _Slow(tf.estimator.SessionRunHook):
+  """Sleeps after every step, so that a test can act mid-run."""
+
+  def __init__(self, secs):
+    self._secs = secs
+
+  def after_run(self, run_context, run_values):
+    time.sleep(self._secs)
+
+
 def main(argv):
+  faulthandler.register(signal.SIGUSR1)
   parser = argparse.ArgumentParser()
   parser.add_argument("--out", required=True)
   parser.add_argument("--model_dir", required=True)
@@ -186,6 +204,8 @@ def main(argv):
   parser.add_argument("--towers", type=int, default=2)
   parser.add_argument("--timeout", type=float, default=150)
   parser.add_argument("--route", default="v1_minimize")
+  parser.add_argument("--step_delay", type=float, default=0)
+  parser.add_argument("--save_steps", type=int, default=2)
   parser.add_argument("--loss", default="v1", choices=["v1", "float64"])
   args = parser.parse_args(argv)
   sys.path.insert(0,
@@ -208,10 +228,17 @@ def main(argv):
     trainer, label = None, "one_device"
   testing.virtual_cpus(max(args.towers, 1))
   devices = [f"/device:CPU:{i}" for i in range(args.towers)]
+  session_config = testing.session_config(max(args.towers, 1))
+  if task:
+    # As Estimator's default session config of a trainer: its sessions see
+    # its own task only, so one (re)created after a trainer died does not
+    # wait for it; the collectives reach the others all the same.
+    session_config.device_filters.append(
+        f"/job:{task['type']}/task:{task['index']}")
   config = tf.estimator.RunConfig(
       model_dir=args.model_dir,
-      save_checkpoints_steps=2,
-      session_config=testing.session_config(max(args.towers, 1)))
+      save_checkpoints_steps=args.save_steps,
+      session_config=session_config)
   estimator = tf.estimator.Estimator(
       replicate.replicate_model_fn(model_fn, devices=devices),
       config=config,
@@ -222,14 +249,15 @@ def main(argv):
       })
   batches = global_batches(parts, last, args.steps)
   hook = _Record(os.path.join(args.out, f"{label}.npz"))
+  hooks = [hook] + ([_Slow(args.step_delay)] if args.step_delay else [])
   train = tf.estimator.TrainSpec(
-      input_fn_for(batches, trainer), max_steps=args.steps, hooks=[hook])
+      input_fn_for(batches, trainer), max_steps=args.steps, hooks=hooks)
   if task:
     tf.estimator.train_and_evaluate(
         estimator, train,
         tf.estimator.EvalSpec(input_fn_for(batches, trainer), steps=1))
   else:
-    estimator.train(train.input_fn, max_steps=args.steps, hooks=[hook])
+    estimator.train(train.input_fn, max_steps=args.steps, hooks=hooks)
   print(f"{label} done", flush=True)
 
 

@@ -37,6 +37,7 @@ variable (initialised or restored from a checkpoint) to the others.
 
 import hashlib
 import json
+import os
 import re
 from typing import Any, Callable, Iterable, List, Optional, Sequence, Set
 
@@ -47,8 +48,10 @@ from replicate import _graph
 
 _GROUP_KEY = 48
 _FINGERPRINT_KEY = 1
-# Seconds a step's collective waits for the other trainers before failing.
+# Seconds a step's collective waits for the other trainers before failing,
+# unless the environment variable TIMEOUT_VARIABLE says otherwise.
 STEP_TIMEOUT_SECS = 600.0
+TIMEOUT_VARIABLE = "REPLICATE_TRAINERS_TIMEOUT_SECS"
 _MERGE = {
     "sum": "Add",
     "norm": "Add",
@@ -110,7 +113,8 @@ class Trainers:
           merge_op=merge,
           final_op="Id",
           communication_hint="ring",
-          timeout_seconds=self._timeout)
+          timeout_seconds=self._timeout,
+          name="among_trainers")
     self.collectives.add(reduced.op)
     return reduced
 
@@ -235,7 +239,8 @@ class Trainers:
           group_key=_GROUP_KEY,
           instance_key=key,
           communication_hint="ring",
-          timeout_seconds=self._timeout).op
+          timeout_seconds=self._timeout,
+          name="from_chief").op
     value = tf.raw_ops.CollectiveBcastRecvV2(
         group_size=self.size,
         group_key=_GROUP_KEY,
@@ -243,7 +248,8 @@ class Trainers:
         shape=variable.shape.as_list(),
         T=variable.dtype.base_dtype,
         communication_hint="ring",
-        timeout_seconds=self._timeout)
+        timeout_seconds=self._timeout,
+        name="from_chief")
     return variable.assign(value, read_value=False)
 
 
@@ -332,7 +338,24 @@ def from_config(config: Optional[tf.estimator.RunConfig],
       "replicate: trainers only (no ps): %s is trainer %d of %d, gradients "
       "and batch reductions all-reduced among them", tasks[rank], rank,
       len(tasks))
-  return Trainers(tasks, rank, spec)
+  return Trainers(tasks, rank, spec, timeout_secs())
+
+
+def timeout_secs() -> float:
+  """How long the trainers' collectives wait: $REPLICATE_TRAINERS_TIMEOUT_SECS
+  or `STEP_TIMEOUT_SECS`."""
+  given = os.environ.get(TIMEOUT_VARIABLE)
+  if not given:
+    return STEP_TIMEOUT_SECS
+  try:
+    secs = float(given)
+  except ValueError:
+    secs = 0.0
+  if secs <= 0:
+    raise ValueError(f"{TIMEOUT_VARIABLE}={given!r}: give the seconds the "
+                     "trainers' collectives wait for one another, a number "
+                     "above 0.")
+  return secs
 
 
 def started(spec: Any, trainers: Trainers) -> Any:

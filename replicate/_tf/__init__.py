@@ -67,6 +67,7 @@ from replicate._tf.patches import gradient_terms_summed_by
 from replicate._tf.patches import install_gradient_terms
 from replicate._tf.patches import patch
 from replicate._tf.patches import rebind
+from replicate._tf.servers import end_on_unavailable
 from replicate._tf.servers import lead_collectives_from_chief
 from replicate._tf.tower_scopes import install_tower_roots
 from replicate._tf.tower_scopes import install_unfolded_shapes
@@ -75,19 +76,19 @@ from replicate._tf.tower_scopes import tower_root
 from replicate._tf.tower_scopes import without_segment
 
 __all__ = [
-    "lead_collectives_from_chief", "NN_IMPL", "NameCounters",
-    "PartitionedVariable", "Patched", "Patches", "TracedGradient",
-    "TracksWrapped", "active_control_inputs", "add_control_input",
-    "called_functions", "canned_optimizer", "canned_optimizer_v2",
-    "collections", "control_outputs", "custom_gradient_type",
-    "copy_gradient_function", "function_bodies", "function_on_device",
-    "gradient_terms_summed_by", "graph_store", "in_v1_control_flow",
-    "install_gradient_terms", "install_tower_roots", "install_unfolded_shapes",
-    "keras_compute_gradients", "keras_iterations", "names_in_use", "op_id",
-    "op_in_v1_control_flow", "optimizer_name", "patch", "rebind",
-    "remove_control_inputs", "replace_colocation", "rewire", "set_collections",
-    "set_device", "set_store_contents", "share_variable", "store_contents",
-    "top_level_name_scopes", "trace_custom_gradient", "tower_root",
-    "unknown_shapes_attr", "update_input", "variable_store",
+    "end_on_unavailable", "lead_collectives_from_chief", "NN_IMPL",
+    "NameCounters", "PartitionedVariable", "Patched", "Patches",
+    "TracedGradient", "TracksWrapped", "active_control_inputs",
+    "add_control_input", "called_functions", "canned_optimizer",
+    "canned_optimizer_v2", "collections", "control_outputs",
+    "custom_gradient_type", "copy_gradient_function", "function_bodies",
+    "function_on_device", "gradient_terms_summed_by", "graph_store",
+    "in_v1_control_flow", "install_gradient_terms", "install_tower_roots",
+    "install_unfolded_shapes", "keras_compute_gradients", "keras_iterations",
+    "names_in_use", "op_id", "op_in_v1_control_flow", "optimizer_name", "patch",
+    "rebind", "remove_control_inputs", "replace_colocation", "rewire",
+    "set_collections", "set_device", "set_store_contents", "share_variable",
+    "store_contents", "top_level_name_scopes", "trace_custom_gradient",
+    "tower_root", "unknown_shapes_attr", "update_input", "variable_store",
     "warm_start_settings", "without_segment"
 ]

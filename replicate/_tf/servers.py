@@ -7,6 +7,7 @@ waits for the others alone. Estimator starts the server itself
 (`_TrainingExecutor._start_std_server`, keeping only the session config's
 GPU options), so on a cluster without a `ps` job the server it starts is
 given the chief as leader here; a cluster with `ps` gets Estimator's own.
+There, too, a trainer whose peer is gone ends (`end_on_unavailable`).
 """
 
 from typing import Any
@@ -15,9 +16,10 @@ from absl import logging
 import tensorflow as tf
 
 # pylint: disable=protected-access,g-direct-tensorflow-import
+from tensorflow.python.training import monitored_session as _monitored
 from tensorflow_estimator.python.estimator import training as _training
 
-__all__ = ["LEADER", "lead_collectives_from_chief"]
+__all__ = ["LEADER", "end_on_unavailable", "lead_collectives_from_chief"]
 
 LEADER = "/job:chief/replica:0/task:0"
 _PATCHED = "_replicate_leader"
@@ -53,3 +55,23 @@ def lead_collectives_from_chief() -> None:
 
   setattr(start_std_server, _PATCHED, True)
   executor._start_std_server = start_std_server
+
+
+def end_on_unavailable() -> None:
+  """Makes an UnavailableError end training rather than recreate the session.
+
+  MonitoredSession (so Estimator.train) recreates its session after an
+  AbortedError or UnavailableError (`_PREEMPTION_ERRORS`), taken for a
+  parameter server that restarted. On a trainer of a cluster without ps the
+  UnavailableError is a collective whose peer is gone, after which
+  TensorFlow aborts every collective of the process for good ("Restart your
+  program to reset"): recreating the session fails again at once, forever.
+  """
+  preemption = getattr(_monitored, "_PREEMPTION_ERRORS", None)
+  if not isinstance(preemption, tuple):
+    return
+  kept = tuple(e for e in preemption if e is not tf.errors.UnavailableError)
+  if kept != preemption:
+    logging.info("replicate: an UnavailableError (a trainer gone) ends "
+                 "training on this trainer instead of recreating its session")
+    _monitored._PREEMPTION_ERRORS = kept
