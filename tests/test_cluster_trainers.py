@@ -147,11 +147,11 @@ def _build_trainer_graph(route: str, monkeypatch) -> None:
   (no servers: collectives are only built)."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
-  import replicate  # pylint: disable=g-import-not-at-top
-  from tests import trainers_task  # pylint: disable=g-import-not-at-top
-
   # pylint: disable=g-direct-tensorflow-import
   from tensorflow.python.training import monitored_session
+
+  import replicate  # pylint: disable=g-import-not-at-top
+  from tests import trainers_task  # pylint: disable=g-import-not-at-top
 
   cluster = {"chief": ["localhost:1"], "worker": ["localhost:2"]}
   # What the wrap changes for trainers, for this test only.
