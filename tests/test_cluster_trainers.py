@@ -340,3 +340,25 @@ def test_killed_trainer_fails_the_others_then_all_resume(tmp_path):
   for name in chief_values.files:
     np.testing.assert_array_equal(worker_values[name], chief_values[name])
   assert int(chief_values["v:global_step"]) == 60
+
+
+@pytest.mark.wide
+def test_traffic_per_trainer_is_the_ring_minimum(tmp_path):
+  """benchmarks/trainers_traffic.py on 2 trainers: each sends and receives
+  at most 1.1 x 2(W-1)/W x P per step (measured 1.003 for W = 2, 3, 4)."""
+  result_file = tmp_path / "traffic.json"
+  subprocess.run([
+      sys.executable,
+      str(cluster_harness.ROOT / "benchmarks" / "trainers_traffic.py"),
+      "--trainers=2", "--steps=5", f"--result_file={result_file}"
+  ],
+                 env=cluster_harness.example_env(),
+                 cwd=cluster_harness.ROOT,
+                 check=True,
+                 timeout=TIMEOUT_SECS,
+                 capture_output=True)
+  (result,) = json.loads(result_file.read_text())
+  assert len(result["per_trainer"]) == 2
+  for trainer in result["per_trainer"]:
+    assert 0.9 <= trainer["sent_ratio"] <= 1.1, result
+    assert 0.9 <= trainer["received_ratio"] <= 1.1, result
