@@ -3,8 +3,10 @@ r"""Op counts and build time of the workloads' training graphs, per tower count.
 Builds each workload's TRAIN graph (features and labels from a dataset
 iterator with the global batch's static shape) with the unwrapped model_fn and
 with `replicate.replicate_model_fn(model_fn, devices=N virtual CPUs)`, and
-reports the ops the model_fn added, the seconds the model_fn call took (median
-over --repeats builds, taken in turn after one untimed build), and whether the
+reports the ops the model_fn added, the CPU seconds the model_fn call took
+(process time, median over --repeats builds, taken in turn after one untimed
+build: a build is single-threaded Python, and process time leaves out the
+waits a busy machine adds, which move wall time by 2x), and whether the
 1-tower replicated graph has exactly the unwrapped graph's op names and types
 (replicate's promise: one tower adds no ops).
 
@@ -70,10 +72,10 @@ def build(workload: str, towers: Optional[int]):
     tf.compat.v1.train.get_or_create_global_step()
     features, labels = _batch()
     existing = len(graph.get_operations())
-    started = time.perf_counter()
+    started = time.process_time()
     fn(features, labels, tf.estimator.ModeKeys.TRAIN,
        dict(_PARAMS, workload=workload), **extra)
-    seconds = time.perf_counter() - started
+    seconds = time.process_time() - started
     ops = graph.get_operations()[existing:]
   return {op.name: op.type for op in ops}, seconds
 

@@ -84,6 +84,10 @@ def main(argv: List[str]) -> None:
       f"{FLAGS.batch_size}, {FLAGS.steps} steps",
       flush=True)
 
+  # Keras layers draw their initializers' seeds from Python's `random`:
+  # seeded, every run (and every TensorFlow line) starts from one set of
+  # weights.
+  tf.keras.utils.set_random_seed(0)
   model_dir = FLAGS.model_dir or tempfile.mkdtemp(prefix="digits_")
   progress = []
 

@@ -17,6 +17,12 @@ whole batch's value of a per-row tensor. `replicate.testing` checks your own
 model_fn against one device on virtual CPU devices.
 """
 
+# First of all: on TensorFlow 2.16+ tf.estimator is made to work (Keras 2
+# behind tf.keras) before anything touches tf.keras; nothing on <= 2.15.
+from replicate._tf import estimator_compat as _estimator_compat
+
+_estimator_compat.ensure_estimator()
+
 from replicate import testing
 from replicate._context import Tower
 from replicate._context import current_tower

@@ -40,11 +40,14 @@ def _versions() -> List[str]:
       f"replicate {replicate.__version__} ({where})",
       f"Python {platform.python_version()}", f"TensorFlow {tf.__version__}"
   ]
-  for package in ("tensorflow-estimator", "keras", "numpy"):
+  # From TensorFlow 2.16 on, tf.keras is tf-keras (Keras 2), not keras.
+  for package in ("tensorflow-estimator", "keras", "tf-keras", "numpy"):
     try:
       lines.append(f"{package} {importlib.metadata.version(package)}")
     except importlib.metadata.PackageNotFoundError:
-      lines.append(f"{package} not installed")
+      if package != "tf-keras":
+        lines.append(f"{package} not installed")
+  lines.append(f"tf.keras: {tf.keras.__name__.split('.')[0]}")
   return lines
 
 

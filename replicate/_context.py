@@ -98,7 +98,7 @@ class Views(Protocol):
   def obtained(self, variable: Any) -> None:
     ...
 
-  def read(self) -> None:
+  def read(self, key: Any = None) -> None:
     ...
 
   def share_imported(self) -> None:

@@ -22,18 +22,27 @@ os.environ.setdefault("TF_FORCE_GPU_ALLOW_GROWTH", "true")
 import pytest  # pylint: disable=g-import-not-at-top
 import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
+# On TensorFlow 2.16+ replicate sets up tf.estimator and Keras 2 behind
+# tf.keras, which must come before anything touches tf.keras.
+import replicate  # pylint: disable=g-import-not-at-top
+
 tf.compat.v1.logging.set_verbosity(tf.compat.v1.logging.ERROR)
 
 
 def _legacy_tf_layers():
   """TensorFlow's tensorflow.python.layers.normalization (which tf-slim's
-  batch_norm builds on) loads `tf_keras.legacy_tf_layers` (2.15) or
-  `keras.legacy_tf_layers` (2.13, 2.14), which no package of these stacks
-  provides; Keras has it as keras.src.legacy_tf_layers."""
+  batch_norm builds on) loads `tf_keras.legacy_tf_layers` (2.15 and
+  later) or `keras.legacy_tf_layers` (2.13, 2.14), which no package of these
+  stacks provides; Keras 2 has it as keras.src.legacy_tf_layers (up to
+  2.15) or tf_keras.src.legacy_tf_layers (2.16 and later)."""
   import importlib  # pylint: disable=g-import-not-at-top
   import sys  # pylint: disable=g-import-not-at-top
+
+  from replicate._tf import estimator_compat  # pylint: disable=g-import-not-at-top
   try:
-    from keras.src.legacy_tf_layers import normalization  # pylint: disable=g-import-not-at-top
+    normalization = importlib.import_module(
+        estimator_compat.keras_2_package() +
+        ".src.legacy_tf_layers.normalization")
   except ImportError:
     return
   for name in ("tf_keras.legacy_tf_layers.normalization",
@@ -116,7 +125,6 @@ def forced_placement():
 def pytest_report_header(config):
   """Which replicate is tested: the checkout's, or an installed wheel's."""
   del config
-  import replicate  # pylint: disable=g-import-not-at-top
   return (f"replicate {replicate.__version__} from "
           f"{os.path.dirname(replicate.__file__)}")
 

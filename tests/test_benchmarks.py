@@ -260,6 +260,33 @@ def test_op_times_lists_each_variants_step_and_op_types():
   assert "FusedBatchNorm" in sync and "Conv2D" in sync
 
 
+def test_function_calls_reports_each_mode_and_tower_count():
+  # benchmarks/function_calls.py: a row per (mode, N), both step times and
+  # their ratio (timings are not asserted).
+  proc = subprocess.run([
+      sys.executable,
+      os.path.join(_BENCHMARKS, "function_calls.py"), "--towers=1,2",
+      "--windows=1", "--steps=1", "--batch_size=16", "--width=8"
+  ],
+                        capture_output=True,
+                        text=True,
+                        timeout=300,
+                        cwd=_ROOT,
+                        env=common.worker_env())
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  rows = [
+      line.split()
+      for line in proc.stdout.splitlines()
+      if line.startswith(("train ", "eval "))
+  ]
+  assert [row[:2] for row in rows] == [["train", "1"], ["train", "2"],
+                                       ["eval", "1"], ["eval", "2"]]
+  for row in rows:
+    inline, function, ratio = map(float, row[2:])
+    assert inline > 0 and function > 0
+    assert ratio == pytest.approx(function / inline, rel=0.02, abs=0.002)
+
+
 @pytest.mark.wide
 @pytest.mark.skipif(
     shutil.which(os.environ.get("CXX", "c++")) is None,

@@ -5,15 +5,19 @@ DeepCTR's weight penalties in REGULARIZATION_LOSSES, TF-GAN's scoped
 `get_regularization_loss('Discriminator')`, a TF1 Hub module's variable and
 name scopes, AdaNet's moving averages of tensors and its variables picked
 by a marker, the CIFAR-10 tutorial's 'losses' collection and moving
-averages. Wrapped with the README's one line, each trains, evaluates and
-predicts on 2 and 4 towers (uneven batches of 9 rows) as on one device
-from the same checkpoint (`replicate.testing.assert_replicates`). The
-default run keeps one case of each library but AdaNet; the other cases,
-AdaNet's among them, are `wide`.
+averages, TF Addons' losses over the batch's pairs (some in a `tf.function`)
+and Keras metric subclasses, Neural Structured Learning's second call of
+the model_fn on perturbed inputs, TF Privacy's clipped microbatches. Wrapped
+with the README's one line (NSL: its wrapper around the replicated
+Estimator, as its documentation wraps any Estimator), each trains, and
+where the library evaluates and predicts, does so, on 2, 3 and 4 towers
+(uneven batches of 9 rows) as on one device from the same checkpoint
+(`replicate.testing.assert_replicates`). The default run keeps one case of
+each library but AdaNet; the other cases, AdaNet's among them, are `wide`.
 
-The libraries are installed without their dependencies (`tests/clients.txt`,
-README): their own pins predate TensorFlow 2.13. A test is skipped where its
-library is not installed.
+AdaNet and TF Privacy are installed without their dependencies (README):
+their own pins predate TensorFlow 2.13 or name the full `tensorflow` wheel.
+A test is skipped where its library is not installed.
 """
 
 import collections
@@ -424,3 +428,177 @@ def test_cifar10_tutorial_model_replicates(placement):
   # Five weights and biases, their moving averages, the losses' averages
   # (two weight decays, the cross entropy, the total) and the step.
   assert summary.variables == 6 + 6 + 4 + 1
+
+
+# ------------------------------------------------------------ TF Addons
+
+
+def _tfa():
+  return pytest.importorskip(
+      "tensorflow_addons",
+      reason="TF Addons 0.23, its last release, installs on Python 3.9-3.11 "
+      "and TensorFlow 2.13-2.15 only")
+
+
+def _embedding_data():
+  rng = np.random.RandomState(5)
+  return ({
+      "x": rng.randn(ROWS, 5).astype(np.float32)
+  }, rng.randint(0, 3, ROWS).astype(np.int64))
+
+
+def _tfa_model_fn(features, labels, mode):
+  """Metric learning as TF Addons writes it: losses over the batch's pairs
+  (hard and semi-hard triplets, N-pairs), some built in a `tf.function`,
+  and Keras metric subclasses (F1, Cohen's kappa) in evaluation."""
+  tfa = _tfa()
+  hidden = tf.compat.v1.layers.dense(features["x"], 4, name="embed")
+  embeddings = tf.math.l2_normalize(hidden, axis=1)
+  logits = tf.compat.v1.layers.dense(hidden, 3, name="logits")
+  if mode == tf.estimator.ModeKeys.PREDICT:
+    return tf.estimator.EstimatorSpec(mode, predictions={"logits": logits})
+  loss = (
+      tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits) +
+      tfa.losses.TripletHardLoss(soft=True)(labels, embeddings) +
+      tfa.losses.triplet_semihard_loss(labels, embeddings) +
+      tfa.losses.npairs_loss(
+          labels, tf.matmul(embeddings, embeddings, transpose_b=True)))
+  if mode == tf.estimator.ModeKeys.EVAL:
+    f1 = tfa.metrics.F1Score(3, average="macro")
+    f1.update_state(tf.one_hot(labels, 3), tf.nn.softmax(logits))
+    kappa = tfa.metrics.CohenKappa(3, sparse_labels=True)
+    kappa.update_state(labels, tf.argmax(logits, 1))
+    return tf.estimator.EstimatorSpec(
+        mode, loss=loss, eval_metric_ops={
+            "f1": f1,
+            "kappa": kappa
+        })
+  train_op = tf.compat.v1.train.GradientDescentOptimizer(0.5).minimize(
+      loss, tf.compat.v1.train.get_global_step())
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+@pytest.mark.parametrize("towers", [TOWERS[:1], harness.wide(TOWERS[1:])])
+def test_tfa_pair_losses_and_metric_subclasses_replicate(towers):
+  _tfa()
+  summary = replicate.testing.assert_replicates(
+      _tfa_model_fn, _dataset(*_embedding_data()), towers=towers)
+  assert {"f1", "kappa", "loss"} <= set(summary.metrics)
+
+
+# ------------------------------------------ Neural Structured Learning
+
+
+def _nsl():
+  return pytest.importorskip("neural_structured_learning")
+
+
+def _adversarial(nsl, model_fn, model_dir):
+  """NSL's adversarial regularization around an Estimator of `model_fn`:
+  the model_fn called again on the inputs its loss's gradient perturbs."""
+  estimator = tf.estimator.Estimator(model_fn, model_dir=str(model_dir))
+  config = nsl.configs.make_adv_reg_config(multiplier=0.5, adv_step_size=0.1)
+  regularized = nsl.estimator.add_adversarial_regularization(
+      estimator,
+      adv_config=config,
+      optimizer_fn=lambda: tf.compat.v1.train.GradientDescentOptimizer(0.5))
+  # The Estimator's own call, without a RunConfig (harness passes params).
+  return lambda features, labels, mode, params: regularized.model_fn(
+      features, labels, mode, None)
+
+
+def _dense_model_fn(features, labels, mode):
+  hidden = tf.compat.v1.layers.dense(features["x"], 4, tf.nn.tanh, name="h")
+  logits = tf.compat.v1.layers.dense(hidden, 3, name="logits")
+  loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
+  train_op = tf.compat.v1.train.GradientDescentOptimizer(0.5).minimize(
+      loss, tf.compat.v1.train.get_global_step())
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+def _canned_dnn_model_fn():
+  column = tf.feature_column.numeric_column("x", [5])
+  return tf.compat.v1.estimator.DNNClassifier([4], [column],
+                                              n_classes=3).model_fn
+
+
+@pytest.mark.parametrize("name,towers", [("custom", 2), ("canned", 3),
+                                         harness.wide("custom", 4),
+                                         harness.wide("canned", 2)])
+def test_nsl_adversarial_regularization_of_a_replicated_estimator(
+    name, towers, tmp_path):
+  """NSL wraps the Estimator of the replicated model_fn (its documented
+  use): each call's towers, the perturbation by the whole batch's
+  gradient, then one update of the sum."""
+  nsl = _nsl()
+  model_fn = _dense_model_fn if name == "custom" else _canned_dnn_model_fn()
+  features, labels = _embedding_data()
+  one = harness.train(
+      _adversarial(nsl, model_fn, tmp_path / "one"), (features, labels),
+      BATCH,
+      steps=3,
+      static=False)
+  replicated = replicate.replicate_model_fn(
+      model_fn, devices=harness.devices(harness.VIRTUAL_CPUS, towers))
+  many = harness.train(
+      _adversarial(nsl, replicated, tmp_path / "towers"), (features, labels),
+      BATCH,
+      steps=3,
+      static=False)
+  np.testing.assert_allclose(many[0], one[0], rtol=1e-5)
+  assert sorted(many[1]) == sorted(one[1])
+  harness.assert_close_nests(many[1], one[1])
+
+
+def test_nsl_adversarial_model_fn_replicated_inside():
+  """The same wrapper's model_fn, replicated as a whole."""
+  nsl = _nsl()
+  estimator = tf.estimator.Estimator(_dense_model_fn)
+  model_fn = nsl.estimator.add_adversarial_regularization(
+      estimator,
+      optimizer_fn=lambda: tf.compat.v1.train.GradientDescentOptimizer(0.5)
+  ).model_fn
+  summary = replicate.testing.assert_replicates(
+      model_fn,
+      _dataset(*_embedding_data()),
+      towers=TOWERS[:1],
+      modes=["train"])
+  assert summary.variables == 5
+
+
+# ------------------------------------------------------------ TF Privacy
+
+
+def _dp_model_fn(features, labels, mode, params):
+  """A DP-SGD model_fn as TF Privacy's tutorials write it: a vector loss
+  whose microbatches' gradients are clipped one by one (no noise, so the
+  run is deterministic; the clipping is active)."""
+  dp_optimizer = pytest.importorskip(
+      "tensorflow_privacy.privacy.optimizers.dp_optimizer",
+      reason="TF Privacy 0.9.0 installs on Python 3.9-3.11 only")
+  logits = tf.compat.v1.layers.dense(features["x"], 3, name="logits")
+  vector_loss = tf.nn.sparse_softmax_cross_entropy_with_logits(
+      labels=labels, logits=logits)
+  loss = tf.reduce_mean(vector_loss)
+  if mode == tf.estimator.ModeKeys.EVAL:
+    return tf.estimator.EstimatorSpec(mode, loss=loss)
+  optimizer = dp_optimizer.DPGradientDescentGaussianOptimizer(
+      l2_norm_clip=0.3,
+      noise_multiplier=0.0,
+      num_microbatches=params["microbatches"],
+      learning_rate=0.5)
+  train_op = optimizer.minimize(
+      vector_loss, global_step=tf.compat.v1.train.get_global_step())
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+@pytest.mark.parametrize("microbatches,towers", [(3, 2), harness.wide(9, 4)])
+def test_tf_privacy_dp_sgd_microbatches_replicate(microbatches, towers):
+  features, labels = _embedding_data()
+  summary = replicate.testing.assert_replicates(
+      _dp_model_fn,
+      _dataset(features, labels),
+      towers=(towers,),
+      params={"microbatches": microbatches},
+      modes=["train", "eval"])
+  assert summary.variables == 3

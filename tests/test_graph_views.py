@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import replicate
 from tests import harness
 
 D = tf.float64
@@ -185,3 +186,46 @@ def test_a_call_reads_one_devices_graph_at_every_point(towers):
       "block/dense/kernel/Regularizer/mul"
   ]
   assert len(one_device[2]["update_ops"]) == 2
+
+
+def _train_raw(model_fn, towers, steps=3):
+  """Losses, weights and the global step of a model_fn called in a plain
+  graph, no Estimator (which would create the global step first)."""
+  features, labels = _data()
+  if towers:
+    model_fn = replicate.replicate_model_fn(
+        model_fn, devices=harness.devices(harness.VIRTUAL_CPUS, towers))
+  with tf.Graph().as_default():
+    spec = model_fn({"x": tf.constant(features["x"][:9])},
+                    tf.constant(labels[:9]), tf.estimator.ModeKeys.TRAIN)
+    with tf.compat.v1.Session() as session:
+      session.run(tf.compat.v1.global_variables_initializer())
+      losses = [
+          session.run([spec.loss, spec.train_op])[0] for _ in range(steps)
+      ]
+      values = {
+          v.op.name: session.run(v) for v in tf.compat.v1.global_variables()
+      }
+  return losses, values
+
+
+@pytest.mark.parametrize("towers", [2, 3])
+def test_a_global_step_the_call_creates_is_every_towers(towers):
+  # One device's call creates it; each later tower gets it back (such a
+  # tower looked it up by name and found its resource handle: a TypeError).
+
+  def model_fn(features, labels, mode):
+    kernel = tf.compat.v1.get_variable(
+        "kernel", initializer=np.linspace(-1, 1, 15).reshape(5, 3))
+    loss = _cross_entropy(labels, tf.matmul(features["x"], kernel))
+    step = tf.compat.v1.train.get_or_create_global_step()
+    train_op = tf.compat.v1.train.GradientDescentOptimizer(0.5).minimize(
+        loss, step)
+    return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+  expected_losses, expected = _train_raw(model_fn, 0)
+  losses, values = _train_raw(model_fn, towers)
+  assert expected["global_step"] == 3 and values["global_step"] == 3
+  np.testing.assert_allclose(losses, expected_losses, rtol=1e-12)
+  assert sorted(values) == ["global_step", "kernel"] == sorted(expected)
+  np.testing.assert_allclose(values["kernel"], expected["kernel"], rtol=1e-12)

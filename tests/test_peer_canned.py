@@ -180,10 +180,12 @@ def _test_case(version,
 
   # tf.test.TestCase's `test_session` is a session helper, not a test; the
   # bases never call it, and a non-callable is not collected.
+  # The bases call unittest's `assertEquals`, which Python 3.12 removed.
   namespace = {
       "__init__": __init__,
       "peer": (model, base_name, form, towers, sampled_form, first_sampled),
-      "test_session": None
+      "test_session": None,
+      "assertEquals": tf.test.TestCase.assertEqual
   }
   if form == "model_fn":
     for name in dir(base):

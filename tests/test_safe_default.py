@@ -2,7 +2,7 @@
 
 What real model_fns call and no rule reads op by op: counts and distinct
 values of the batch's labels (class-balanced weights), sets of each row's
-classes, v1 metrics at k, Python ops, helpers
+classes, v1 metrics at k, a memory bank of the last rows, Python ops, helpers
 wrapped in a `tf.function`, custom gradients, tiles of rows, folds, scans
 and while_loops over the rows, Keras metric subclasses, and a model_fn
 called twice in one graph (adversarial regularization). Each runs once on
@@ -254,6 +254,41 @@ def _keras_metrics_model_fn(features, labels, mode, params):
      harness.wide(*CASES[3])])
 def test_keras_metric_subclasses_evaluate_as_one_device(towers, batch):
   _assert_same(harness.evaluate, _keras_metrics_model_fn, towers, batch)
+
+
+def _state_model_fn(features, labels, mode, params):
+  """State written from the whole batch by ops with no per-row rule: a
+  memory bank of the last rows (MoCo's queue) and counts of the labels."""
+  del params
+  kernel = tf.compat.v1.get_variable("kernel", [5, 3], D)
+  embeddings = tf.matmul(features["x"], kernel)
+  bank = tf.compat.v1.get_variable(
+      "bank", [4, 3], D, initializer=tf.zeros_initializer(), trainable=False)
+  counts = tf.compat.v1.get_variable(
+      "counts", [3], D, initializer=tf.zeros_initializer(), trainable=False)
+  negatives = tf.matmul(embeddings, bank, transpose_b=True)
+  loss = tf.reduce_mean(
+      tf.nn.sparse_softmax_cross_entropy_with_logits(
+          labels=labels, logits=embeddings)) + 0.1 * tf.reduce_mean(
+              tf.reduce_logsumexp(negatives, 1))
+  with tf.control_dependencies([loss]):
+    writes = [
+        bank.assign(tf.concat([bank, tf.stop_gradient(embeddings)], 0)[-4:]),
+        counts.assign_add(
+            tf.math.bincount(tf.cast(labels, tf.int32), minlength=3, dtype=D))
+    ]
+  optimizer = tf.compat.v1.train.GradientDescentOptimizer(0.2)
+  train_op = optimizer.minimize(loss, tf.compat.v1.train.get_global_step())
+  return tf.estimator.EstimatorSpec(
+      mode, loss=loss, train_op=tf.group(train_op, *writes))
+
+
+@pytest.mark.parametrize(
+    "towers,batch",
+    [CASES[3], harness.wide(*CASES[0]),
+     harness.wide(*CASES[2])])
+def test_state_written_from_the_whole_batch_trains_as_one_device(towers, batch):
+  _assert_same(harness.train, _state_model_fn, towers, batch)
 
 
 def _metrics_at_k_model_fn(features, labels, mode, params):

@@ -146,9 +146,10 @@ def _concat(op: tf.Operation,
   row_axis = rows.pop()
   if static.axis_in(axis[0], rank) == row_axis and not all(
       isinstance(k, row_kinds.Rows) for k in value_kinds):
-    return [
-        row_kinds.Local(op.name, "concatenates rows with values of no rows")
-    ]
+    # Rows joined with values of no rows (a memory bank's): one device's
+    # order, on the whole batch.
+    return ctx.whole_batch(op, [row_kinds.WHOLE],
+                           "concatenates rows with values of no rows")
   if static.axis_in(axis[0], rank) == row_axis:
     # Along the rows: the tower's rows of one device's, in another order
     # (the towers' pieces interleave): per-row ops and reductions are

@@ -9,8 +9,9 @@ object wrapping an optimizer. Public TensorFlow functions the towers route
 (`tf.gradients`, `GradientTape.gradient`, optimizer methods,
 `embedding_lookup`, tf.nn's moments, `tf.shape`, `Graph.name_scope`) are
 patched only here, through `Patches`, while towers are built. Each access
-below says what it reads or changes and was checked on TensorFlow 2.13,
-2.14 and 2.15 (with Keras and tensorflow_estimator of the same line);
+below says what it reads or changes and was checked on TensorFlow 2.13
+to 2.21 (with Keras 2 and tensorflow_estimator of the same line, 2.15's
+from 2.16 on);
 nothing else in the library touches a private name or patches an
 attribute (tests/test_layout.py checks).
 
@@ -20,8 +21,9 @@ device, colocation), `graph_state` (what a graph holds that a call reads),
 device's names in a tower's call), `library_internals` (Keras optimizers',
 Estimators' and tensorflow_estimator's unexported attributes), `patches`
 (installing and restoring routes; the gradient terms' route),
-`checkpoints` (an optimizer wrapper's dependencies). This package exports
-their names for the library's modules.
+`checkpoints` (an optimizer wrapper's dependencies), `estimator_compat`
+(tf.estimator on TensorFlow 2.16+, applied first by `replicate/__init__`).
+This package exports their names for the library's modules.
 """
 
 from replicate._tf.checkpoints import TracksWrapped

@@ -10,19 +10,29 @@ and the names in use (`Graph._names_in_use`, lowercased name -> count).
 `_towers.views` gives each tower's call one device's view of them.
 """
 
-from typing import Any, Dict, List, Tuple
+import functools
+import importlib
+from typing import Any, Dict, List, Optional, Tuple
 
 import tensorflow as tf
 
 # pylint: disable=protected-access,g-direct-tensorflow-import,g-import-not-at-top
 from tensorflow.python.ops import variable_scope as _variable_scope
 
+from replicate._tf import estimator_compat
 from replicate._tf import graph_edits
 
-try:
-  from keras.src import backend as _keras_backend
-except ImportError:  # Keras moved or is absent.
-  _keras_backend = None
+
+@functools.lru_cache(maxsize=None)
+def _keras_backend() -> Optional[Any]:
+  """The private backend of the Keras 2 behind tf.keras (keras.src.backend
+  up to TensorFlow 2.15, tf_keras.src.backend from 2.16), None if absent.
+  Looked up at first use, after `estimator_compat` has chosen Keras 2."""
+  try:
+    return importlib.import_module(estimator_compat.keras_2_package() +
+                                   ".src.backend")
+  except ImportError:  # Keras moved or is absent.
+    return None
 
 
 def in_v1_control_flow(graph: tf.Graph) -> bool:
@@ -61,25 +71,27 @@ class NameCounters:
 
   Keras names layers `dense`, `dense_1`, ... and variable scopes opened
   with a default name are numbered alike, by counters kept per graph
-  (keras.src.backend's uid map and OBSERVED_NAMES, the variable scope
+  (the Keras 2 backend's uid map and OBSERVED_NAMES, the variable scope
   store's counts). Taken before the towers and put back at each tower's
   start, every tower names its layers as the unwrapped model_fn does.
   """
 
   def __init__(self) -> None:
-    if _keras_backend is not None:
-      self._uids = dict(_keras_backend.get_default_graph_uid_map())
-      self._observed = set(_keras_backend.OBSERVED_NAMES)
+    backend = _keras_backend()
+    if backend is not None:
+      self._uids = dict(backend.get_default_graph_uid_map())
+      self._observed = set(backend.OBSERVED_NAMES)
     self._scopes = dict(
         _variable_scope.get_variable_scope_store().variable_scopes_count)
 
   def restore(self) -> None:
-    if _keras_backend is not None:
-      uids = _keras_backend.get_default_graph_uid_map()
+    backend = _keras_backend()
+    if backend is not None:
+      uids = backend.get_default_graph_uid_map()
       uids.clear()
       uids.update(self._uids)
-      _keras_backend.OBSERVED_NAMES.clear()
-      _keras_backend.OBSERVED_NAMES.update(self._observed)
+      backend.OBSERVED_NAMES.clear()
+      backend.OBSERVED_NAMES.update(self._observed)
     counts = _variable_scope.get_variable_scope_store().variable_scopes_count
     counts.clear()
     counts.update(self._scopes)

@@ -63,7 +63,7 @@ class _TowerRoots(threading.local):
   root: Optional[str] = None
   segment: Optional[str] = None
   # Called before the tower's call reads a collection.
-  before_read: Optional[Callable[[], None]] = None
+  before_read: Optional[Callable[[Any], None]] = None
   bypass = 0
 
 
@@ -115,7 +115,7 @@ def _towerless_get_collection(self: tf.Graph,
   if self is not _roots.graph:
     return _GRAPH_GET_COLLECTION(self, name, scope)
   if _roots.before_read is not None:
-    _roots.before_read()
+    _roots.before_read(name)
   segment = _roots.segment
   if scope is None or not segment:
     return _GRAPH_GET_COLLECTION(self, name, scope)
@@ -152,16 +152,16 @@ _GRAPH_GET_COLLECTION_REF = tf.Graph.get_collection_ref
 def _read_collection_ref(self: tf.Graph, name: Any) -> List[Any]:
   """Graph.get_collection_ref, after the tower's `before_read`."""
   if self is _roots.graph and _roots.before_read is not None:
-    _roots.before_read()
+    _roots.before_read(name)
   return _GRAPH_GET_COLLECTION_REF(self, name)
 
 
 @contextlib.contextmanager
 def tower_root(graph: tf.Graph, root: Optional[str], segment: Optional[str],
-               before_read: Callable[[], None]) -> Iterator[None]:
+               before_read: Callable[[Any], None]) -> Iterator[None]:
   """Inside, `graph`'s absolute name scopes go under `root`, scoped
-  collection reads ignore the name segment `segment`, and `before_read()`
-  runs before a collection is read (see above)."""
+  collection reads ignore the name segment `segment`, and
+  `before_read(key)` runs before collection `key` is read (see above)."""
   before = (_roots.graph, _roots.root, _roots.segment, _roots.before_read)
   (_roots.graph, _roots.root, _roots.segment,
    _roots.before_read) = graph, root, segment, before_read

@@ -132,11 +132,17 @@ class GraphViews:
     self._memberships[id(variable)] = keys
     self._created.append(variable)
 
-  def read(self) -> None:
-    """Before the call reads a collection: a shared variable the tower's ops
-    read but never created (a Keras layer object called in every tower is
-    built in the first) is the tower's own from its first read, as on one
-    device, where that call built it."""
+  def read(self, key: Any = None) -> None:
+    """Before the call reads collection `key`: a shared variable the tower's
+    ops read but never created (a Keras layer object called in every tower
+    is built in the first) is the tower's own from its first read, as on
+    one device, where that call built it. The global step an earlier tower
+    created is the tower's when it looks for it (`get_or_create_global_step`
+    finds it, as one device's call finds the one it created)."""
+    if key == _GraphKeys.GLOBAL_STEP:
+      for variable in list(self._unread.values()):
+        if key in self._memberships.get(id(variable), ()):
+          self.obtained(variable)
     if not self._unread or self._graph.version == self._looked:
       return
     ops = self._graph.get_operations()[self._looked:]
