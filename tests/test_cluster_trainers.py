@@ -123,10 +123,12 @@ def test_two_trainers_of_two_towers_equal_one_device(tmp_path):
 # Every way of computing and applying gradients replicate routes, each
 # all-reduced among the trainers (before, tf.gradients and Keras' get_updates
 # trained each trainer on its own rows, silently; a loss with rows got half
-# the gradient on 2 trainers).
+# the gradient on 2 trainers; a sparse gradient, an embedding's, failed to
+# build). Momentum's sparse update touches only the rows looked up.
 ROUTES = [
     "v1_compute_apply", "tape", "keras_get_updates", "keras_minimize",
-    "keras_get_gradients", "tower_optimizer", "v1_rows_loss"
+    "keras_get_gradients", "tower_optimizer", "v1_rows_loss",
+    "embedding_momentum", "embedding_adagrad"
 ]
 
 

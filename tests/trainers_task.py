@@ -49,6 +49,14 @@ def _train_op(loss, route, learning_rate, tape):
   keras = tf.keras.optimizers.legacy.Adam(learning_rate)
   if route == "v1_minimize":
     return v1.minimize(loss, step)
+  if route == "embedding_adagrad":
+    return tf.compat.v1.train.AdagradOptimizer(learning_rate).minimize(
+        loss, step)
+  if route == "embedding_momentum":
+    return tf.compat.v1.train.MomentumOptimizer(learning_rate,
+                                                0.9).minimize(loss, step)
+  if route == "embedding_adam":
+    return v1.minimize(loss, step)
   if route == "own_differentiation":
     return OwnDifferentiation(learning_rate).minimize(loss, step)
   if route == "tower_optimizer":
@@ -81,6 +89,12 @@ def model_fn(features, labels, mode, params):
   with tape if taped else contextlib.nullcontext():
     x = features["x"]
     init = tf.compat.v1.glorot_uniform_initializer(seed=1, dtype=tf.float64)
+    if route.startswith("embedding_"):
+      # Ids from the rows: a lookup whose gradient is sparse (rows).
+      ids = tf.cast(tf.floor(tf.abs(x[:, 0]) * 4.0), tf.int64) % 7
+      table = tf.compat.v1.get_variable(
+          "table", [7, 3], tf.float64, initializer=init)
+      x = tf.concat([x, tf.nn.embedding_lookup(table, ids)], 1)
     hidden = tf.compat.v1.layers.dense(
         x, 8, activation=tf.nn.tanh, kernel_initializer=init, name="hidden")
     hidden = tf.compat.v1.layers.batch_normalization(

@@ -153,18 +153,34 @@ class Trainers:
     """One device's gradients from each trainer's: summed, over W."""
     reduced = []
     for grad in grads:
-      if grad is None or grad.ref() in self._reduced:
+      if grad is None or _key(grad) in self._reduced:
         reduced.append(grad)
         continue
       dense = tf.convert_to_tensor(grad)
       summed = self._reduce(dense, "Add", "gradient")
       with tf.device(self.device):
         mean = summed / tf.cast(self.size, summed.dtype)
-      self._reduced.add(mean.ref())
+        if isinstance(grad, tf.IndexedSlices):
+          mean = self._touched_rows(grad, mean)
+      self._reduced.add(_key(mean))
       reduced.append(mean)
     logging.info("replicate: %d gradients all-reduced among %d trainers (ring)",
                  len([g for g in grads if g is not None]), self.size)
     return reduced
+
+  def _touched_rows(self, grad: tf.IndexedSlices,
+                    whole: tf.Tensor) -> tf.IndexedSlices:
+    """The rows of `whole` (a sparse gradient all-reduced dense) that some
+    trainer's `grad` has: what one device's sparse update touches (its
+    optimizer sums repeated rows first)."""
+    rows = tf.shape(whole, out_type=grad.indices.dtype)[0]
+    ones = tf.ones_like(grad.indices, dtype=whole.dtype)
+    mine = tf.math.unsorted_segment_sum(ones, grad.indices, rows)
+    touched = self._reduce(mine, "Max", "touched rows")
+    indices = tf.reshape(tf.where(touched > 0), [-1])
+    return tf.IndexedSlices(
+        tf.gather(whole, indices), tf.cast(indices, grad.indices.dtype),
+        tf.shape(whole, out_type=grad.indices.dtype))
 
   def rows_loss(self, loss: tf.Tensor) -> tf.Tensor:
     """`loss`, a loss with rows (this trainer's), whose gradient is W times
@@ -251,6 +267,10 @@ class Trainers:
         timeout_seconds=self._timeout,
         name="from_chief")
     return variable.assign(value, read_value=False)
+
+
+def _key(grad: Any) -> Any:
+  return (grad.values if isinstance(grad, tf.IndexedSlices) else grad).ref()
 
 
 def check_all_reduced(trainers: Trainers, batch: Iterable[tf.Operation],
