@@ -10,7 +10,9 @@ the bytes its TCP connections to the other trainers sent and received
 between step `--warmup` and step `--warmup + --steps`: what crosses the
 network, gRPC framing included; its connections to itself (the session's
 master) are left out. Reported per trainer per step and as a multiple of
-the ring minimum 2(W-1)/W x P, with the seconds per step.
+the ring minimum 2(W-1)/W x P, with the seconds per step. `--modes=ps`
+runs the same trainers with a ps task (asynchronous, Estimator's default)
+against P each way.
 
   PYTHONPATH=. .venv/bin/python benchmarks/trainers_traffic.py --trainers=2,3
 """
@@ -32,6 +34,10 @@ from absl import flags
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("trainers", ["2", "3"], "Trainer counts W.")
+flags.DEFINE_list(
+    "modes", ["allreduce"], "allreduce: trainers only; ps: the same "
+    "trainers and one ps task (asynchronous, Estimator's default), for "
+    "the step time and bytes against it.")
 flags.DEFINE_integer("towers", 2, "Virtual CPU towers per trainer.")
 flags.DEFINE_integer("batch_size", 32, "Rows per trainer per step.")
 flags.DEFINE_integer("warmup", 3, "Steps before the counted ones.")
@@ -98,6 +104,12 @@ def _run_trainer(out: str) -> None:
   testing.virtual_cpus(FLAGS.towers)
   tf_config = json.loads(os.environ["TF_CONFIG"])
   task = tf_config["task"]
+  asynchronous = "ps" in tf_config["cluster"]
+  if task["type"] == "ps":
+    tf.distribute.Server(
+        tf.train.ClusterSpec(tf_config["cluster"]), job_name="ps",
+        task_index=0).join()
+    return
 
   def model_fn(features, labels, mode):
     x = features["x"]
@@ -132,6 +144,9 @@ def _run_trainer(out: str) -> None:
       if self._step == FLAGS.warmup:
         self._start = (peer_bytes(os.getpid()), time.perf_counter())
       elif self._step == FLAGS.warmup + FLAGS.steps:
+        if asynchronous:
+          # The global step counts every trainer's steps: this one's end.
+          run_context.request_stop()
         (sent0, received0), start = self._start
         sent, received = peer_bytes(os.getpid())
         with open(out, "w") as f:
@@ -144,8 +159,8 @@ def _run_trainer(out: str) -> None:
               }, f)
 
   session_config = testing.session_config(FLAGS.towers)
-  session_config.device_filters.append(
-      f"/job:{task['type']}/task:{task['index']}")
+  session_config.device_filters.extend(
+      ["/job:ps", f"/job:{task['type']}/task:{task['index']}"])
   config = tf.estimator.RunConfig(
       model_dir=os.path.join(os.path.dirname(out), "model"),
       save_checkpoints_steps=100000,
@@ -158,17 +173,33 @@ def _run_trainer(out: str) -> None:
   tf.estimator.train_and_evaluate(
       estimator,
       tf.estimator.TrainSpec(
-          input_fn, max_steps=FLAGS.warmup + FLAGS.steps + 1, hooks=[Count()]),
-      tf.estimator.EvalSpec(input_fn, steps=1))
+          input_fn,
+          max_steps=(10**9 if asynchronous else FLAGS.warmup + FLAGS.steps + 1),
+          hooks=[Count()]), tf.estimator.EvalSpec(input_fn, steps=1))
 
 
-def measure(trainers: int) -> Dict[str, object]:
-  """One cluster of `trainers` trainers: each one's bytes per step."""
-  ports = _free_ports(trainers)
+def _start_ps(cluster: Dict[str, List[str]]) -> subprocess.Popen:
+  """The ps task (it serves until it is ended)."""
+  tf_config = {"cluster": cluster, "task": {"type": "ps", "index": 0}}
+  return subprocess.Popen(
+      [sys.executable, __file__, "--task_out=ps"] +
+      [a for a in sys.argv[1:] if not a.startswith("--task_out")],
+      env=dict(os.environ, TF_CONFIG=json.dumps(tf_config)),
+      stdout=subprocess.DEVNULL,
+      stderr=subprocess.DEVNULL)
+
+
+def measure(trainers: int, mode: str = "allreduce") -> Dict[str, object]:
+  """One cluster of `trainers` trainers (and a ps in mode `ps`): each
+  trainer's bytes per step."""
+  ports = _free_ports(trainers + 1)
   cluster = {
       "chief": [f"localhost:{ports[0]}"],
-      "worker": [f"localhost:{p}" for p in ports[1:]]
+      "worker": [f"localhost:{p}" for p in ports[1:trainers]]
   }
+  if mode == "ps":
+    cluster["ps"] = [f"localhost:{ports[trainers]}"]
+  ps = _start_ps(cluster) if mode == "ps" else None
   with tempfile.TemporaryDirectory() as folder:
     processes, outs = [], []
     for rank in range(trainers):
@@ -196,9 +227,10 @@ def measure(trainers: int) -> Dict[str, object]:
     try:
       errors = [p.communicate(timeout=FLAGS.timeout)[1] for p in processes]
     finally:
-      for p in processes:
+      for p in processes + ([ps] if ps else []):
         if p.poll() is None:
           p.kill()
+          p.wait()
     if any(p.returncode for p in processes):
       raise RuntimeError("a trainer failed:\n" +
                          "\n".join(e[-3000:] for e in errors))
@@ -206,13 +238,18 @@ def measure(trainers: int) -> Dict[str, object]:
     for out in outs:
       with open(out) as f:
         results.append(json.load(f))
-  minimum = 2 * (trainers - 1) / trainers * PARAMETER_BYTES
+  # A ps trainer reads every variable and sends every gradient: P each way.
+  minimum = (
+      PARAMETER_BYTES if mode == "ps" else 2 * (trainers - 1) / trainers *
+      PARAMETER_BYTES)
   return {
+      "mode":
+          mode,
       "trainers":
           trainers,
       "parameter_bytes":
           PARAMETER_BYTES,
-      "ring_minimum_bytes":
+      "minimum_bytes":
           minimum,
       "per_trainer": [
           dict(
@@ -228,12 +265,15 @@ def main(argv: List[str]) -> None:
   if FLAGS.task_out:
     _run_trainer(FLAGS.task_out)
     return
-  results = [measure(int(w)) for w in FLAGS.trainers]
+  results = [
+      measure(int(w), mode) for mode in FLAGS.modes for w in FLAGS.trainers
+  ]
   for result in results:
+    minimum = "P" if result["mode"] == "ps" else "2(W-1)/W*P"
     for r in result["per_trainer"]:
-      print(f"W={result['trainers']} {r['task']:9s} sent "
-            f"{r['sent'] / 1e6:.3f} MB/step ({r['sent_ratio']:.3f}x "
-            f"2(W-1)/W*P), received {r['received'] / 1e6:.3f} MB/step "
+      print(f"{result['mode']:9s} W={result['trainers']} {r['task']:9s} "
+            f"sent {r['sent'] / 1e6:.3f} MB/step ({r['sent_ratio']:.3f}x "
+            f"{minimum}), received {r['received'] / 1e6:.3f} MB/step "
             f"({r['received_ratio']:.3f}x), {r['secs_per_step'] * 1e3:.0f} "
             "ms/step")
   text = json.dumps(results, indent=1)
