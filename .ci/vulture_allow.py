@@ -26,3 +26,4 @@ Rewires  # _context: the same
 Views  # _context: the same
 _.create_module  # estimator_compat: importlib's Loader API, called by imports
 _.exec_module  # estimator_compat: the same
+_.collective_group_leader  # _tf.servers: a ConfigProto field set on a proto

@@ -14,6 +14,7 @@ training and evaluation are done and exits non-zero if any task failed or
 
     python examples/cluster.py                          # ps, chief, worker,
     evaluator python examples/cluster.py --workers=2 --ps=2 --sync --steps=200
+    python examples/cluster.py --ps=0 --workers=2   # trainers only: all-reduce
 
 With `--task`, it runs the one task that the `TF_CONFIG` environment
 variable names: that is the command for each machine of a real cluster
@@ -50,7 +51,9 @@ FLAGS = flags.FLAGS
 flags.DEFINE_bool(
     "task", False, "Run the one task that TF_CONFIG names (the command for "
     "each machine); without it, launch a whole cluster here.")
-flags.DEFINE_integer("ps", 1, "Launcher: parameter-server tasks.")
+flags.DEFINE_integer(
+    "ps", 1, "Launcher: parameter-server tasks; 0: trainers only, "
+    "synchronous by all-reduce among them.")
 flags.DEFINE_integer("workers", 1,
                      "Launcher: worker tasks (besides the chief).")
 flags.DEFINE_bool("evaluator", True, "Launcher: start an evaluator task.")
@@ -112,10 +115,9 @@ def _free_ports(count: int) -> List[int]:
 def make_cluster(num_ps: int, num_workers: int) -> Dict[str, List[str]]:
   """A cluster spec of localhost addresses on free ports."""
   ports = iter(_free_ports(num_ps + 1 + num_workers))
-  cluster = {
-      "chief": [f"localhost:{next(ports)}"],
-      "ps": [f"localhost:{next(ports)}" for _ in range(num_ps)]
-  }
+  cluster = {"chief": [f"localhost:{next(ports)}"]}
+  if num_ps:
+    cluster["ps"] = [f"localhost:{next(ports)}" for _ in range(num_ps)]
   if num_workers:
     cluster["worker"] = [f"localhost:{next(ports)}" for _ in range(num_workers)]
   return cluster
@@ -248,7 +250,8 @@ def launch_cluster() -> int:
   cluster = make_cluster(FLAGS.ps, FLAGS.workers)
   print(
       f"cluster {json.dumps(cluster)}; "
-      f"{'synchronous' if FLAGS.sync else 'asynchronous'} training, "
+      f"{'synchronous' if FLAGS.sync or not FLAGS.ps else 'asynchronous'} "
+      f"training{' (all-reduce)' if not FLAGS.ps else ''}, "
       f"{FLAGS.steps} steps; model_dir {FLAGS.model_dir}",
       flush=True)
   # SIGTERM (e.g. from a CI runner) ends the children as Ctrl-C does.

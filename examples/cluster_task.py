@@ -202,7 +202,10 @@ def with_task_hooks(model_fn, options: TaskOptions):
           TaskProgressHook(spec.loss, options.log_every,
                            options.step_delay_ms / 1000)
       ]
-      if in_cluster(config) and config.task_type == "worker":
+      if in_cluster(config) and config.task_type == "worker" and (
+          "ps" in config.cluster_spec.jobs):
+        # Trainers only wait for one another in the chief's broadcast at
+        # session start, which the chief's first checkpoint follows.
         hooks.append(WaitForCheckpointHook(options.model_dir, options.timeout))
       if options.sync and config.is_chief:
         hooks.append(CancelQueueRunnersAtEndHook())
@@ -260,7 +263,9 @@ def _run_config(options: TaskOptions, session_config):
   if in_cluster(config) and config.task_type != "evaluator":
     # A trainer (or ps) of a cluster keeps Estimator's session config: device
     # filters (a trainer talks to the ps tasks and itself only) and soft
-    # placement. Its towers' devices are its server's.
+    # placement. Its towers' devices are its server's. Trainers only reach
+    # one another by their collectives all the same, and a session
+    # recreated after a trainer died does not wait for it.
     return config
   return config.replace(session_config=session_config)
 

@@ -192,6 +192,9 @@ class Replication:
   mirrored_gradients: List[Any] = dataclasses.field(default_factory=list)
   # True while a meeting's gradients are being summed between the towers.
   summing: bool = False
+  # On a cluster of trainers only (no ps): the trainers among which
+  # reductions and gradients are all-reduced (`_meet.trainers.Trainers`).
+  trainers: Any = None
   # Graph positions [start, end) of what Keras' minimize(loss_fn) recorded
   # (`loss_fn`'s ops, or the user's tape's), in every tower so far.
   recorded: List[Any] = dataclasses.field(default_factory=list)

@@ -39,6 +39,7 @@ from replicate._meet import meetings
 from replicate._meet import own_gradients
 from replicate._meet import rewiring
 from replicate._meet import routing
+from replicate._meet import trainers as _trainers
 from replicate._merge import mirrored as _mirrored
 from replicate._merge import specs as _specs
 from replicate._merge import state
@@ -130,6 +131,9 @@ def replicate_model_fn(
   given = None if devices is None else _devices.resolve_devices(devices)
   accepted = accepted_arguments(model_fn)
   cluster.check_tf_config()
+  if cluster.trainers_only():
+    _tf.lead_collectives_from_chief()
+    _tf.end_on_unavailable()
 
   def build_spec(features: Any, labels: Any, mode: str, params: Any,
                  config: Optional[tf.estimator.RunConfig]) -> Any:
@@ -143,13 +147,18 @@ def replicate_model_fn(
       return _run_on_one_device(model_fn, features, labels, arguments, None)
     if given:
       _devices.check_local_devices(given, config)
+    trainers = _trainers.from_config(config, mode)
     if len(tower_devices) == 1:
-      return _run_on_one_device(model_fn, features, labels, arguments,
-                                tower_devices[0])
+      if trainers is None:
+        return _run_on_one_device(model_fn, features, labels, arguments,
+                                  tower_devices[0])
+      # The towers' meetings are where the trainers meet: two on the one
+      # device compute what it would.
+      tower_devices = tower_devices * 2
     return _run_towers(model_fn, features, labels, mode, arguments,
                        tower_devices, placement or
                        _devices.default_placement(tower_devices),
-                       sync_batch_norm)
+                       sync_batch_norm, trainers)
 
   warm_start = origin.warm_starter(model_fn)
 
@@ -292,11 +301,17 @@ def _mirrors(placement: _devices.VariablePlacement,
   return True
 
 
-def _run_towers(model_fn: Callable[..., Any], features: Any, labels: Any,
-                mode: str, arguments: _Arguments, devices: Sequence[str],
+def _run_towers(model_fn: Callable[..., Any],
+                features: Any,
+                labels: Any,
+                mode: str,
+                arguments: _Arguments,
+                devices: Sequence[str],
                 placement: _devices.VariablePlacement,
-                sync_batch_norm: bool) -> Any:
-  """Several devices: split, build the towers in turn, check, merge."""
+                sync_batch_norm: bool,
+                trainers: Optional[_trainers.Trainers] = None) -> Any:
+  """Several devices (or trainers): split, build the towers in turn, check,
+  merge."""
   graph = tf.compat.v1.get_default_graph()
   consolidation_device = _devices.consolidation_device(devices)
   logging.info("replicate: %d towers on %s, variables %s, merging on %s",
@@ -327,7 +342,8 @@ def _run_towers(model_fn: Callable[..., Any], features: Any, labels: Any,
       ],
       split_op_names={op.name for op in split},
       inputs=list(zip(shards.features, shards.labels)),
-      mirrored=mirrored)
+      mirrored=mirrored,
+      trainers=trainers)
   replication.meetings = meetings.Meetings(replication)
   replication.rewiring = rewiring.Rewiring(replication)
   replication.views = views.GraphViews(graph, names_before)
@@ -362,7 +378,11 @@ def _run_towers(model_fn: Callable[..., Any], features: Any, labels: Any,
     raise
   if mirrored:
     _mirrored.mirror(replication)
-  return _specs.merge_specs(mode, specs, replication)
+  spec = _specs.merge_specs(mode, specs, replication)
+  if trainers is not None and isinstance(spec, tf.estimator.EstimatorSpec):
+    _trainers.check_all_reduced(trainers, split, spec.train_op)
+    spec = _trainers.started(spec, trainers)
+  return spec
 
 
 # Ops of estimators that train without gradients of a loss: the estimator,

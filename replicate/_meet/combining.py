@@ -18,15 +18,20 @@ from replicate import _context
 from replicate._batch import sums as _sums
 
 
-def combine(how: str, values: Sequence[tf.Tensor],
-            validity: Sequence[Any]) -> tf.Tensor:
-  """The towers' partial `values` combined, towers on phantom rows left out."""
+def combine(how: str,
+            values: Sequence[tf.Tensor],
+            validity: Sequence[Any],
+            trainers: Any = None) -> tf.Tensor:
+  """The towers' partial `values` combined, towers on phantom rows left out;
+  with `trainers` (`_meet.trainers.Trainers`), every trainer's too."""
   kept = [(v, ok) for v, ok in zip(values, validity) if ok is not False]
   if how in ("sum", "norm"):
     gated = [
         _sums.gate(tf.square(v) if how == "norm" else v, ok) for v, ok in kept
     ]
     total = gated[0] if len(gated) == 1 else tf.add_n(gated)
+    if trainers is not None:
+      total = trainers.combine("sum", total)
     return tf.sqrt(total) if how == "norm" else total
   neutral: Callable[[tf.DType], Any] = {
       "max": _lowest,
@@ -54,6 +59,8 @@ def combine(how: str, values: Sequence[tf.Tensor],
       combined = tf.logical_and(combined, value)
     else:
       combined = tf.logical_or(combined, value)
+  if trainers is not None:
+    combined = trainers.combine(how, combined)
   return combined
 
 

@@ -15,6 +15,7 @@ handed to an optimizer, which sums it) is the towers' rows together.
 """
 
 import contextlib
+import threading
 from typing import (
     Any,
     Callable,
@@ -48,7 +49,8 @@ _SAME_IDS = frozenset(["Identity", "Cast"])
 def replicated() -> Optional[_context.Replication]:
   """The current replication if a tower of several is being built."""
   replication = _context.current_replication()
-  if (replication is None or replication.num_towers == 1 or
+  if (replication is None or
+      (replication.num_towers == 1 and replication.trainers is None) or
       replication.tower is None or replication.meeting_depth):
     return None
   return replication
@@ -105,7 +107,10 @@ def whole_batch_loss(replication: _context.Replication, losses: Sequence[Any],
     ]
     with _context.outside(replication, "whole_batch_loss"), \
         tf.device(replication.meeting_device):
-      return tf.concat(combining.real_rows(parts, replication), 0)
+      rows = tf.concat(combining.real_rows(parts, replication), 0)
+      if replication.trainers is not None:
+        rows = replication.trainers.rows_loss(rows)
+      return rows
   raise ValueError(not_whole_batch(loss, kind, f"the loss handed to {call}"))
 
 
@@ -260,13 +265,47 @@ def whole_batch_gradients(loss: Any,
   def build(values: List[Any]) -> List[Any]:
     whole = whole_batch_loss(replication, [v for v in values], call)
     with meeting_scope(replication, pure=True):
-      result = compute(whole, True)
+      result = among_trainers(lambda: compute(whole, True), pairs)
     return [result] * len(values)
 
   def spec(value: Any) -> List[Any]:
     return gradient_spec(value, listed, pairs)
 
   return replication.meetings.meet(call, loss, build, spec, signature=names)
+
+
+class _Depth(threading.local):
+  """How deep this thread is inside `among_trainers`."""
+
+  def __init__(self) -> None:
+    super().__init__()
+    self.value = 0
+
+
+_depth = _Depth()
+
+
+def among_trainers(compute: Callable[[], Any], pairs: bool) -> Any:
+  """`compute()`: gradients of the whole batch's loss (`pairs`: as
+  (gradient, variable) pairs); on a cluster of trainers only, one device's
+  on the global batch, all-reduced among the trainers by the outermost
+  such call (one inside it, e.g. an override's `super()` call, leaves
+  them to it: each gradient is all-reduced once, after what the outer
+  call does to it)."""
+  _depth.value += 1
+  try:
+    result = compute()
+  finally:
+    _depth.value -= 1
+  replication = _context.current_replication()
+  if _depth.value or replication is None or replication.trainers is None:
+    return result
+  trainers = replication.trainers
+  if pairs:
+    result = list(result)
+    grads = trainers.gradients([g for g, _ in result])
+    return [(g, v) for g, (_, v) in zip(grads, result)]
+  return trainers.gradients(list(result))
 
 
 def _trainable_variables() -> List[tf.Variable]:

@@ -92,6 +92,9 @@ def _whole_batch(replication: _context.Replication,
       if valid is not True:
         grad = tf.ones_like(y) if grad is None else grad
         grad = tf.where(valid, grad, tf.zeros_like(grad))
+      if replication.trainers is not None:
+        # W-fold, as a value of the global batch's is (`_meet.trainers`).
+        y = replication.trainers.rows_loss(y)
       ys.append(y)
       grad_ys.append(grad)
   union: Dict[Any, Any]
@@ -118,6 +121,8 @@ def _whole_batch(replication: _context.Replication,
         aggregation_method=first["aggregation_method"],
         stop_gradients=list(stops.values()) or None,
         unconnected_gradients=first["unconnected_gradients"])
+    if replication.trainers is not None:
+      grads = _among_trainers(replication, xs, grads)
   by_key = {}
   for x, grad in zip(union.values(), grads):
     if isinstance(x, tf.Variable):
@@ -129,6 +134,24 @@ def _whole_batch(replication: _context.Replication,
   return [[
       _phantom_zeros(replication, index, x, by_key[_key(x)]) for x in call["xs"]
   ] for index, call in enumerate(calls)]
+
+
+def _among_trainers(replication: _context.Replication, xs: Sequence[Any],
+                    grads: Sequence[Any]) -> List[Any]:
+  """One device's gradients on the global batch from this trainer's (each
+  W-fold, `_meet.trainers`): a variable's (or a value every trainer
+  shares) all-reduced among the trainers, a tensor of this trainer's rows
+  its own."""
+  trainers = replication.trainers
+  variables = [
+      i for i, x in enumerate(xs) if isinstance(x, tf.Variable) or
+      row_kinds.shares_value(replication.rewiring.kind(x))
+  ]
+  reduced = trainers.gradients([grads[i] for i in variables])
+  result = [trainers.own_rows_gradient(g) for g in grads]
+  for i, grad in zip(variables, reduced):
+    result[i] = grad
+  return result
 
 
 def _phantom_zeros(replication: _context.Replication, index: int, x: Any,

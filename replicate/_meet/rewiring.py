@@ -337,7 +337,8 @@ class Rewiring:
                 self._copy(op0,
                            [self.counterpart(t, index) for t in op0.inputs],
                            replication.placed[index]).outputs[0])
-        whole = combining.combine(event.combine, partials, replication.validity)
+        whole = combining.combine(event.combine, partials, replication.validity,
+                                  replication.trainers)
     self._rewire_everywhere(op0, 0, whole)
     logging.vlog(1, "replicate: %s (%s over rows) is the whole batch's",
                  op0.name, event.combine)
@@ -366,8 +367,8 @@ class Rewiring:
       sums.append(total)
       counts.append(count)
     validity = replication.validity
-    total = combining.combine("sum", sums, validity)
-    count = combining.combine("sum", counts, validity)
+    total = combining.combine("sum", sums, validity, replication.trainers)
+    count = combining.combine("sum", counts, validity, replication.trainers)
     if compute.is_integer:
       whole = tf.math.truncatediv(total, count)
     else:
@@ -397,6 +398,7 @@ class Rewiring:
 
   def _position_use(self, event: row_kinds.PositionUse) -> None:
     """Every tower's op reads its rows' positions in the whole batch."""
+    self._within_trainer(event, "reads positions of rows in the batch")
     op0, position = event.op, event.index
     tensor0 = op0.inputs[position]
     wholes = [
@@ -411,12 +413,25 @@ class Rewiring:
       if op is not None:
         _tf.update_input(op, position, wholes[index])
 
+  def _within_trainer(self, event: row_kinds.Event, what: str) -> None:
+    """Raises ValueError on a cluster of trainers only: the op would need
+    the other trainers' rows, not only their sums."""
+    if self._replication.trainers is None:
+      return
+    raise ValueError(
+        f"{event.op.type} op {event.op.name!r} {what}: on a TF_CONFIG cluster "
+        "of trainers only (no ps job) replicate combines the trainers' "
+        "batch reductions (sums, counts, extrema), not their rows, so it "
+        "cannot be the global batch's. Add a ps job to the cluster, or "
+        "compute it from reductions (batch norm: fused=False).")
+
   def whole_size(self, tensor0: tf.Tensor) -> tf.Tensor:
     """The whole batch's value of tower 0's shard-size tensor `tensor0`."""
     return self._counts.size(tensor0)
 
   def _mixing(self, event: row_kinds.Mixing) -> None:
     """The op runs once, on every tower's rows concatenated in order."""
+    self._within_trainer(event, "mixes the batch's rows")
     replication = self._replication
     op0 = event.op
     place: Optional[combining.Place]
@@ -576,6 +591,7 @@ class Rewiring:
         "batch", op0.name, op0.type)
 
   def _fused_norm(self, event: row_kinds.FusedNorm) -> None:
+    self._within_trainer(event, "is a fused batch norm in training")
     replication = self._replication
     op0 = event.op
     ops = [op0] + [

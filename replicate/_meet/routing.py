@@ -186,13 +186,17 @@ class GraphTape:
     replication = _context.replication_on_thread()
     stops = [] if replication is None else optimizer_calls.unrecorded(
         replication, self._recorded, tf.nest.flatten(target), sources)
-    grads = tf.compat.v1.gradients(
-        target,
-        sources,
-        grad_ys=output_gradients,
-        colocate_gradients_with_ops=True,
-        stop_gradients=stops or None)
-    return _one_device_grads(grads, sources)
+
+    def compute() -> List[Any]:
+      grads = tf.compat.v1.gradients(
+          target,
+          sources,
+          grad_ys=output_gradients,
+          colocate_gradients_with_ops=True,
+          stop_gradients=stops or None)
+      return _one_device_grads(grads, sources)
+
+    return optimizer_calls.among_trainers(compute, False)
 
 
 def recorded_loss(loss: Any, tape: Any) -> Any:
@@ -325,13 +329,15 @@ def _v1_compute_pass(original: Callable[..., Any], optimizer: Any,
                      args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
   if not _colocates():
     return original(optimizer, *args, **kwargs)
-  return optimizer_calls.one_device_slices(
-      call_with_loss(
-          functools.partial(original, optimizer),
-          args,
-          kwargs,
-          args[0] if args else kwargs.get("loss"),
-          colocate_gradients_with_ops=True))
+  # Inside a meeting (a routed minimize): the gradients it applies.
+  return optimizer_calls.among_trainers(
+      lambda: optimizer_calls.one_device_slices(
+          call_with_loss(
+              functools.partial(original, optimizer),
+              args,
+              kwargs,
+              args[0] if args else kwargs.get("loss"),
+              colocate_gradients_with_ops=True)), True)
 
 
 def _apply_gradients(original: Callable[..., Any], optimizer: Any,
@@ -384,11 +390,16 @@ def _keras_get_gradients(original: Callable[..., Any], optimizer: Any,
 def _keras_get_gradients_pass(original: Callable[..., Any], optimizer: Any,
                               args: Tuple[Any, ...], kwargs: Dict[str,
                                                                   Any]) -> Any:
-  if not _colocates() or original is not _BASE_GET_GRADIENTS:
+  if not _colocates():
     return original(optimizer, *args, **kwargs)
+  # Inside a meeting (a routed get_updates): the gradients it applies.
+  if original is not _BASE_GET_GRADIENTS:
+    return optimizer_calls.among_trainers(
+        lambda: original(optimizer, *args, **kwargs), False)
   loss = args[0] if args else kwargs["loss"]
   params = tf.nest.flatten(args[1] if len(args) > 1 else kwargs["params"])
-  return _colocated_keras_gradients(optimizer, loss, params)
+  return optimizer_calls.among_trainers(
+      lambda: _colocated_keras_gradients(optimizer, loss, params), False)
 
 
 def _colocated_keras_gradients(optimizer: Any, loss: tf.Tensor,

@@ -124,7 +124,8 @@ class WholeCounts:
           parts.append(tf.size(x, out_type=dtype))
         else:
           parts.append(tf.shape(x, out_type=dtype)[rows.axis])
-    total = combining.combine("sum", parts, replication.validity)
+    total = combining.combine("sum", parts, replication.validity,
+                              replication.trainers)
     if op.type == "Size":
       return total
     shape = tf.shape(x0, out_type=dtype)
@@ -144,5 +145,6 @@ class WholeCounts:
         self._counterpart(tensor0, index)[0]
         for index in range(replication.num_towers)
     ]
-    total = combining.combine("sum", parts, replication.validity)
+    total = combining.combine("sum", parts, replication.validity,
+                              replication.trainers)
     return tf.concat([[total], tensor0[1:]], 0)

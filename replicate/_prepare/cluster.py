@@ -42,6 +42,18 @@ def check_tf_config() -> None:
   _check_task(config.get("cluster") or {}, config.get("task") or {})
 
 
+def trainers_only() -> bool:
+  """Whether `TF_CONFIG` names a cluster of two or more trainers (chief and
+  workers) without a `ps` job: they train by all-reduce among them."""
+  try:
+    config = json.loads(os.environ.get(_TF_CONFIG) or "{}")
+  except ValueError:
+    return False
+  cluster = config.get("cluster") or {} if isinstance(config, dict) else {}
+  trainers = len(cluster.get("chief", [])) + len(cluster.get("worker", []))
+  return "ps" not in cluster and "chief" in cluster and trainers > 1
+
+
 def _check_task(cluster: Dict[str, Any], task: Dict[str, Any]) -> None:
   """Raises ValueError unless `task` names a task of `cluster`."""
   task_type, index = task.get("type"), task.get("index", 0)

@@ -69,6 +69,8 @@ from replicate._tf.patches import gradient_terms_summed_by
 from replicate._tf.patches import install_gradient_terms
 from replicate._tf.patches import patch
 from replicate._tf.patches import rebind
+from replicate._tf.servers import end_on_unavailable
+from replicate._tf.servers import lead_collectives_from_chief
 from replicate._tf.tower_scopes import install_tower_roots
 from replicate._tf.tower_scopes import install_unfolded_shapes
 from replicate._tf.tower_scopes import top_level_name_scopes
@@ -76,7 +78,8 @@ from replicate._tf.tower_scopes import tower_root
 from replicate._tf.tower_scopes import without_segment
 
 __all__ = [
-    "NN_IMPL", "NameCounters", "PartitionedVariable", "Patched", "Patches",
+    "end_on_unavailable", "lead_collectives_from_chief", "NN_IMPL",
+    "NameCounters", "PartitionedVariable", "Patched", "Patches",
     "TracedGradient", "TracksWrapped", "active_control_inputs",
     "add_control_input", "called_functions", "canned_optimizer",
     "canned_optimizer_v2", "collections", "control_outputs",

@@ -1,0 +1,400 @@
+"""A cluster of trainers only: one device's step on the global batch.
+
+On a `TF_CONFIG` cluster without a `ps` job each trainer keeps its own copy
+of every variable (Estimator places them on its own task). Every batch
+reduction a trainer's towers combine (`_meet.combining.combine`: sums,
+counts, extrema) is all-reduced among the trainers as well, so that each
+trainer's loss, model-state writes and summaries are the global batch's
+(the trainers' batches in task order), and the gradients of that loss are
+summed among them; every trainer then applies the same update. The
+collectives are TensorFlow's own (`CollectiveReduceV2`, ring, over the
+servers' gRPC runtime), with keys given in build order, the same on every
+trainer that builds the same graph. The gradient of an all-reduced value
+all-reduces the gradient flowing into it (every trainer's rows read it),
+so each trainer's gradient is W times its share of one device's plus the
+terms that read no rows: the summed gradients are divided by W. A loss
+with rows (a per-example loss handed to an optimizer) passes no such
+collective: its gradient is made W-fold too (`rows_loss`). The W-fold
+gradient is exact in float64, and in float32 for W a power of two; a
+float32 loss head (TensorFlow's v1 losses compute in float32, even of
+float64 values) on W = 3 rounds it once (relative 2**-24), so float64
+variables trained through one are one device's to about 1e-8.
+
+Every route to gradients the towers meet at all-reduces them once, at the
+outermost call (`_meet.optimizer_calls.among_trainers`): an optimizer's
+minimize / compute_gradients / get_gradients / get_updates, Keras'
+minimize (its tape), tf.gradients and GradientTape.gradient. Whatever else
+writes a variable from this trainer's rows without passing a collective
+among the trainers (an optimizer that differentiates by TensorFlow's
+internal functions, a gradient taken inside a tf.function) would train
+each trainer on its own rows: `check_all_reduced` refuses it when the
+graph is built.
+
+At session start (`start_op`) the trainers compare a fingerprint of their
+graphs' collectives and cluster, then the chief broadcasts every global
+variable (initialised or restored from a checkpoint) to the others.
+"""
+
+import hashlib
+import json
+import os
+import re
+from typing import Any, Callable, Iterable, List, Optional, Sequence, Set
+
+from absl import logging
+import tensorflow as tf
+
+from replicate import _graph
+
+_GROUP_KEY = 48
+_FINGERPRINT_KEY = 1
+# Seconds a step's collective waits for the other trainers before failing,
+# unless the environment variable TIMEOUT_VARIABLE says otherwise.
+STEP_TIMEOUT_SECS = 600.0
+TIMEOUT_VARIABLE = "REPLICATE_TRAINERS_TIMEOUT_SECS"
+_MERGE = {
+    "sum": "Add",
+    "norm": "Add",
+    "max": "Max",
+    "min": "Min",
+    "prod": "Mul",
+    "all": "Min",
+    "any": "Max"
+}
+
+
+class Trainers:
+  """The trainers of one cluster, as one graph on one of them sees them.
+
+  Args:
+    tasks: the trainers' task names ('chief:0', 'worker:0', ...), in order.
+    rank: this trainer's position in `tasks`.
+    cluster: the cluster spec, as a dict, for the fingerprint.
+    timeout_secs: how long a step's collective waits for the others.
+  """
+
+  def __init__(self,
+               tasks: Sequence[str],
+               rank: int,
+               cluster: Any,
+               timeout_secs: float = STEP_TIMEOUT_SECS) -> None:
+    self.tasks = list(tasks)
+    self.rank = rank
+    self.size = len(tasks)
+    self._cluster = json.dumps(cluster, sort_keys=True)
+    self._timeout = timeout_secs
+    job, index = tasks[rank].split(":")
+    self.device = f"/job:{job}/replica:0/task:{index}/device:CPU:0"
+    self._key = _FINGERPRINT_KEY
+    self._built: List[str] = []
+    # Gradients already all-reduced (a routed call inside another).
+    self._reduced: Set[Any] = set()
+    # The collectives built: where a value stops being this trainer's own.
+    self.collectives: Set[tf.Operation] = set()
+
+  @property
+  def is_chief(self) -> bool:
+    return self.rank == 0
+
+  def _next_key(self, what: str) -> int:
+    self._key += 1
+    self._built.append(what)
+    return self._key
+
+  def _reduce(self, value: tf.Tensor, merge: str, what: str) -> tf.Tensor:
+    key = self._next_key(f"{what}:{merge}:{value.dtype.name}")
+    with tf.device(self.device):
+      reduced = tf.raw_ops.CollectiveReduceV2(
+          input=value,
+          group_size=self.size,
+          group_key=_GROUP_KEY,
+          instance_key=key,
+          ordering_token=[],
+          merge_op=merge,
+          final_op="Id",
+          communication_hint="ring",
+          timeout_seconds=self._timeout,
+          name="among_trainers")
+    self.collectives.add(reduced.op)
+    return reduced
+
+  def combine(self, how: str, value: tf.Tensor) -> tf.Tensor:
+    """This trainer's combination of its towers' partials (`how`, as in
+    `_meet.combining.combine`) combined with the other trainers'."""
+    merge = _MERGE[how]
+    if value.dtype == tf.bool:
+      as_int = self._reduce(tf.cast(value, tf.int32), merge, how)
+      return tf.cast(as_int, tf.bool)
+    if not value.dtype.is_floating:
+      return self._reduce(value, merge, how)
+    return self._differentiable(how, merge)(value)
+
+  def _differentiable(self, how: str,
+                      merge: str) -> Callable[[tf.Tensor], tf.Tensor]:
+
+    @tf.custom_gradient
+    def reduced(value: tf.Tensor) -> Any:
+      whole = self._reduce(value, merge, how)
+
+      def grad(upstream: tf.Tensor) -> tf.Tensor:
+        # Every trainer's rows read `whole`: their gradients all flow here.
+        summed = self._reduce(upstream, "Add", f"d{how}")
+        if merge == "Add":
+          return summed
+        if merge == "Mul":
+          return summed * tf.math.divide_no_nan(whole, value)
+        return summed * tf.cast(tf.equal(value, whole), summed.dtype)
+
+      return whole, grad
+
+    return reduced
+
+  def gradients(self, grads: Sequence[Any]) -> List[Any]:
+    """One device's gradients from each trainer's: summed, over W."""
+    reduced = []
+    for grad in grads:
+      if grad is None or _key(grad) in self._reduced:
+        reduced.append(grad)
+        continue
+      dense = tf.convert_to_tensor(grad)
+      summed = self._reduce(dense, "Add", "gradient")
+      with tf.device(self.device):
+        mean = summed / tf.cast(self.size, summed.dtype)
+        if isinstance(grad, tf.IndexedSlices):
+          mean = self._touched_rows(grad, mean)
+      self._reduced.add(_key(mean))
+      reduced.append(mean)
+    logging.info("replicate: %d gradients all-reduced among %d trainers (ring)",
+                 len([g for g in grads if g is not None]), self.size)
+    return reduced
+
+  def _touched_rows(self, grad: tf.IndexedSlices,
+                    whole: tf.Tensor) -> tf.IndexedSlices:
+    """The rows of `whole` (a sparse gradient all-reduced dense) that some
+    trainer's `grad` has: what one device's sparse update touches (its
+    optimizer sums repeated rows first)."""
+    rows = tf.shape(whole, out_type=grad.indices.dtype)[0]
+    ones = tf.ones_like(grad.indices, dtype=whole.dtype)
+    mine = tf.math.unsorted_segment_sum(ones, grad.indices, rows)
+    touched = self._reduce(mine, "Max", "touched rows")
+    indices = tf.reshape(tf.where(touched > 0), [-1])
+    return tf.IndexedSlices(
+        tf.gather(whole, indices), tf.cast(indices, grad.indices.dtype),
+        tf.shape(whole, out_type=grad.indices.dtype))
+
+  def rows_loss(self, loss: tf.Tensor) -> tf.Tensor:
+    """`loss`, a loss with rows (this trainer's), whose gradient is W times
+    its own, as a loss of the global batch's value gets (see above)."""
+
+    @tf.custom_gradient
+    def rows(value: tf.Tensor) -> Any:
+
+      def grad(upstream: tf.Tensor) -> tf.Tensor:
+        return upstream * tf.cast(self.size, upstream.dtype)
+
+      return tf.identity(value), grad
+
+    return rows(loss)
+
+  def own_rows_gradient(self, grad: Any) -> Any:
+    """One device's gradient of a tensor of this trainer's rows (an
+    activation, an input), from the W-fold one it computed."""
+    if grad is None:
+      return None
+    if isinstance(grad, tf.IndexedSlices):
+      return tf.IndexedSlices(
+          grad.values / tf.cast(self.size, grad.values.dtype), grad.indices,
+          grad.dense_shape)
+    return grad / tf.cast(self.size, grad.dtype)
+
+  def fingerprint(self) -> int:
+    """The collectives built so far and the cluster, as 48 bits."""
+    text = "|".join([self._cluster] + self._built)
+    return int(hashlib.sha256(text.encode()).hexdigest()[:12], 16)
+
+  def start_op(self, variables: Sequence[tf.Variable]) -> tf.Operation:
+    """At session start: compare fingerprints, then the chief's values of
+    `variables` (initialised or restored) become every trainer's."""
+    with tf.name_scope("replicate_trainers_start"), tf.device(self.device):
+      mine = float(self.fingerprint())
+      both = tf.constant([mine, -mine], tf.float64)
+      # A key no other collective takes: trainers whose graphs differ give
+      # their other collectives different keys, never this one.
+      key = _FINGERPRINT_KEY
+      agreed = tf.raw_ops.CollectiveReduceV2(
+          input=both,
+          group_size=self.size,
+          group_key=_GROUP_KEY,
+          instance_key=key,
+          ordering_token=[],
+          merge_op="Max",
+          final_op="Id",
+          communication_hint="ring",
+          timeout_seconds=self._timeout)
+      check = tf.debugging.Assert(
+          tf.logical_and(tf.equal(agreed[0], mine), tf.equal(-agreed[1], mine)),
+          [
+              "replicate: the trainers of this TF_CONFIG cluster built "
+              "different training graphs or name different clusters "
+              f"(this trainer, {self.tasks[self.rank]}: {mine:.0f}); "
+              "give every trainer the same TF_CONFIG cluster, the same "
+              "model_fn, params and replicate_model_fn arguments.", agreed
+          ])
+      copies = []
+      with tf.control_dependencies([check]):
+        for variable in variables:
+          copies.append(self._broadcast(variable))
+      return tf.group(*copies)
+
+  def _broadcast(self, variable: tf.Variable) -> tf.Operation:
+    key = self._next_key("broadcast")
+    if self.is_chief:
+      return tf.raw_ops.CollectiveBcastSendV2(
+          input=variable.read_value(),
+          group_size=self.size,
+          group_key=_GROUP_KEY,
+          instance_key=key,
+          communication_hint="ring",
+          timeout_seconds=self._timeout,
+          name="from_chief").op
+    value = tf.raw_ops.CollectiveBcastRecvV2(
+        group_size=self.size,
+        group_key=_GROUP_KEY,
+        instance_key=key,
+        shape=variable.shape.as_list(),
+        T=variable.dtype.base_dtype,
+        communication_hint="ring",
+        timeout_seconds=self._timeout,
+        name="from_chief")
+    return variable.assign(value, read_value=False)
+
+
+def _key(grad: Any) -> Any:
+  return (grad.values if isinstance(grad, tf.IndexedSlices) else grad).ref()
+
+
+def check_all_reduced(trainers: Trainers, batch: Iterable[tf.Operation],
+                      train_op: Any) -> None:
+  """Raises ValueError if the train_op writes a variable from this trainer's
+  rows (`batch`: the ops of its input) by a way that no collective among the
+  trainers passes: that variable would train on this trainer's rows alone
+  and drift from the other trainers' copies."""
+  own = _own_rows(trainers, batch)
+  if not own:
+    return
+  start = [getattr(t, "op", t) for t in tf.nest.flatten(train_op)]
+  for op in _graph.walk([op for op in start if op is not None],
+                        _graph.input_and_control_ops):
+    if not _WRITES.match(op.type):
+      continue
+    tainted = [t for t in op.inputs[1:] if t.ref() in own]
+    if tainted:
+      raise ValueError(_not_reduced(op, tainted[0]))
+
+
+# Ops that write their first input, a variable.
+_WRITES = re.compile(r"^(Resource)?(Sparse)?Apply|^Assign|^(Resource)?Scatter|"
+                     r"StridedSliceAssign$")
+
+
+def _own_rows(trainers: Trainers, batch: Iterable[tf.Operation]) -> Set[Any]:
+  """The tensors (refs) computed from this trainer's rows without passing
+  one of the trainers' collectives. An IdentityN (`tf.custom_gradient`'s,
+  as around the collectives) passes each input to its own output only."""
+  stop = trainers.collectives
+
+  def outputs(ref: Any) -> List[Any]:
+    tensor = ref.deref()
+    found: List[tf.Tensor] = []
+    for op in tensor.consumers():
+      if op in stop:
+        continue
+      if op.type == "IdentityN":
+        found.extend(op.outputs[i]
+                     for i, t in enumerate(op.inputs)
+                     if t is tensor and i < len(op.outputs))
+      else:
+        found.extend(op.outputs)
+    return [t.ref() for t in found]
+
+  start = [t.ref() for op in batch if op not in stop for t in op.outputs]
+  return set(_graph.walk(start, outputs))
+
+
+def _not_reduced(op: tf.Operation, tensor: tf.Tensor) -> str:
+  return (f"On a TF_CONFIG cluster of trainers only (no ps job), {op.type} op "
+          f"{op.name!r} writes variable {op.inputs[0].op.name!r} from "
+          f"{tensor.name}, which this trainer computed from its own rows "
+          "without an all-reduce among the trainers: each trainer would train "
+          "its copy on its own rows. replicate all-reduces the gradients of "
+          "the optimizer calls it routes (tf.compat.v1.train.Optimizer and "
+          "tf.keras.optimizers.legacy.Optimizer: minimize, compute_gradients, "
+          "get_gradients, get_updates, and replicate.TowerOptimizer), of "
+          "tf.gradients and GradientTape.gradient called in the model_fn, and "
+          "the batch reductions (sums, means, counts, extrema); not a gradient "
+          "taken another way (inside a tf.function, by an optimizer's own "
+          "differentiation) nor a variable the model_fn writes from its rows "
+          "by other ops. Compute the update's gradients with one of those "
+          "calls, or add a ps job to the cluster.")
+
+
+def from_config(config: Optional[tf.estimator.RunConfig],
+                mode: str) -> Optional[Trainers]:
+  """The trainers of `config`'s cluster when it has no `ps` job, this task is
+  one of two or more trainers and `mode` trains; else None."""
+  if config is None or mode != tf.estimator.ModeKeys.TRAIN:
+    return None
+  spec = config.cluster_spec.as_dict() if config.cluster_spec else {}
+  if not spec or "ps" in spec or config.task_type not in ("chief", "worker"):
+    return None
+  tasks = [
+      f"{job}:{i}" for job in ("chief", "worker")
+      for i in range(len(spec.get(job, [])))
+  ]
+  if len(tasks) < 2:
+    return None
+  rank = tasks.index(f"{config.task_type}:{config.task_id}")
+  logging.info(
+      "replicate: trainers only (no ps): %s is trainer %d of %d, gradients "
+      "and batch reductions all-reduced among them", tasks[rank], rank,
+      len(tasks))
+  return Trainers(tasks, rank, spec, timeout_secs())
+
+
+def timeout_secs() -> float:
+  """How long the trainers' collectives wait: $REPLICATE_TRAINERS_TIMEOUT_SECS
+  or `STEP_TIMEOUT_SECS`."""
+  given = os.environ.get(TIMEOUT_VARIABLE)
+  if not given:
+    return STEP_TIMEOUT_SECS
+  try:
+    secs = float(given)
+  except ValueError:
+    secs = 0.0
+  if secs <= 0:
+    raise ValueError(f"{TIMEOUT_VARIABLE}={given!r}: give the seconds the "
+                     "trainers' collectives wait for one another, a number "
+                     "above 0.")
+  return secs
+
+
+def started(spec: Any, trainers: Trainers) -> Any:
+  """`spec` whose scaffold, at session start, makes the trainers' variables
+  the chief's (`Trainers.start_op`) once each has its own initialised (the
+  chief) or not (the others, which never run the init op: they are ready
+  for it at once)."""
+  scaffold = spec.scaffold or tf.compat.v1.train.Scaffold()
+  own = scaffold.local_init_op
+  if own is None:
+    own = tf.compat.v1.train.Scaffold.default_local_init_op()
+  start = trainers.start_op(tf.compat.v1.global_variables())
+  with tf.control_dependencies([own]):
+    local_init = tf.group(start, name="replicate_local_init")
+  logging.info(
+      "replicate: %s starts from the chief's variables (broadcast at session "
+      "start)", trainers.tasks[trainers.rank])
+  return spec._replace(
+      scaffold=tf.compat.v1.train.Scaffold(
+          copy_from_scaffold=scaffold,
+          local_init_op=local_init,
+          ready_for_local_init_op=tf.constant([], tf.string)))
