@@ -11,6 +11,7 @@ included) and losses must equal one device's trained on the global batch
 import json
 import os
 import pathlib
+import re
 import signal
 import subprocess
 import sys
@@ -190,7 +191,8 @@ def test_gradients_no_collective_passes_are_refused(monkeypatch):
       ValueError, match="without an all-reduce among the "
       "trainers") as raised:
     _build_trainer_graph("own_differentiation", monkeypatch)
-  assert "hidden/kernel" in str(raised.value) or "out/" in str(raised.value)
+  # Which update is met first varies between runs: any of the model's.
+  assert re.search(r"'(hidden|out)/(kernel|bias)'", str(raised.value))
 
 
 @pytest.mark.wide

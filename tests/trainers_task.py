@@ -23,8 +23,15 @@ import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import numpy as np  # pylint: disable=g-import-not-at-top,wrong-import-position
-import tensorflow as tf  # pylint: disable=g-import-not-at-top
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# pylint: disable=g-import-not-at-top,wrong-import-position
+import numpy as np
+import tensorflow as tf
+
+# Before tf.estimator is used: on TensorFlow 2.16+ replicate provides it.
+import replicate
+from replicate import testing
 
 FEATURES = 6
 
@@ -60,7 +67,6 @@ def _train_op(loss, route, learning_rate, tape):
   if route == "own_differentiation":
     return OwnDifferentiation(learning_rate).minimize(loss, step)
   if route == "tower_optimizer":
-    import replicate  # pylint: disable=g-import-not-at-top
     return replicate.TowerOptimizer(v1).minimize(loss, step)
   if route == "v1_compute_apply":
     pairs = v1.compute_gradients(loss)
@@ -222,12 +228,8 @@ def main(argv):
   parser.add_argument("--save_steps", type=int, default=2)
   parser.add_argument("--loss", default="v1", choices=["v1", "float64"])
   args = parser.parse_args(argv)
-  sys.path.insert(0,
-                  os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   from absl import logging  # pylint: disable=g-import-not-at-top
   logging.set_verbosity(logging.INFO)
-  import replicate  # pylint: disable=g-import-not-at-top
-  from replicate import testing  # pylint: disable=g-import-not-at-top
   parts = [int(p) for p in args.parts.split(",")]
   last = [int(p) for p in args.last.split(",")] if args.last else []
   tf_config = json.loads(os.environ.get("TF_CONFIG") or "{}")

@@ -17,7 +17,6 @@ import tensorflow as tf
 
 # pylint: disable=protected-access,g-direct-tensorflow-import
 from tensorflow.python.training import monitored_session as _monitored
-from tensorflow_estimator.python.estimator import training as _training
 
 __all__ = ["LEADER", "end_on_unavailable", "lead_collectives_from_chief"]
 
@@ -28,7 +27,10 @@ _PATCHED = "_replicate_leader"
 def lead_collectives_from_chief() -> None:
   """Makes train_and_evaluate's servers of clusters without ps lead their
   collectives from the chief (once per process)."""
-  executor = _training._TrainingExecutor
+  # Imported here: on TensorFlow 2.16+ tensorflow_estimator imports only
+  # after estimator_compat, which `replicate/_tf` is imported before.
+  from tensorflow_estimator.python.estimator import training  # pylint: disable=g-import-not-at-top
+  executor = training._TrainingExecutor
   original = executor._start_std_server
   if getattr(original, _PATCHED, False):
     return
