@@ -103,15 +103,15 @@ def _model_fn(form):
   return model_fn
 
 
-def _assert_same(run, model_fn, towers, batch):
-  expected = run(model_fn, _data(), batch, 3, static=False)
+def _assert_same(run, model_fn, towers, batch, static=False):
+  expected = run(model_fn, _data(), batch, 3, static=static)
   actual = run(
       model_fn,
       _data(),
       batch,
       3,
       tower_devices=harness.devices(harness.VIRTUAL_CPUS, towers),
-      static=False)
+      static=static)
   harness.assert_close_nests(actual, expected, rtol=1e-10, atol=1e-12)
 
 
@@ -155,6 +155,16 @@ def _keras_metrics_model_fn(features, labels, mode, params):
      harness.wide(*CASES[3])])
 def test_keras_metric_subclasses_evaluate_as_one_device(towers, batch):
   _assert_same(harness.evaluate, _keras_metrics_model_fn, towers, batch)
+
+
+@pytest.mark.parametrize("towers,batch", [(2, 1), harness.wide(4, 1)])
+def test_keras_metric_subclasses_evaluate_as_one_device_beside_phantoms(
+    towers, batch):
+  # A static batch smaller than the towers: tower 0's rows are the only
+  # rows, so its update_state reads the whole batch as it is built (its
+  # write was refused as reading the tower's rows).
+  _assert_same(
+      harness.evaluate, _keras_metrics_model_fn, towers, batch, static=True)
 
 
 def _state_model_fn(features, labels, mode, params):
