@@ -283,12 +283,9 @@ def _layer(spec, h, features, training, index, regularizer):
         tf.lookup.KeyValueTensorInitializer(["a", "b", "c"],
                                             tf.constant([0, 1, 2], tf.int64)),
         default_value=3)
+    ids = table.lookup(features["words"])
     embeddings = tf.compat.v1.get_variable(f"{name}_embeddings", [4, 2])
-    return tf.concat([
-        h,
-        tf.nn.embedding_lookup(embeddings, table.lookup(features["words"]))
-    ],
-                     axis=1)
+    return tf.concat([h, tf.nn.embedding_lookup(embeddings, ids)], axis=1)
   assert kind == "concat"
   return tf.concat([h, tf.tanh(h)], axis=1)
 
