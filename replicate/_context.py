@@ -55,6 +55,9 @@ class Rewires(Protocol):
   def resolve(self, tensor: Any) -> Any:
     ...
 
+  def reads_whole_batch(self, op: tf.Operation) -> bool:
+    ...
+
   def counterpart(self, tensor0: tf.Tensor, index: int) -> tf.Tensor:
     ...
 

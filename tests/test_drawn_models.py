@@ -6,11 +6,18 @@ is a random algebraic combination of batch reductions (means, masked and
 weighted means, sums, maxima, ratios, scaled and weighted sums, nested
 means), model-state writes, control dependencies, an optimizer and the
 way it is called (inside a tf.cond too), Python state kept between the
-model_fn's calls, and the batch size, tower count and shape (uneven shards,
-empty towers, one row). Each case runs unreplicated and on the towers from
-the same seeded weights on the same batches; losses, summaries, trained
-variables (slots, global step and state included), metrics and predictions
-must agree.
+model_fn's calls, metrics, and the batch size, tower count and shape
+(uneven shards, empty towers, one row). Its choices include code no
+per-row rule reads (tests/user_code.py): weights from the counts and
+distinct values of the batch's classes, Python ops, `tf.function`
+helpers, custom gradients, scans, folds and while_loops over the rows,
+tiles of rows, sparse, ragged and string features (a vocabulary
+lookup), state written from the whole batch (counts of the classes, a
+memory bank of the last rows), and a user's own Keras metrics and
+`precision_at_k` in evaluation. Each case runs
+unreplicated and on the towers from the same seeded weights on the same
+batches; losses, summaries, trained variables (slots, global step and
+state included), metrics and predictions must agree.
 
 The default run draws a sample (`_EXAMPLES`); `pytest -m drawn` draws
 `_MANY` per test. A failure prints the falsifying `Case`, which is the
@@ -28,6 +35,7 @@ import tensorflow as tf
 
 import replicate
 from tests import harness
+from tests import user_code
 
 pytestmark = pytest.mark.drawn
 
@@ -36,6 +44,7 @@ R = tf.compat.v1.losses.Reduction
 FEATURES = 3
 CLASSES = 3
 STEPS = 2
+BANK = 4  # rows a memory bank keeps
 # Examples per test in the default run, and under `-m drawn`.
 _EXAMPLES = {"train": 16, "eval": 8, "predict": 6}
 _MANY = 1000
@@ -50,6 +59,7 @@ class Case:
   optimizer: str
   route: str  # how the optimizer is called
   state: Tuple[str, ...]  # model-state writes
+  metrics: Tuple[str, ...]  # EVAL metrics beside the v1 ones
   control: bool  # the loss waits for the state writes
   python_state: str  # what the model_fn keeps between its calls
   regularize: bool
@@ -76,7 +86,15 @@ def _layers():
       st.just(("batch_max",)),  # divided by the whole batch's max
       st.just(("row_norm",)),  # a reduction within each row
       st.just(("first_row",)),  # minus the batch's first row
-      st.just(("concat",)))
+      st.just(("concat",)),
+      # A gradient normalised over the whole batch, or clipped per row.
+      st.tuples(
+          st.just("custom_gradient"), st.sampled_from(["normalised",
+                                                       "clipped"])),
+      # Features of other forms, each row's values summed or looked up.
+      st.just(("sparse_feature",)),
+      st.just(("ragged_feature",)),
+      st.just(("string_lookup",)))
   return st.lists(
       st.one_of(dense, dense, other), min_size=1, max_size=3).map(tuple)
 
@@ -107,7 +125,20 @@ def _leaf():
       st.just(("map_fn",)),
       st.just(("tensordot",)),
       st.just(("pairwise",)),
-      st.just(("argsort_ranks",)))
+      st.just(("argsort_ranks",)),
+      # Code no rule reads, as users write it.
+      st.just(("class_balanced",)),  # 1 / count of the row's class
+      st.just(("bincount_weights",)),
+      st.just(("distinct_classes",)),
+      st.just(("numpy_function_weights",)),
+      st.just(("py_function_weights",)),
+      st.just(("numpy_function_scale",)),  # one value of the whole batch
+      st.just(("tf_function_mean",)),
+      st.just(("tf_function_pairwise",)),
+      st.just(("scan_ema",)),
+      st.just(("foldl_max",)),
+      st.just(("while_loop_rows",)),
+      st.just(("tile_pairwise",)))
 
 
 def _loss():
@@ -138,7 +169,15 @@ def cases(draw):
       state=tuple(
           draw(
               st.lists(
-                  st.sampled_from(["count", "moving_mean"]),
+                  st.sampled_from(
+                      ["count", "moving_mean", "class_counts", "bank"]),
+                  unique=True,
+                  max_size=2))),
+      metrics=tuple(
+          draw(
+              st.lists(
+                  st.sampled_from(
+                      ["keras_mean_absolute", "keras_largest", "at_k"]),
                   unique=True,
                   max_size=2))),
       control=draw(st.booleans()),
@@ -168,7 +207,19 @@ def _data(case: Case):
     labels = rng.randint(0, CLASSES, rows).astype(np.int64)
   else:
     labels = rng.randn(rows, 2).astype(np.float32)
-  return {"x": x, "mask": mask, "weights": weights, "group": group}, labels
+  features = {"x": x, "mask": mask, "weights": weights, "group": group}
+  if ("sparse_feature",) in case.layers:  # some rows have no entries
+    present = np.argwhere(rng.rand(rows, 4) < 0.4)
+    features["sparse"] = tf.compat.v1.SparseTensorValue(
+        present,
+        rng.uniform(-1.0, 1.0, len(present)).astype(np.float32), [rows, 4])
+  if ("ragged_feature",) in case.layers:  # rows of 0 to 3 values
+    lengths = rng.randint(0, 4, rows)
+    features["ragged"] = tf.RaggedTensor.from_row_lengths(
+        rng.uniform(-1.0, 1.0, lengths.sum()).astype(np.float32), lengths)
+  if ("string_lookup",) in case.layers:  # "d" is out of the vocabulary
+    features["words"] = rng.choice(np.array([b"a", b"b", b"c", b"d"]), rows)
+  return features, labels
 
 
 class _Model:
@@ -186,7 +237,7 @@ class _Model:
     return 1e-2 * tf.reduce_mean(tf.reduce_sum(tf.square(self.hidden), 1))
 
 
-def _layer(spec, h, training, index, regularizer):
+def _layer(spec, h, features, training, index, regularizer):
   kind = spec[0]
   name = f"layer{index}"
   if kind == "dense":
@@ -217,6 +268,24 @@ def _layer(spec, h, training, index, regularizer):
     return h - tf.gather(h, 0) + 0.5 * h[-1:]
   if kind == "row_norm":
     return h / (1.0 + tf.reduce_sum(tf.square(h), axis=1, keepdims=True))
+  if kind == "custom_gradient":
+    if spec[1] == "normalised":
+      return user_code.normalised_gradient(h)
+    return user_code.clipped_gradient(h)
+  if kind == "sparse_feature":
+    sums = tf.sparse.reduce_sum(features["sparse"], axis=1)
+    return tf.concat([h, tf.reshape(sums, [-1, 1])], axis=1)
+  if kind == "ragged_feature":
+    sums = tf.reduce_sum(features["ragged"], axis=1)
+    return tf.concat([h, tf.reshape(sums, [-1, 1])], axis=1)
+  if kind == "string_lookup":
+    table = tf.lookup.StaticHashTable(
+        tf.lookup.KeyValueTensorInitializer(["a", "b", "c"],
+                                            tf.constant([0, 1, 2], tf.int64)),
+        default_value=3)
+    ids = table.lookup(features["words"])
+    embeddings = tf.compat.v1.get_variable(f"{name}_embeddings", [4, 2])
+    return tf.concat([h, tf.nn.embedding_lookup(embeddings, ids)], axis=1)
   assert kind == "concat"
   return tf.concat([h, tf.tanh(h)], axis=1)
 
@@ -229,10 +298,60 @@ def _weights_of(which, features):
   }[which]
 
 
+def _class_ids(case, features, labels):
+  """Each row's class: its label, or its group when labels are values."""
+  return labels if case.task == "classes" else features["group"]
+
+
+# Losses over (errors, outputs, features, class ids) as users write them
+# with code no per-row rule reads.
+_UNREAD = {
+    "class_balanced":
+        lambda e, outputs, features, ids: tf.reduce_sum(
+            e * user_code.class_weights(ids, e.dtype)) / tf.reduce_sum(
+                user_code.class_weights(ids, e.dtype)),
+    "bincount_weights":
+        lambda e, outputs, features, ids: tf.reduce_mean(
+            e * user_code.bincount_weights(ids, CLASSES, e.dtype)),
+    "distinct_classes":
+        lambda e, outputs, features, ids: tf.reduce_mean(e) * user_code.
+        distinct_count(ids, e.dtype),
+    "numpy_function_weights":
+        lambda e, outputs, features, ids: tf.reduce_sum(
+            e * user_code.python_weights(features["x"])),
+    "py_function_weights":
+        lambda e, outputs, features, ids: tf.reduce_mean(
+            e * user_code.eager_python_weights(features["x"])),
+    "numpy_function_scale":
+        lambda e, outputs, features, ids: tf.reduce_mean(e) * user_code.
+        python_scale(features["x"]),
+    "tf_function_mean":
+        lambda e, outputs, features, ids: tf.reduce_mean(e) + 0.1 * user_code.
+        mean_square(outputs),
+    "tf_function_pairwise":
+        lambda e, outputs, features, ids: user_code.pairwise_hinge(e),
+    "scan_ema":
+        lambda e, outputs, features, ids: tf.reduce_mean(
+            user_code.scan_ema(e) * e),
+    "foldl_max":
+        lambda e, outputs, features, ids: tf.reduce_mean(e) + 0.1 * user_code.
+        foldl_max(e),
+    "while_loop_rows":
+        lambda e, outputs, features, ids: tf.reduce_mean(
+            user_code.rows_by_while_loop(e) * e),
+    "tile_pairwise":
+        lambda e, outputs, features, ids: tf.reduce_mean(e) + 0.01 * user_code.
+        pairwise_by_tile(outputs),
+}
+
+
 def _loss_value(spec, errors, features, labels, outputs, case):
   """The loss a spec describes, over per-example `errors`."""
   kind = spec[0]
   mask = features["mask"]
+  if kind in _UNREAD:
+    return _UNREAD[kind](errors, outputs, features,
+                         _class_ids(case, features, labels))
   if kind == "mean":
     return tf.reduce_mean(errors)
   if kind == "masked_mean":
@@ -345,7 +464,7 @@ def _train_op(case, loss):
     return step.assign_add(1)
 
 
-def _state_writes(case, features, hidden):
+def _state_writes(case, features, hidden, ids):
   writes = []
   if "count" in case.state:
     count = tf.compat.v1.get_variable(
@@ -358,7 +477,40 @@ def _state_writes(case, features, hidden):
         initializer=tf.zeros_initializer(),
         trainable=False)
     writes.append(mean.assign(0.5 * mean + 0.5 * tf.reduce_mean(hidden, 0)))
+  if "class_counts" in case.state:
+    counts = tf.compat.v1.get_variable(
+        "class_counts", [CLASSES],
+        initializer=tf.zeros_initializer(),
+        trainable=False)
+    writes.append(
+        counts.assign_add(
+            tf.math.bincount(
+                tf.cast(ids, tf.int32), minlength=CLASSES, dtype=tf.float32)))
+  if "bank" in case.state:  # MoCo's queue: the last rows seen
+    bank = tf.compat.v1.get_variable(
+        "bank", [BANK, hidden.shape[1]],
+        initializer=tf.zeros_initializer(),
+        trainable=False)
+    writes.append(
+        bank.assign(tf.concat([bank, tf.stop_gradient(hidden)], 0)[-BANK:]))
   return writes
+
+
+_KERAS_METRICS = {
+    "keras_mean_absolute": user_code.MeanAbsolute,
+    "keras_largest": user_code.LargestBatchMean
+}
+
+
+def _drawn_metrics(case, errors, outputs, ids):
+  metrics = {}
+  for name in case.metrics:
+    if name == "at_k":
+      metrics[name] = tf.compat.v1.metrics.precision_at_k(ids, outputs, 2)
+    else:  # update_state as users call it; Keras wraps it in a tf.function
+      metrics[name] = _KERAS_METRICS[name](tf.float32)
+      metrics[name].update_state(errors)
+  return metrics
 
 
 def make_model_fn(case: Case):
@@ -371,7 +523,7 @@ def make_model_fn(case: Case):
     regularizer = (tf.keras.regularizers.l2(1e-2) if case.regularize else None)
     h = features["x"]
     for index, spec in enumerate(case.layers):
-      h = _layer(spec, h, training, index, regularizer)
+      h = _layer(spec, h, features, training, index, regularizer)
     if case.python_state == "shared_layer":
       h = tf.concat([h, shared(features["x"])], axis=1)
     if case.python_state == "object":
@@ -394,7 +546,8 @@ def make_model_fn(case: Case):
       loss += model.penalty()
     if case.regularize:
       loss += tf.compat.v1.losses.get_regularization_loss()
-    writes = _state_writes(case, features, h)
+    ids = _class_ids(case, features, labels)
+    writes = _state_writes(case, features, h, ids)
     if case.control and writes:
       with tf.control_dependencies(writes):
         loss = tf.identity(loss)
@@ -402,7 +555,8 @@ def make_model_fn(case: Case):
     if mode == EVAL:
       metrics = {
           "error": tf.compat.v1.metrics.mean(errors, weights=features["mask"]),
-          "batch_loss": tf.compat.v1.metrics.mean(loss)
+          "batch_loss": tf.compat.v1.metrics.mean(loss),
+          **_drawn_metrics(case, errors, outputs, ids)
       }
       if case.task == "classes":
         metrics["accuracy"] = tf.compat.v1.metrics.accuracy(
@@ -452,7 +606,8 @@ def _run(case: Case, mode, towers):
     with tf.compat.v1.Session(config=harness.session_config()) as session:
       session.run([
           tf.compat.v1.global_variables_initializer(),
-          tf.compat.v1.local_variables_initializer()
+          tf.compat.v1.local_variables_initializer(),
+          tf.compat.v1.tables_initializer()
       ])
       harness.set_trainable_weights(session)
       runs = [session.run(fetches) for _ in range(STEPS)]

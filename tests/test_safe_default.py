@@ -20,6 +20,7 @@ import tensorflow as tf
 
 import replicate
 from tests import harness
+from tests import user_code
 
 D = tf.float64
 CASES = [(2, 9), (3, 7), (4, 5), (3, 2)]
@@ -30,112 +31,43 @@ def _data():
   return {"x": rng.randn(45, 5)}, rng.randint(0, 3, 45).astype(np.int64)
 
 
-def _class_weights(labels):
-  _, index, counts = tf.unique_with_counts(labels)
-  return 1.0 / tf.cast(tf.gather(counts, index), D)
-
-
-def _python_weights(x):
-  weights = tf.numpy_function(
-      lambda a: (np.abs(a[:, 0]) + 1.0) / (np.abs(a[:, 0]).sum() + 1.0), [x], D)
-  weights.set_shape([None])
-  return weights
-
-
-def _eager_python_weights(x):
-  weights = tf.py_function(
-      lambda a: tf.nn.softmax(a[:, 0]) * tf.cast(tf.size(a[:, 0]), D), [x], D)
-  weights.set_shape([None])
-  return weights
-
-
-@tf.function
-def _mean_square(t):
-  return tf.reduce_mean(tf.square(t))
-
-
-@tf.function
-def _column_pairs(t):
-  # Rows reshaped across their axis: no rule reads it.
-  flat = tf.reshape(tf.transpose(t), [-1, 1])
-  return tf.reduce_sum(flat * tf.reverse(flat, [0]))
-
-
-@tf.custom_gradient
-def _normalised_gradient(t):
-
-  def gradient(dy):
-    return dy / (tf.reduce_mean(tf.abs(dy)) + 1e-3)
-
-  return tf.identity(t), gradient
-
-
-@tf.custom_gradient
-def _clipped_gradient(t):
-  return tf.identity(t), lambda dy: tf.clip_by_value(dy, -0.05, 0.05)
-
-
-def _pairwise_by_tile(logits):
-  count = tf.shape(logits)[0]
-  left = tf.tile(logits[None], [count, 1, 1])
-  return tf.reduce_mean(
-      tf.reduce_sum(tf.square(left - tf.transpose(left, [1, 0, 2])), -1))
-
-
-def _rows_by_while_loop(e):
-  count = tf.shape(e)[0]
-
-  def body(i, running, written):
-    running = 0.5 * running + e[i]
-    return i + 1, running, written.write(i, running)
-
-  _, _, written = tf.while_loop(
-      lambda i, running, written: i < count, body,
-      [0, tf.constant(0.0, D),
-       tf.TensorArray(D, size=count)])
-  return written.stack()
-
-
 FORMS = {
     "unique_with_counts_weights":
-        lambda e, logits, x, y: tf.reduce_sum(e * _class_weights(y)) / tf.
-        reduce_sum(_class_weights(y)),
+        lambda e, logits, x, y: tf.reduce_sum(e * user_code.class_weights(y, D))
+        / tf.reduce_sum(user_code.class_weights(y, D)),
     "distinct_classes":
-        lambda e, logits, x, y: tf.reduce_mean(e) * tf.cast(
-            tf.size(tf.unique(y)[0]), D),
+        lambda e, logits, x, y: tf.reduce_mean(e) * user_code.distinct_count(
+            y, D),
     "bincount_weights":
-        lambda e, logits, x, y: tf.reduce_mean(e * tf.gather(
-            1.0 / (tf.math.bincount(tf.cast(y, tf.int32), minlength=3, dtype=D)
-                   + 1.0), y)),
+        lambda e, logits, x, y: tf.reduce_mean(e * user_code.bincount_weights(
+            y, 3, D)),
     "numpy_function_weights":
-        lambda e, logits, x, y: tf.reduce_sum(e * _python_weights(x)),
+        lambda e, logits, x, y: tf.reduce_sum(e * user_code.python_weights(x)),
     "py_function_weights":
-        lambda e, logits, x, y: tf.reduce_mean(e * _eager_python_weights(x)),
+        lambda e, logits, x, y: tf.reduce_mean(e * user_code.
+                                               eager_python_weights(x)),
     "tf_function_mean":
-        lambda e, logits, x, y: tf.reduce_mean(e) + _mean_square(logits),
+        lambda e, logits, x, y: tf.reduce_mean(e) + user_code.mean_square(logits
+                                                                         ),
     "tf_function_reshaped_rows":
-        lambda e, logits, x, y: tf.reduce_mean(e) + 0.01 * _column_pairs(logits
-                                                                        ),
+        lambda e, logits, x, y: tf.reduce_mean(e) + 0.01 * user_code.
+        column_pairs(logits),
     "custom_gradient_normalised":
         lambda e, logits, x, y: tf.reduce_mean(
             tf.nn.sparse_softmax_cross_entropy_with_logits(
-                labels=y, logits=_normalised_gradient(logits))),
+                labels=y, logits=user_code.normalised_gradient(logits))),
     "custom_gradient_per_row":
         lambda e, logits, x, y: tf.reduce_mean(
             tf.nn.sparse_softmax_cross_entropy_with_logits(
-                labels=y, logits=_clipped_gradient(logits))),
+                labels=y, logits=user_code.clipped_gradient(logits))),
     "tile_pairwise":
-        lambda e, logits, x, y: tf.reduce_mean(e) + 0.01 * _pairwise_by_tile(
-            logits),
+        lambda e, logits, x, y: tf.reduce_mean(e) + 0.01 * user_code.
+        pairwise_by_tile(logits),
     "scan_ema":
-        lambda e, logits, x, y: tf.reduce_mean(
-            tf.scan(
-                lambda a, r: 0.9 * a + 0.1 * r,
-                e,
-                initializer=tf.constant(0.0, D)) * e),
+        lambda e, logits, x, y: tf.reduce_mean(user_code.scan_ema(e) * e),
     "foldl_max":
-        lambda e, logits, x, y: tf.reduce_mean(e) + 0.1 * tf.foldl(
-            tf.maximum, e, initializer=tf.constant(-1e9, D)),
+        lambda e, logits, x, y: tf.reduce_mean(e) + 0.1 * user_code.foldl_max(e
+                                                                             ),
     "sets_per_row":
         lambda e, logits, x, y: tf.reduce_mean(e * tf.cast(
             tf.sets.size(
@@ -143,7 +75,8 @@ FORMS = {
                     tf.math.top_k(logits, 2).indices,
                     tf.cast(y[:, None], tf.int32))), D)),
     "while_loop_tensor_array":
-        lambda e, logits, x, y: tf.reduce_mean(_rows_by_while_loop(e) * e),
+        lambda e, logits, x, y: tf.reduce_mean(
+            user_code.rows_by_while_loop(e) * e),
 }
 
 
@@ -170,15 +103,15 @@ def _model_fn(form):
   return model_fn
 
 
-def _assert_same(run, model_fn, towers, batch):
-  expected = run(model_fn, _data(), batch, 3, static=False)
+def _assert_same(run, model_fn, towers, batch, static=False):
+  expected = run(model_fn, _data(), batch, 3, static=static)
   actual = run(
       model_fn,
       _data(),
       batch,
       3,
       tower_devices=harness.devices(harness.VIRTUAL_CPUS, towers),
-      static=False)
+      static=static)
   harness.assert_close_nests(actual, expected, rtol=1e-10, atol=1e-12)
 
 
@@ -202,38 +135,6 @@ def test_form_in_a_metric_evaluates_as_one_device(form):
   _assert_same(harness.evaluate, _model_fn(form), 3, 7)
 
 
-class _MeanAbsolute(tf.keras.metrics.Metric):
-  """A user's own Keras metric: Keras runs its update_state as a
-  tf.function that writes the metric's variables."""
-
-  def __init__(self):
-    super().__init__(name="mean_absolute", dtype=D)
-    self.total = self.add_weight("total", initializer="zeros", dtype=D)
-    self.count = self.add_weight("count", initializer="zeros", dtype=D)
-
-  def update_state(self, values):
-    self.total.assign_add(tf.reduce_sum(tf.abs(values)))
-    self.count.assign_add(tf.cast(tf.size(values), D))
-
-  def result(self):
-    return self.total / self.count
-
-
-class _LargestBatchMean(tf.keras.metrics.Metric):
-  """The largest batch mean seen: written with assign, not added."""
-
-  def __init__(self):
-    super().__init__(name="largest_batch_mean", dtype=D)
-    self.largest = self.add_weight(
-        "largest", initializer=tf.keras.initializers.Constant(-1e9), dtype=D)
-
-  def update_state(self, values):
-    self.largest.assign(tf.maximum(self.largest, tf.reduce_mean(values)))
-
-  def result(self):
-    return tf.identity(self.largest)
-
-
 def _keras_metrics_model_fn(features, labels, mode, params):
   del params
   kernel = tf.compat.v1.get_variable("kernel", [5, 3], D)
@@ -241,7 +142,7 @@ def _keras_metrics_model_fn(features, labels, mode, params):
   errors = tf.nn.sparse_softmax_cross_entropy_with_logits(
       labels=labels, logits=logits)
   metrics = {}
-  for metric in (_MeanAbsolute(), _LargestBatchMean()):
+  for metric in (user_code.MeanAbsolute(D), user_code.LargestBatchMean(D)):
     metric.update_state(errors)
     metrics[metric.name] = metric
   return tf.estimator.EstimatorSpec(
@@ -254,6 +155,16 @@ def _keras_metrics_model_fn(features, labels, mode, params):
      harness.wide(*CASES[3])])
 def test_keras_metric_subclasses_evaluate_as_one_device(towers, batch):
   _assert_same(harness.evaluate, _keras_metrics_model_fn, towers, batch)
+
+
+@pytest.mark.parametrize("towers,batch", [(2, 1), harness.wide(4, 1)])
+def test_keras_metric_subclasses_evaluate_as_one_device_beside_phantoms(
+    towers, batch):
+  # A static batch smaller than the towers: tower 0's rows are the only
+  # rows, so its update_state reads the whole batch as it is built (its
+  # write was refused as reading the tower's rows).
+  _assert_same(
+      harness.evaluate, _keras_metrics_model_fn, towers, batch, static=True)
 
 
 def _state_model_fn(features, labels, mode, params):

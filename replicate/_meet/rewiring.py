@@ -80,6 +80,8 @@ class Rewiring:
     # Tower 0's tensors given the whole batch's value: ref -> (tensor, the
     # replacement, the combination's ops that keep reading the tensor).
     self._replaced: Dict[Any, Tuple[tf.Tensor, tf.Tensor, List[Any]]] = {}
+    # Tower 0's calls writing model state that read the whole batch.
+    self._in_place: Set[tf.Operation] = set()
 
   # ------------------------------------------------------------ analysis
 
@@ -87,6 +89,11 @@ class Rewiring:
     """The kind (`_batch.row_kinds`) of tower `index`'s `tensor` so far."""
     analysis = self._analyses.get(index)
     return row_kinds.WHOLE if analysis is None else analysis.kind(tensor)
+
+  def reads_whole_batch(self, op: tf.Operation) -> bool:
+    """Whether tower 0's `op` was made to run on the whole batch's rows
+    (a call writing model state, `_whole_batch_in_place`)."""
+    return op in self._in_place
 
   def resolve(self, tensor: Any) -> Any:
     """What a tower's readers of `tensor` read where it was given the whole
@@ -577,7 +584,10 @@ class Rewiring:
     """A call writing model state (a Keras metric's `update_state`) runs
     once, as tower 0's op reading the whole batch: the op the spec names
     writes once per step, as on one device. The other towers' calls are
-    left unread (no step runs them); their readers read tower 0's."""
+    left unread (no step runs them); their readers read tower 0's. Where
+    tower 0 holds the batch's only rows (the others are on phantom rows),
+    its inputs are the whole batch's as they stand."""
+    self._in_place.add(op0)
     for position, (tensor, whole) in enumerate(zip(op0.inputs, inputs)):
       if whole is not tensor:
         _tf.update_input(op0, position, whole)

@@ -187,10 +187,11 @@ def check_writes_in_functions(replication: Replication,
   A function call's writes cannot be combined with another tower's (its
   ops are in its body, not in the graph). Tower 0's are the model's where
   the body sees no rows (a gradient accumulator zeroed or applied every k
-  steps, say: the values are the whole batch's); the other towers' are
-  never run unless something the step runs reads them. `run_by_the_step`
-  gives the names of the ops the step runs; it is called at first need
-  only, since it walks the graph.
+  steps, say: the values are the whole batch's) or where the call was made
+  to read the whole batch (a Keras metric's update_state); the other
+  towers' are never run unless something the step runs reads them.
+  `run_by_the_step` gives the names of the ops the step runs; it is called
+  at first need only, since it walks the graph.
 
   Raises:
     ValueError: a write the step runs reads the tower's rows inside a
@@ -202,7 +203,8 @@ def check_writes_in_functions(replication: Replication,
     for op, variable in _function_writes(ops, variables, skip).values():
       if index == 0:
         kinds = [rewiring.kind(t) for t in op.inputs]
-        if all(row_kinds.shares_value(k) for k in kinds):
+        if rewiring.reads_whole_batch(op) or all(
+            row_kinds.shares_value(k) for k in kinds):
           continue
       if run is None:
         run = run_by_the_step()
