@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -34,6 +35,18 @@ class Settings:
   # "runs": a process per variant; "windows": one per (round, workload, N),
   # its variants taking turns window by window.
   pairing: str = "runs"
+
+
+def free_ports(count: int) -> List[int]:
+  """`count` localhost ports free now, for a cluster's tasks."""
+  sockets = [socket.socket() for _ in range(count)]
+  try:
+    for s in sockets:
+      s.bind(("127.0.0.1", 0))
+    return [s.getsockname()[1] for s in sockets]
+  finally:
+    for s in sockets:
+      s.close()
 
 
 def write_json(record: Any, path: Optional[str]) -> None:

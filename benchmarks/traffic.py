@@ -34,7 +34,6 @@ caller can check them against the unwrapped model_fn's.
 
 import json
 import os
-import socket
 import sys
 from typing import Dict, List, Optional
 
@@ -42,6 +41,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from absl import app  # pylint: disable=g-import-not-at-top
 from absl import flags
+import common
 import numpy as np
 import tensorflow as tf
 
@@ -62,17 +62,6 @@ flags.DEFINE_string("result_file", None, "Where the JSON goes (else stdout).")
 
 _VOCAB, _EMBEDDING = 20000, 64
 _SEED = 7
-
-
-def _free_ports(count: int) -> List[int]:
-  sockets = [socket.socket() for _ in range(count)]
-  try:
-    for s in sockets:
-      s.bind(("127.0.0.1", 0))
-    return [s.getsockname()[1] for s in sockets]
-  finally:
-    for s in sockets:
-      s.close()
 
 
 def _dense(x, units, name, seed, activation=None):
@@ -178,7 +167,7 @@ class Cluster:
   """One ps and one worker server in this process, on loopback ports."""
 
   def __init__(self, cpus: int):
-    ps_port, worker_port = _free_ports(2)
+    ps_port, worker_port = common.free_ports(2)
     self.spec = tf.train.ClusterSpec({
         "ps": [f"127.0.0.1:{ps_port}"],
         "worker": [f"127.0.0.1:{worker_port}"]

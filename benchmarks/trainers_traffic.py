@@ -20,7 +20,6 @@ against P each way.
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import tempfile
@@ -31,6 +30,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from absl import app  # pylint: disable=g-import-not-at-top
 from absl import flags
+import common
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("trainers", ["2", "3"], "Trainer counts W.")
@@ -52,17 +52,6 @@ PARAMETER_BYTES = 4 * sum(a * b + b for a, b in zip(_SIZES, _SIZES[1:]))
 
 _SOCKET = re.compile(r"^\S+\s+\d+\s+\d+\s+(\S+)\s+(\S+)\s+.*pid=(\d+),")
 _COUNT = re.compile(r"\b(bytes_sent|bytes_received):(\d+)")
-
-
-def _free_ports(count: int) -> List[int]:
-  sockets = [socket.socket() for _ in range(count)]
-  try:
-    for s in sockets:
-      s.bind(("127.0.0.1", 0))
-    return [s.getsockname()[1] for s in sockets]
-  finally:
-    for s in sockets:
-      s.close()
 
 
 def _endpoint(text: str) -> str:
@@ -192,7 +181,7 @@ def _start_ps(cluster: Dict[str, List[str]]) -> subprocess.Popen:
 def measure(trainers: int, mode: str = "allreduce") -> Dict[str, object]:
   """One cluster of `trainers` trainers (and a ps in mode `ps`): each
   trainer's bytes per step."""
-  ports = _free_ports(trainers + 1)
+  ports = common.free_ports(trainers + 1)
   cluster = {
       "chief": [f"localhost:{ports[0]}"],
       "worker": [f"localhost:{p}" for p in ports[1:trainers]]
