@@ -104,19 +104,24 @@ class Trainers:
   def _reduce(self, value: tf.Tensor, merge: str, what: str) -> tf.Tensor:
     key = self._next_key(f"{what}:{merge}:{value.dtype.name}")
     with tf.device(self.device):
-      reduced = tf.raw_ops.CollectiveReduceV2(
-          input=value,
-          group_size=self.size,
-          group_key=_GROUP_KEY,
-          instance_key=key,
-          ordering_token=[],
-          merge_op=merge,
-          final_op="Id",
-          communication_hint="ring",
-          timeout_seconds=self._timeout,
-          name="among_trainers")
+      reduced = self._collective(value, key, merge, name="among_trainers")
     self.collectives.add(reduced.op)
     return reduced
+
+  def _collective(self, value: tf.Tensor, key: int, merge: str,
+                  **name: str) -> tf.Tensor:
+    """The trainers' ring all-reduce of `value` under instance `key`."""
+    return tf.raw_ops.CollectiveReduceV2(
+        input=value,
+        group_size=self.size,
+        group_key=_GROUP_KEY,
+        instance_key=key,
+        ordering_token=[],
+        merge_op=merge,
+        final_op="Id",
+        communication_hint="ring",
+        timeout_seconds=self._timeout,
+        **name)
 
   def combine(self, how: str, value: tf.Tensor) -> tf.Tensor:
     """This trainer's combination of its towers' partials (`how`, as in
@@ -220,17 +225,7 @@ class Trainers:
       both = tf.constant([mine, -mine], tf.float64)
       # A key no other collective takes: trainers whose graphs differ give
       # their other collectives different keys, never this one.
-      key = _FINGERPRINT_KEY
-      agreed = tf.raw_ops.CollectiveReduceV2(
-          input=both,
-          group_size=self.size,
-          group_key=_GROUP_KEY,
-          instance_key=key,
-          ordering_token=[],
-          merge_op="Max",
-          final_op="Id",
-          communication_hint="ring",
-          timeout_seconds=self._timeout)
+      agreed = self._collective(both, _FINGERPRINT_KEY, "Max")
       check = tf.debugging.Assert(
           tf.logical_and(tf.equal(agreed[0], mine), tf.equal(-agreed[1], mine)),
           [
