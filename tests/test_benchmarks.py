@@ -284,7 +284,10 @@ def test_function_calls_reports_each_mode_and_tower_count():
   for row in rows:
     inline, function, ratio = map(float, row[2:])
     assert inline > 0 and function > 0
-    assert ratio == pytest.approx(function / inline, rel=0.02, abs=0.002)
+    # The times are printed to 0.005 ms and the ratio to 0.0005, so the
+    # ratio lies within what the rounded times allow, not near their ratio.
+    assert ((function - 0.005) / (inline + 0.005) - 0.0005 <= ratio <=
+            (function + 0.005) / (inline - 0.005) + 0.0005), row
 
 
 @pytest.mark.wide
