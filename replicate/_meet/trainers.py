@@ -155,37 +155,67 @@ class Trainers:
     return reduced
 
   def gradients(self, grads: Sequence[Any]) -> List[Any]:
-    """One device's gradients from each trainer's: summed, over W."""
+    """One device's gradients from each trainer's: dense ones summed, sparse
+    ones (IndexedSlices) gathered as rows, both over W."""
     reduced = []
     for grad in grads:
       if grad is None or _key(grad) in self._reduced:
         reduced.append(grad)
         continue
-      dense = tf.convert_to_tensor(grad)
-      summed = self._reduce(dense, "Add", "gradient")
-      with tf.device(self.device):
-        mean = summed / tf.cast(self.size, summed.dtype)
-        if isinstance(grad, tf.IndexedSlices):
-          mean = self._touched_rows(grad, mean)
+      if isinstance(grad, tf.IndexedSlices) and grad.dense_shape is not None:
+        mean = self._gathered_rows(grad)
+      else:
+        summed = self._reduce(tf.convert_to_tensor(grad), "Add", "gradient")
+        with tf.device(self.device):
+          mean = summed / tf.cast(self.size, summed.dtype)
       self._reduced.add(_key(mean))
       reduced.append(mean)
-    logging.info("replicate: %d gradients all-reduced among %d trainers (ring)",
-                 len([g for g in grads if g is not None]), self.size)
+    logging.info(
+        "replicate: %d gradients among %d trainers (ring; dense all-reduced, "
+        "sparse gathered as rows)", len([g for g in grads if g is not None]),
+        self.size)
     return reduced
 
-  def _touched_rows(self, grad: tf.IndexedSlices,
-                    whole: tf.Tensor) -> tf.IndexedSlices:
-    """The rows of `whole` (a sparse gradient all-reduced dense) that some
-    trainer's `grad` has: what one device's sparse update touches (its
-    optimizer sums repeated rows first)."""
-    rows = tf.shape(whole, out_type=grad.indices.dtype)[0]
-    ones = tf.ones_like(grad.indices, dtype=whole.dtype)
-    mine = tf.math.unsorted_segment_sum(ones, grad.indices, rows)
-    touched = self._reduce(mine, "Max", "touched rows")
-    indices = tf.reshape(tf.where(touched > 0), [-1])
-    return tf.IndexedSlices(
-        tf.gather(whole, indices), tf.cast(indices, grad.indices.dtype),
-        tf.shape(whole, out_type=grad.indices.dtype))
+  def _gather(self, value: tf.Tensor, what: str) -> tf.Tensor:
+    """The trainers' `value`s concatenated in task order (equal shapes)."""
+    key = self._next_key(f"{what}:gather:{value.dtype.name}")
+    with tf.device(self.device):
+      gathered = tf.raw_ops.CollectiveGatherV2(
+          input=value,
+          group_size=self.size,
+          group_key=_GROUP_KEY,
+          instance_key=key,
+          ordering_token=[],
+          communication_hint="ring",
+          timeout_seconds=self._timeout,
+          name="among_trainers")
+    self.collectives.add(gathered.op)
+    return gathered
+
+  def _gathered_rows(self, grad: tf.IndexedSlices) -> tf.IndexedSlices:
+    """One device's sparse gradient: every trainer's rows of `grad` in task
+    order, as one device's lookup over the global batch lists them (its
+    optimizer sums repeated rows). Each trainer's rows are padded to the
+    most any trainer has, gathered, and the padding dropped: the traffic is
+    the rows', not the table's."""
+    with tf.device(self.device):
+      count = tf.shape(grad.indices, out_type=tf.int32)[:1]
+    counts = self._gather(count, "rows")
+    with tf.device(self.device):
+      most = tf.maximum(tf.reduce_max(counts), 1)
+
+      def padded(part: tf.Tensor) -> tf.Tensor:
+        shape = tf.concat([[most - count[0]], tf.shape(part)[1:]], 0)
+        return tf.concat([part, tf.zeros(shape, part.dtype)], 0)
+
+      values, indices = padded(grad.values), padded(grad.indices)
+    values = self._gather(values, "sparse values")
+    indices = self._gather(indices, "sparse indices")
+    with tf.device(self.device):
+      kept = tf.reshape(tf.sequence_mask(counts, most), [-1])
+      values = tf.boolean_mask(values, kept)
+      return tf.IndexedSlices(values / tf.cast(self.size, values.dtype),
+                              tf.boolean_mask(indices, kept), grad.dense_shape)
 
   def rows_loss(self, loss: tf.Tensor) -> tf.Tensor:
     """`loss`, a loss with rows (this trainer's), whose gradient is W times
