@@ -93,6 +93,7 @@ def minimum_bytes(mode: str, model: str, trainers: int,
     return 2 * (trainers - 1) / trainers * dense + (trainers - 1) * rows
   return dense + rows
 
+
 _SOCKET = re.compile(r"^\S+\s+\d+\s+\d+\s+(\S+)\s+(\S+)\s+.*pid=(\d+),")
 _COUNT = re.compile(r"\b(bytes_sent|bytes_received):(\d+)")
 
@@ -142,8 +143,8 @@ def _run_trainer(out: str, kind: str) -> None:
     return
   towers = 1 if kind == "mwms" else FLAGS.towers
   testing.virtual_cpus(towers)
-  trainers = len(tf_config["cluster"]["chief"]) + len(
-      tf_config["cluster"].get("worker", []))
+  trainers = len(tf_config["cluster"]["chief"]) + len(tf_config["cluster"].get(
+      "worker", []))
 
   def model_fn(features, labels, mode, config):
     if FLAGS.model == "mlp":
@@ -171,7 +172,9 @@ def _run_trainer(out: str, kind: str) -> None:
     hooks = []
     if kind == "sync_ps":
       optimizer = tf.compat.v1.train.SyncReplicasOptimizer(
-          optimizer, replicas_to_aggregate=trainers, total_num_replicas=trainers)
+          optimizer,
+          replicas_to_aggregate=trainers,
+          total_num_replicas=trainers)
       hooks.append(optimizer.make_session_run_hook(config.is_chief))
     train_op = optimizer.minimize(loss, tf.compat.v1.train.get_global_step())
     return tf.estimator.EstimatorSpec(
@@ -258,8 +261,7 @@ def _run_trainer(out: str, kind: str) -> None:
   estimator = tf.estimator.Estimator(model_fn, config=config)
   tf.estimator.train_and_evaluate(
       estimator,
-      tf.estimator.TrainSpec(
-          input_fn, max_steps=10**9, hooks=[Count()]),
+      tf.estimator.TrainSpec(input_fn, max_steps=10**9, hooks=[Count()]),
       tf.estimator.EvalSpec(input_fn, steps=1))
 
 
@@ -269,10 +271,11 @@ def _task(cluster: Dict[str, List[str]], task: Dict[str, object], out: str,
   return subprocess.Popen(
       [sys.executable, __file__, f"--task_out={out}", f"--task_mode={mode}"] +
       [a for a in sys.argv[1:] if not a.startswith("--task_")],
-      env=dict(os.environ, TF_CONFIG=json.dumps({
-          "cluster": cluster,
-          "task": task
-      })),
+      env=dict(
+          os.environ, TF_CONFIG=json.dumps({
+              "cluster": cluster,
+              "task": task
+          })),
       stdout=subprocess.DEVNULL,
       stderr=subprocess.PIPE,
       text=True)
@@ -325,13 +328,20 @@ def measure(trainers: int, mode: str = "allreduce") -> Dict[str, object]:
         results.append(json.load(f))
   minimum = minimum_bytes(mode, FLAGS.model, trainers, FLAGS.batch_size)
   return {
-      "mode": mode,
-      "model": FLAGS.model,
-      "trainers": trainers,
-      "towers": 1 if mode == "mwms" else FLAGS.towers,
-      "dense_bytes": dense_bytes(FLAGS.model),
-      "rows_bytes": rows_bytes(FLAGS.model, FLAGS.batch_size),
-      "minimum_bytes": minimum,
+      "mode":
+          mode,
+      "model":
+          FLAGS.model,
+      "trainers":
+          trainers,
+      "towers":
+          1 if mode == "mwms" else FLAGS.towers,
+      "dense_bytes":
+          dense_bytes(FLAGS.model),
+      "rows_bytes":
+          rows_bytes(FLAGS.model, FLAGS.batch_size),
+      "minimum_bytes":
+          minimum,
       "per_trainer": [
           dict(
               r,

@@ -119,17 +119,31 @@ def _assert_one_device(out: pathlib.Path,
 def test_two_trainers_of_two_towers_equal_one_device(tmp_path):
   out = _run(tmp_path, [2, 2], "5,5")
   _assert_one_device(out, 2)
+  # The chief's checkpoint is one device's: the same keys (no tower or
+  # collective state; the ps mode writes these too) and values, so either
+  # restores the other.
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  chief = tf.train.load_checkpoint(str(tmp_path / "model"))
+  one = tf.train.load_checkpoint(str(tmp_path / "one"))
+  keys = one.get_variable_to_shape_map()
+  assert chief.get_variable_to_shape_map() == keys
+  assert "hidden/kernel" in keys and "global_step" in keys
+  for key in keys:
+    np.testing.assert_allclose(
+        chief.get_tensor(key), one.get_tensor(key), rtol=1e-12, err_msg=key)
 
 
 # Every way of computing and applying gradients replicate routes, each
 # all-reduced among the trainers (before, tf.gradients and Keras' get_updates
 # trained each trainer on its own rows, silently; a loss with rows got half
 # the gradient on 2 trainers; a sparse gradient, an embedding's, failed to
-# build). Momentum's sparse update touches only the rows looked up.
+# build; then it was all-reduced as the whole table). A sparse gradient is
+# gathered as the trainers' rows: Momentum's, Adagrad's and Adam's sparse
+# updates touch only the rows looked up, as one device's.
 ROUTES = [
     "v1_compute_apply", "tape", "keras_get_updates", "keras_minimize",
     "keras_get_gradients", "tower_optimizer", "v1_rows_loss",
-    "embedding_momentum", "embedding_adagrad"
+    "embedding_momentum", "embedding_adagrad", "embedding_adam"
 ]
 
 
@@ -197,18 +211,25 @@ def test_gradients_no_collective_passes_are_refused(monkeypatch):
 
 
 @pytest.mark.wide
-@pytest.mark.parametrize("loss,variables_to", [("float64", 1e-12),
-                                               ("v1", 1e-7)])
+@pytest.mark.parametrize("loss,route,variables_to",
+                         [("float64", "v1_minimize", 1e-12),
+                          ("v1", "v1_minimize", 1e-7),
+                          ("float64", "embedding_momentum", 1e-12)])
 def test_three_trainers_uneven_parts_and_one_without_rows(
-    tmp_path, loss, variables_to):
+    tmp_path, loss, route, variables_to):
   # Tower counts differ (2, 1, 2): they do not change the result. The v1
   # losses compute in float32 even for float64 values: the gradient
   # flowing back into their float32 sum is W-fold on each trainer (see
   # `replicate._meet.trainers`), 3 times it rounds to float32 (relative
   # 2**-24), so the variables are one device's to float32 precision
-  # (1.6e-8 measured); a float64 loss, or W = 2 or 4, is exact.
+  # (1.6e-8 measured); a float64 loss, or W = 2 or 4, is exact. An
+  # embedding's sparse gradient is gathered as rows: 3, 2 and 0 of them in
+  # the last step.
   out = _run(
-      tmp_path, [2, 1, 2], "4,3,2", last="2,0,1", extra=[f"--loss={loss}"])
+      tmp_path, [2, 1, 2],
+      "4,3,2",
+      last="2,0,1",
+      extra=[f"--loss={loss}", f"--route={route}"])
   _assert_one_device(out, 3, variables_to)
 
 
@@ -252,6 +273,38 @@ def test_launcher_trains_a_cluster_of_trainers_only(tmp_path):
   worker = [t for _, t in cluster_harness.task_lines(output, "worker0")]
   steps = [t for t in chief if t.startswith("global step")]
   assert steps and steps == [t for t in worker if t.startswith("global step")]
+  # The evaluator evaluated the final checkpoint as one device does.
+  evaluated = [
+      t for _, t in cluster_harness.task_lines(output, "evaluator")
+      if t.startswith("evaluated global step 60:")
+  ]
+  assert evaluated, output
+  figures = dict((name, float(value)) for name, value in re.findall(
+      r"(\w+) ([0-9.]+)", evaluated[-1].split(":", 1)[1]))
+  one = _evaluate_digits_on_one_device(tmp_path / "model")
+  assert one["global_step"] == 60
+  # Printed to 4 decimals.
+  assert figures["accuracy"] == pytest.approx(one["accuracy"], abs=5.1e-5)
+
+
+def _evaluate_digits_on_one_device(model_dir: pathlib.Path) -> dict:
+  """examples/cluster.py's evaluation of `model_dir`'s latest checkpoint,
+  in this process, on one device without replicate."""
+  import digits_lib  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+
+  _, (test_x, test_y) = digits_lib.load_digits()
+  estimator = tf.estimator.Estimator(
+      digits_lib.model_fn,
+      model_dir=str(model_dir),
+      params={
+          "model": "mlp",
+          "learning_rate": 0.01,
+          "optimizer": "adam",
+          "dropout": digits_lib.DROPOUT
+      })
+  return estimator.evaluate(
+      lambda: digits_lib.eval_input_fn(test_x, test_y, 64), name="one_device")
 
 
 # How long the trainers' collectives wait in the killed-trainer test.
@@ -348,14 +401,19 @@ def test_killed_trainer_fails_the_others_then_all_resume(tmp_path):
 
 
 @pytest.mark.wide
-def test_traffic_per_trainer_is_the_ring_minimum(tmp_path):
+@pytest.mark.parametrize("model", ["mlp", "embedding"])
+def test_traffic_per_trainer_is_the_ring_minimum(tmp_path, model):
   """benchmarks/trainers_traffic.py on 2 trainers: each sends and receives
-  at most 1.1 x 2(W-1)/W x P per step (measured 1.003 for W = 2, 3, 4)."""
+  at most 1.1 x the minimum per step: 2(W-1)/W x P of dense gradients
+  (the MLP: 1.003 measured for W = 2, 3, 4) plus, of a sparse one, the
+  rows each trainer looked up, not the table (25.6 MB, which the
+  embedding model's trainers moved each step before)."""
   result_file = tmp_path / "traffic.json"
   subprocess.run([
       sys.executable,
       str(cluster_harness.ROOT / "benchmarks" / "trainers_traffic.py"),
-      "--trainers=2", "--steps=5", f"--result_file={result_file}"
+      "--trainers=2", "--steps=5", f"--model={model}",
+      f"--result_file={result_file}"
   ],
                  env=cluster_harness.example_env(),
                  cwd=cluster_harness.ROOT,
@@ -364,6 +422,9 @@ def test_traffic_per_trainer_is_the_ring_minimum(tmp_path):
                  capture_output=True)
   (result,) = json.loads(result_file.read_text())
   assert len(result["per_trainer"]) == 2
+  if model == "embedding":
+    # 32 rows x 8 ids of 64 float32 and an int64 index each.
+    assert result["rows_bytes"] == 32 * 8 * (64 * 4 + 8), result
   for trainer in result["per_trainer"]:
     assert 0.9 <= trainer["sent_ratio"] <= 1.1, result
     assert 0.9 <= trainer["received_ratio"] <= 1.1, result

@@ -35,11 +35,12 @@ graphs' collectives and cluster, then the chief broadcasts every global
 variable (initialised or restored from a checkpoint) to the others.
 """
 
+import collections
 import hashlib
 import json
 import os
 import re
-from typing import Any, Callable, Iterable, List, Optional, Sequence, Set
+from typing import Any, Callable, Iterable, List, Optional, Sequence, Set, Tuple
 
 from absl import logging
 import tensorflow as tf
@@ -48,6 +49,10 @@ from replicate import _graph
 
 _GROUP_KEY = 48
 _FINGERPRINT_KEY = 1
+# Instance keys of the gathers whose rows vary by step: a range of _BUCKETS
+# keys each, from _BUCKETED_KEYS (above any key built in order).
+_BUCKETED_KEYS = 1 << 24
+_BUCKETS = 2048
 # Seconds a step's collective waits for the other trainers before failing,
 # unless the environment variable TIMEOUT_VARIABLE says otherwise.
 STEP_TIMEOUT_SECS = 600.0
@@ -86,6 +91,7 @@ class Trainers:
     job, index = tasks[rank].split(":")
     self.device = f"/job:{job}/replica:0/task:{index}/device:CPU:0"
     self._key = _FINGERPRINT_KEY
+    self._bucketed = 0
     self._built: List[str] = []
     # Gradients already all-reduced (a routed call inside another).
     self._reduced: Set[Any] = set()
@@ -155,30 +161,63 @@ class Trainers:
     return reduced
 
   def gradients(self, grads: Sequence[Any]) -> List[Any]:
-    """One device's gradients from each trainer's: dense ones summed, sparse
-    ones (IndexedSlices) gathered as rows, both over W."""
-    reduced = []
-    for grad in grads:
+    """One device's gradients from each trainer's: dense ones summed (one
+    all-reduce per dtype, of them all flattened end to end), sparse ones
+    (IndexedSlices) gathered as rows, both over W."""
+    reduced = list(grads)
+    dense = collections.defaultdict(list)
+    for i, grad in enumerate(grads):
       if grad is None or _key(grad) in self._reduced:
-        reduced.append(grad)
         continue
       if isinstance(grad, tf.IndexedSlices) and grad.dense_shape is not None:
-        mean = self._gathered_rows(grad)
+        reduced[i] = self._gathered_rows(grad)
       else:
-        summed = self._reduce(tf.convert_to_tensor(grad), "Add", "gradient")
+        grad = tf.convert_to_tensor(grad)
+        # Packed by static shapes: a shape read from the gradient would be
+        # this trainer's own value after the all-reduce.
+        packable = grad.shape.is_fully_defined()
+        dense[(grad.dtype, packable)].append((i, grad))
+    for (dtype, packable), pairs in dense.items():
+      groups = [pairs] if packable else [[pair] for pair in pairs]
+      for group in groups:
         with tf.device(self.device):
-          mean = summed / tf.cast(self.size, summed.dtype)
-      self._reduced.add(_key(mean))
-      reduced.append(mean)
+          flat = (
+              tf.concat([tf.reshape(g, [-1]) for _, g in group], 0)
+              if packable else group[0][1])
+        summed = self._reduce(flat, "Add", "gradients")
+        with tf.device(self.device):
+          mean = summed / tf.cast(self.size, dtype)
+          if not packable:
+            reduced[group[0][0]] = mean
+            continue
+          parts = tf.split(mean, [g.shape.num_elements() for _, g in group])
+          for (i, grad), part in zip(group, parts):
+            reduced[i] = tf.reshape(part, grad.shape)
+    for grad in reduced:
+      if grad is not None:
+        self._reduced.add(_key(grad))
     logging.info(
-        "replicate: %d gradients among %d trainers (ring; dense all-reduced, "
-        "sparse gathered as rows)", len([g for g in grads if g is not None]),
-        self.size)
+        "replicate: %d gradients among %d trainers (ring; dense all-reduced "
+        "as one per dtype, sparse gathered as rows)",
+        len([g for g in grads if g is not None]), self.size)
     return reduced
 
-  def _gather(self, value: tf.Tensor, what: str) -> tf.Tensor:
-    """The trainers' `value`s concatenated in task order (equal shapes)."""
-    key = self._next_key(f"{what}:gather:{value.dtype.name}")
+  def _gather(self,
+              value: tf.Tensor,
+              what: str,
+              bucket: Optional[tf.Tensor] = None) -> tf.Tensor:
+    """The trainers' `value`s concatenated in task order (equal shapes).
+
+    TensorFlow fixes a collective instance's shape at its first run, so a
+    value whose rows vary from step to step gives `bucket`, which names its
+    row count (`_rows_bucket`): each bucket has an instance key of its own.
+    """
+    if bucket is None:
+      key: Any = self._next_key(f"{what}:gather:{value.dtype.name}")
+    else:
+      self._next_key(f"{what}:bucketed gather:{value.dtype.name}")
+      self._bucketed += 1
+      key = _BUCKETED_KEYS + (self._bucketed - 1) * _BUCKETS + bucket
     with tf.device(self.device):
       gathered = tf.raw_ops.CollectiveGatherV2(
           input=value,
@@ -196,23 +235,24 @@ class Trainers:
     """One device's sparse gradient: every trainer's rows of `grad` in task
     order, as one device's lookup over the global batch lists them (its
     optimizer sums repeated rows). Each trainer's rows are padded to the
-    most any trainer has, gathered, and the padding dropped: the traffic is
-    the rows', not the table's."""
+    most any trainer has, rounded up to a bucket (at most 1/16 more),
+    gathered, and the padding dropped: the traffic is the rows', not the
+    table's."""
     with tf.device(self.device):
       count = tf.shape(grad.indices, out_type=tf.int32)[:1]
     counts = self._gather(count, "rows")
     with tf.device(self.device):
-      most = tf.maximum(tf.reduce_max(counts), 1)
+      rows, bucket = _rows_bucket(tf.reduce_max(counts))
 
       def padded(part: tf.Tensor) -> tf.Tensor:
-        shape = tf.concat([[most - count[0]], tf.shape(part)[1:]], 0)
+        shape = tf.concat([[rows - count[0]], tf.shape(part)[1:]], 0)
         return tf.concat([part, tf.zeros(shape, part.dtype)], 0)
 
       values, indices = padded(grad.values), padded(grad.indices)
-    values = self._gather(values, "sparse values")
-    indices = self._gather(indices, "sparse indices")
+    values = self._gather(values, "sparse values", bucket)
+    indices = self._gather(indices, "sparse indices", bucket)
     with tf.device(self.device):
-      kept = tf.reshape(tf.sequence_mask(counts, most), [-1])
+      kept = tf.reshape(tf.sequence_mask(counts, rows), [-1])
       values = tf.boolean_mask(values, kept)
       return tf.IndexedSlices(values / tf.cast(self.size, values.dtype),
                               tf.boolean_mask(indices, kept), grad.dense_shape)
@@ -292,6 +332,19 @@ class Trainers:
         timeout_seconds=self._timeout,
         name="from_chief")
     return variable.assign(value, read_value=False)
+
+
+def _rows_bucket(most: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor]:
+  """(rows, bucket) for a gather of `most` rows (int32 scalar): rows >= most
+  (and >= 1), the same for every `most` in its bucket, at most 1/16 above
+  it; bucket < _BUCKETS, one per rows."""
+  most = tf.maximum(most, 1)
+  bits = tf.reduce_sum(
+      tf.cast(tf.bitwise.right_shift(most, tf.range(31)) > 0, tf.int32))
+  # Five significant bits: rows = m * 2**e, m <= 32.
+  e = tf.maximum(bits - 5, 0)
+  m = tf.bitwise.right_shift(most + tf.bitwise.left_shift(1, e) - 1, e)
+  return tf.bitwise.left_shift(m, e), e * 64 + m
 
 
 def _key(grad: Any) -> Any:
