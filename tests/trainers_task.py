@@ -54,7 +54,7 @@ def _train_op(loss, route, learning_rate, tape):
   variables = tf.compat.v1.trainable_variables()
   v1 = tf.compat.v1.train.AdamOptimizer(learning_rate)
   keras = tf.keras.optimizers.legacy.Adam(learning_rate)
-  if route == "v1_minimize":
+  if route in ("v1_minimize", "width_by_step"):
     return v1.minimize(loss, step)
   if route == "embedding_adagrad":
     return tf.compat.v1.train.AdagradOptimizer(learning_rate).minimize(
@@ -118,6 +118,12 @@ def model_fn(features, labels, mode, params):
       loss = tf.compat.v1.losses.mean_squared_error(labels, predictions)
     else:
       loss = tf.reduce_mean(tf.square(labels - predictions))
+    if route == "width_by_step":
+      # A batch mean over the first 1 to 3 hidden units, by step: its
+      # length changes from step to step (its static shape is unknown).
+      width = 1 + tf.compat.v1.train.get_global_step() % 3
+      means = tf.reduce_mean(hidden[:, :tf.cast(width, tf.int32)], 0)
+      loss += tf.cast(0.1 * tf.reduce_sum(tf.square(means)), loss.dtype)
   updates = tf.compat.v1.get_collection(tf.compat.v1.GraphKeys.UPDATE_OPS)
   with tf.control_dependencies(updates):
     if route == "tape":

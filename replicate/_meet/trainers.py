@@ -107,14 +107,41 @@ class Trainers:
     self._built.append(what)
     return self._key
 
-  def _reduce(self, value: tf.Tensor, merge: str, what: str) -> tf.Tensor:
-    key = self._next_key(f"{what}:{merge}:{value.dtype.name}")
-    with tf.device(self.device):
-      reduced = self._collective(value, key, merge, name="among_trainers")
-    self.collectives.add(reduced.op)
-    return reduced
+  def _bucketed_key(self, what: str, bucket: tf.Tensor) -> tf.Tensor:
+    """The instance key of a collective whose size varies by step, for the
+    size `bucket` names (`_rows_bucket`): TensorFlow fixes a collective
+    instance's shape at its first run."""
+    self._next_key(f"{what}:bucketed")
+    self._bucketed += 1
+    return _BUCKETED_KEYS + (self._bucketed - 1) * _BUCKETS + bucket
 
-  def _collective(self, value: tf.Tensor, key: int, merge: str,
+  def _reduce(self, value: tf.Tensor, merge: str, what: str) -> tf.Tensor:
+    what = f"{what}:{merge}:{value.dtype.name}"
+    if value.shape.is_fully_defined() or value.shape.rank is None:
+      key: Any = self._next_key(what)
+      with tf.device(self.device):
+        reduced = self._collective(value, key, merge, name="among_trainers")
+      self.collectives.add(reduced.op)
+      return reduced
+    # A shape that may change by step (a mean over a step's columns): the
+    # shape is all-reduced first, then the values, flat and padded to a
+    # size `_rows_bucket` names.
+    shape = self._reduce(
+        tf.shape(value, out_type=tf.int32), "Max", f"{what} shape")
+    with tf.device(self.device):
+      size = tf.reduce_prod(shape)
+      padded_size, bucket = _rows_bucket(size)
+      flat = tf.concat([
+          tf.reshape(value, [-1]),
+          tf.zeros([padded_size - size], value.dtype)
+      ], 0)
+      reduced = self._collective(
+          flat, self._bucketed_key(what, bucket), merge, name="among_trainers")
+    self.collectives.add(reduced.op)
+    with tf.device(self.device):
+      return tf.reshape(reduced[:size], shape)
+
+  def _collective(self, value: tf.Tensor, key: Any, merge: str,
                   **name: str) -> tf.Tensor:
     """The trainers' ring all-reduce of `value` under instance `key`."""
     return tf.raw_ops.CollectiveReduceV2(
@@ -206,18 +233,12 @@ class Trainers:
               value: tf.Tensor,
               what: str,
               bucket: Optional[tf.Tensor] = None) -> tf.Tensor:
-    """The trainers' `value`s concatenated in task order (equal shapes).
-
-    TensorFlow fixes a collective instance's shape at its first run, so a
-    value whose rows vary from step to step gives `bucket`, which names its
-    row count (`_rows_bucket`): each bucket has an instance key of its own.
-    """
-    if bucket is None:
-      key: Any = self._next_key(f"{what}:gather:{value.dtype.name}")
-    else:
-      self._next_key(f"{what}:bucketed gather:{value.dtype.name}")
-      self._bucketed += 1
-      key = _BUCKETED_KEYS + (self._bucketed - 1) * _BUCKETS + bucket
+    """The trainers' `value`s concatenated in task order (equal shapes); a
+    value whose rows vary by step gives `bucket`, naming its row count."""
+    what = f"{what}:gather:{value.dtype.name}"
+    key: Any = (
+        self._next_key(what) if bucket is None else self._bucketed_key(
+            what, bucket))
     with tf.device(self.device):
       gathered = tf.raw_ops.CollectiveGatherV2(
           input=value,
@@ -335,9 +356,10 @@ class Trainers:
 
 
 def _rows_bucket(most: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor]:
-  """(rows, bucket) for a gather of `most` rows (int32 scalar): rows >= most
-  (and >= 1), the same for every `most` in its bucket, at most 1/16 above
-  it; bucket < _BUCKETS, one per rows."""
+  """(size, bucket) for a collective of `most` rows or elements (int32
+  scalar) that vary by step: size >= most (and >= 1), the same for every
+  `most` in its bucket, at most 1/16 above it; bucket < _BUCKETS, one per
+  size."""
   most = tf.maximum(most, 1)
   bits = tf.reduce_sum(
       tf.cast(tf.bitwise.right_shift(most, tf.range(31)) > 0, tf.int32))
