@@ -140,14 +140,15 @@ def replicate_model_fn(
     tower_devices = given or _devices.resolve_devices(None)
     cluster.check_devices(tower_devices, config)
     arguments = _Arguments(accepted, labels is not None, mode, params, config)
-    if _fed_by_placeholders(features):
+    trainers = _trainers.from_config(config, mode)
+    # A trainer's graph all-reduces among the trainers however it is fed.
+    if _fed_by_placeholders(features) and trainers is None:
       logging.info(
           "replicate: %s graph fed by placeholders (an export): one "
           "tower, no device pinned", mode)
       return _run_on_one_device(model_fn, features, labels, arguments, None)
     if given:
       _devices.check_local_devices(given, config)
-    trainers = _trainers.from_config(config, mode)
     if len(tower_devices) == 1:
       if trainers is None:
         return _run_on_one_device(model_fn, features, labels, arguments,

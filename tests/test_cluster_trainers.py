@@ -16,7 +16,7 @@ import signal
 import subprocess
 import sys
 import time
-from typing import List, Optional, Sequence
+from typing import Any, List, Optional, Sequence
 
 import numpy as np
 import pytest
@@ -161,9 +161,12 @@ def test_every_gradient_route_equals_one_device(tmp_path, route):
   _assert_one_device(out, 2)
 
 
-def _build_trainer_graph(route: str, monkeypatch) -> None:
+def _build_trainer_graph(route: str,
+                         monkeypatch,
+                         placeholders: bool = False) -> Any:
   """The chief's TRAIN graph of a cluster of 2 trainers, in this process
-  (no servers: collectives are only built)."""
+  (no servers: collectives are only built), fed by a dataset or by
+  `placeholders`."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
   # pylint: disable=g-direct-tensorflow-import
@@ -188,16 +191,21 @@ def _build_trainer_graph(route: str, monkeypatch) -> None:
   config = tf.estimator.RunConfig()
   model_fn = replicate.replicate_model_fn(
       trainers_task.model_fn, devices=["/device:CPU:0", "/device:CPU:1"])
-  with tf.Graph().as_default():
+  with tf.Graph().as_default() as graph:
     tf.compat.v1.train.create_global_step()
-    data = tf.data.Dataset.from_tensors((np.zeros(
-        (5, trainers_task.FEATURES)), np.zeros(5))).repeat()
-    x, y = tf.compat.v1.data.make_one_shot_iterator(data).get_next()
+    if placeholders:
+      x = tf.compat.v1.placeholder(tf.float64, [None, trainers_task.FEATURES])
+      y = tf.compat.v1.placeholder(tf.float64, [None])
+    else:
+      data = tf.data.Dataset.from_tensors((np.zeros(
+          (5, trainers_task.FEATURES)), np.zeros(5))).repeat()
+      x, y = tf.compat.v1.data.make_one_shot_iterator(data).get_next()
     model_fn({"x": x}, y, "train", {
         "learning_rate": 0.05,
         "route": route,
         "loss": "float64"
     }, config)
+  return graph
 
 
 def test_gradients_no_collective_passes_are_refused(monkeypatch):
@@ -210,6 +218,21 @@ def test_gradients_no_collective_passes_are_refused(monkeypatch):
   # Which update is met first varies between runs: any of the model's.
   assert re.search(r"op 'Adam/update_[\w/]+/ResourceApplyAdam'",
                    str(raised.value))
+
+
+def test_a_trainer_fed_by_placeholders_all_reduces(monkeypatch):
+  """A TRAIN graph fed by placeholders (one device's tower, unpinned, as
+  for an export) trained each trainer on its own rows without a word."""
+  graph = _build_trainer_graph("v1_minimize", monkeypatch, placeholders=True)
+  reduced = [
+      op for op in graph.get_operations()
+      if op.type == "CollectiveReduceV2" and "among_trainers" in op.name
+  ]
+  # The loss's batch sums and the gradients (every variable's, packed).
+  parameters = sum(v.shape.num_elements()
+                   for v in graph.get_collection("trainable_variables"))
+  assert [op.inputs[0].shape.num_elements() for op in reduced
+         ].count(parameters) == 1, [op.name for op in reduced]
 
 
 @pytest.mark.wide
