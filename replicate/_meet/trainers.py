@@ -118,11 +118,7 @@ class Trainers:
   def _reduce(self, value: tf.Tensor, merge: str, what: str) -> tf.Tensor:
     what = f"{what}:{merge}:{value.dtype.name}"
     if value.shape.is_fully_defined() or value.shape.rank is None:
-      key: Any = self._next_key(what)
-      with tf.device(self.device):
-        reduced = self._collective(value, key, merge, name="among_trainers")
-      self.collectives.add(reduced.op)
-      return reduced
+      return self._collective(value, self._next_key(what), merge)
     # A shape that may change by step (a mean over a step's columns): the
     # shape is all-reduced first, then the values, flat and padded to a
     # size `_rows_bucket` names.
@@ -135,26 +131,26 @@ class Trainers:
           tf.reshape(value, [-1]),
           tf.zeros([padded_size - size], value.dtype)
       ], 0)
-      reduced = self._collective(
-          flat, self._bucketed_key(what, bucket), merge, name="among_trainers")
-    self.collectives.add(reduced.op)
+    reduced = self._collective(flat, self._bucketed_key(what, bucket), merge)
     with tf.device(self.device):
       return tf.reshape(reduced[:size], shape)
 
-  def _collective(self, value: tf.Tensor, key: Any, merge: str,
-                  **name: str) -> tf.Tensor:
+  def _collective(self, value: tf.Tensor, key: Any, merge: str) -> tf.Tensor:
     """The trainers' ring all-reduce of `value` under instance `key`."""
-    return tf.raw_ops.CollectiveReduceV2(
-        input=value,
-        group_size=self.size,
-        group_key=_GROUP_KEY,
-        instance_key=key,
-        ordering_token=[],
-        merge_op=merge,
-        final_op="Id",
-        communication_hint="ring",
-        timeout_seconds=self._timeout,
-        **name)
+    with tf.device(self.device):
+      reduced = tf.raw_ops.CollectiveReduceV2(
+          input=value,
+          group_size=self.size,
+          group_key=_GROUP_KEY,
+          instance_key=key,
+          ordering_token=[],
+          merge_op=merge,
+          final_op="Id",
+          communication_hint="ring",
+          timeout_seconds=self._timeout,
+          name="among_trainers")
+    self.collectives.add(reduced.op)
+    return reduced
 
   def combine(self, how: str, value: tf.Tensor) -> tf.Tensor:
     """This trainer's combination of its towers' partials (`how`, as in
@@ -192,34 +188,28 @@ class Trainers:
     all-reduce per dtype, of them all flattened end to end), sparse ones
     (IndexedSlices) gathered as rows, both over W."""
     reduced = list(grads)
-    dense = collections.defaultdict(list)
+    # Packed by static shapes: a shape read from a gradient would be this
+    # trainer's own value after the all-reduce.
+    packed = collections.defaultdict(list)
     for i, grad in enumerate(grads):
       if grad is None or _key(grad) in self._reduced:
         continue
       if isinstance(grad, tf.IndexedSlices) and grad.dense_shape is not None:
         reduced[i] = self._gathered_rows(grad)
+        continue
+      grad = tf.convert_to_tensor(grad)
+      if grad.shape.is_fully_defined():
+        packed[grad.dtype].append((i, grad))
       else:
-        grad = tf.convert_to_tensor(grad)
-        # Packed by static shapes: a shape read from the gradient would be
-        # this trainer's own value after the all-reduce.
-        packable = grad.shape.is_fully_defined()
-        dense[(grad.dtype, packable)].append((i, grad))
-    for (dtype, packable), pairs in dense.items():
-      groups = [pairs] if packable else [[pair] for pair in pairs]
-      for group in groups:
-        with tf.device(self.device):
-          flat = (
-              tf.concat([tf.reshape(g, [-1]) for _, g in group], 0)
-              if packable else group[0][1])
-        summed = self._reduce(flat, "Add", "gradients")
-        with tf.device(self.device):
-          mean = summed / tf.cast(self.size, dtype)
-          if not packable:
-            reduced[group[0][0]] = mean
-            continue
-          parts = tf.split(mean, [g.shape.num_elements() for _, g in group])
-          for (i, grad), part in zip(group, parts):
-            reduced[i] = tf.reshape(part, grad.shape)
+        reduced[i] = self._mean(grad)
+    for pairs in packed.values():
+      with tf.device(self.device):
+        flat = tf.concat([tf.reshape(g, [-1]) for _, g in pairs], 0)
+      mean = self._mean(flat)
+      with tf.device(self.device):
+        parts = tf.split(mean, [g.shape.num_elements() for _, g in pairs])
+        for (i, grad), part in zip(pairs, parts):
+          reduced[i] = tf.reshape(part, grad.shape)
     for grad in reduced:
       if grad is not None:
         self._reduced.add(_key(grad))
@@ -228,6 +218,12 @@ class Trainers:
         "as one per dtype, sparse gathered as rows)",
         len([g for g in grads if g is not None]), self.size)
     return reduced
+
+  def _mean(self, grad: tf.Tensor) -> tf.Tensor:
+    """The trainers' `grad`s summed, over W."""
+    summed = self._reduce(grad, "Add", "gradients")
+    with tf.device(self.device):
+      return summed / tf.cast(self.size, summed.dtype)
 
   def _gather(self,
               value: tf.Tensor,
